@@ -1,0 +1,66 @@
+from django.contrib import admin
+
+from runs.models import Event, Run, Step, Worker
+
+
+class StepInline(admin.TabularInline):
+    model = Step
+    extra = 0
+    can_delete = False
+    fields = (
+        "seq",
+        "key",
+        "kind",
+        "status",
+        "attempt",
+        "recovered",
+        "idempotency_key",
+        "finished_at",
+    )
+    readonly_fields = fields
+    show_change_link = True
+
+
+@admin.register(Run)
+class RunAdmin(admin.ModelAdmin):
+    list_display = ("id", "workflow", "version", "status", "attempt", "key", "created_at")
+    list_filter = ("status", "workflow")
+    search_fields = ("=id", "key")
+    inlines = [StepInline]
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in Run._meta.fields]
+
+
+@admin.register(Step)
+class StepAdmin(admin.ModelAdmin):
+    list_display = ("run", "seq", "key", "kind", "status", "attempt", "recovered")
+    list_filter = ("status", "kind", "recovered")
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in Step._meta.fields]
+
+
+@admin.register(Event)
+class EventAdmin(admin.ModelAdmin):
+    """Read-only: the history is append-only."""
+
+    list_display = ("run", "seq", "type", "step_key", "actor", "created_at")
+    list_filter = ("type",)
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Worker)
+class WorkerAdmin(admin.ModelAdmin):
+    list_display = ("id", "host", "pid", "concurrency", "started_at", "heartbeat_at", "stopped_at")
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in Worker._meta.fields]

@@ -1,0 +1,252 @@
+"""The worker loop: claim runnable runs, execute them on threads, heartbeat their leases.
+
+Recovery goes through the normal claim path: a run whose lease expired is just another
+runnable run. Each loop tick is a method tests can call directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from functools import reduce
+from operator import or_
+
+from django.conf import settings
+from django.db import close_old_connections, connection, transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from runs.engine import registry
+from runs.engine.executor import Lease, append_event, execute, release
+from runs.engine.wakeup import Listener, is_postgres
+from runs.models import Run, RunStatus, Step, StepStatus, Worker
+
+log = logging.getLogger("stepguard.worker")
+
+
+def runnable_filter(now) -> Q:
+    return Q(status=RunStatus.PENDING, wake_at__lte=now) | Q(
+        status=RunStatus.RUNNING, lease_until__lt=now
+    )
+
+
+class WorkerProcess:
+    def __init__(
+        self,
+        *,
+        concurrency: int = 4,
+        lease_seconds: float | None = None,
+        poll_interval: float | None = None,
+        grace: float | None = None,
+    ):
+        self.concurrency = concurrency
+        self.lease = timedelta(seconds=lease_seconds or settings.STEPGUARD_LEASE_SECONDS)
+        self.poll_interval = poll_interval or settings.STEPGUARD_POLL_INTERVAL
+        self.grace = settings.STEPGUARD_SHUTDOWN_GRACE if grace is None else grace
+        self.id = uuid.uuid4()
+        self.stopping = threading.Event()
+        self.stopped = threading.Event()
+        self.bell = threading.Event()
+        self.active: dict[uuid.UUID, Lease] = {}
+        self._lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="stepguard-run")
+        definitions = registry.all_workflows()
+        if not definitions:
+            raise registry.UnknownWorkflow(
+                "no workflows registered: pass --import MODULE or set STEPGUARD_WORKFLOW_MODULES"
+            )
+        self.workflows = sorted(d.ref for d in definitions)
+        self._mine = reduce(or_, (Q(workflow=d.name, version=d.version) for d in definitions))
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def register(self) -> Worker:
+        now = timezone.now()
+        return Worker.objects.create(
+            id=self.id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            concurrency=self.concurrency,
+            workflows=self.workflows,
+            started_at=now,
+            heartbeat_at=now,
+        )
+
+    def stop(self) -> None:
+        """Stop claiming; running runs release at their next step boundary."""
+        self.stopping.set()
+        self.bell.set()
+
+    def run_forever(self) -> None:
+        self.register()
+        threading.Thread(
+            target=self._heartbeat_loop, name="stepguard-heartbeat", daemon=True
+        ).start()
+        if is_postgres():
+            Listener(self.bell, self.stopped).start()
+        self._report_unknown()
+        while not self.stopping.is_set():
+            self.bell.clear()
+            claimed = self.tick()
+            if not claimed:
+                self.bell.wait(self.poll_interval)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        deadline = timezone.now() + timedelta(seconds=self.grace)
+        while self.active and timezone.now() < deadline:
+            self.bell.clear()
+            self.bell.wait(0.05)
+        with self._lock:
+            leftovers = list(self.active.values())
+        for lease in leftovers:
+            # The step outlived the grace period: give the run back now, epoch bumped, so the
+            # thread still inside the step can never write; the next owner re-sends that step.
+            lease.lost.set()
+            if release(lease, "worker shutting down; grace period expired mid-step"):
+                log.warning("run %s released mid-step after the grace period", lease.run_id)
+        Worker.objects.filter(pk=self.id).update(stopped_at=timezone.now())
+        self.stopped.set()
+        self.pool.shutdown(wait=not leftovers, cancel_futures=True)
+
+    # -- one tick ------------------------------------------------------------------------------
+
+    def tick(self) -> int:
+        """Claim as many runs as there are free threads and start them; return how many."""
+        free = self.concurrency - len(self.active)
+        if free <= 0:
+            return 0
+        claimed = self.claim(free)
+        for run in claimed:
+            lease = Lease(run.id, run.lease_epoch, stopping=self.stopping)
+            with self._lock:
+                self.active[run.id] = lease
+            self.pool.submit(self._execute, run, lease)
+        return len(claimed)
+
+    def claim(self, limit: int) -> list[Run]:
+        now = timezone.now()
+        claimed_ids = []
+        with transaction.atomic():
+            candidates = list(
+                Run.objects.select_for_update(skip_locked=True)
+                .filter(runnable_filter(now) & self._mine)
+                .order_by("wake_at")
+                .values_list("id", "status", "lease_epoch", "event_seq", "recoveries")[:limit]
+            )
+            for run_id, status, epoch, event_seq, recoveries in candidates:
+                if self._claim_one(run_id, status, epoch, event_seq, recoveries, now):
+                    claimed_ids.append(run_id)
+        if not claimed_ids:
+            return []
+        return list(Run.objects.filter(id__in=claimed_ids))
+
+    def _claim_one(self, run_id, status, epoch, event_seq, recoveries, now) -> bool:
+        # Compare-and-swap on (epoch, event_seq): on SQLite there is no row lock, so this is
+        # what makes two workers' claims of one run exclusive.
+        current = Run.objects.filter(
+            runnable_filter(now), pk=run_id, lease_epoch=epoch, event_seq=event_seq
+        )
+        recovering = status == RunStatus.RUNNING
+        if recovering and recoveries + 1 > settings.STEPGUARD_MAX_RECOVERIES:
+            step = (
+                Step.objects.filter(run_id=run_id, status=StepStatus.STARTED)
+                .values_list("key", flat=True)
+                .first()
+            )
+            reason = (
+                f"its worker was lost {recoveries + 1} times in a row without progress"
+                + (f", each time during step {step!r}" if step else "")
+                + " (STEPGUARD_MAX_RECOVERIES)"
+            )
+            updated = current.update(
+                status=RunStatus.FAILED,
+                error={"code": "worker_lost", "type": "WorkerLost", "message": reason},
+                finished_at=now,
+                worker=None,
+                lease_until=None,
+                lease_epoch=F("lease_epoch") + 1,
+                event_seq=F("event_seq") + 1,
+            )
+            if updated:
+                append_event(run_id, event_seq + 1, "run.failed", reason=reason)
+                log.error("run %s failed: %s", run_id, reason)
+            return False
+        updated = current.update(
+            status=RunStatus.RUNNING,
+            worker=self.id,
+            lease_until=now + self.lease,
+            lease_epoch=F("lease_epoch") + 1,
+            event_seq=F("event_seq") + 1,
+            recoveries=F("recoveries") + (1 if recovering else 0),
+            started_at=now if status == RunStatus.PENDING and epoch == 0 else F("started_at"),
+        )
+        if not updated:
+            return False
+        append_event(
+            run_id,
+            event_seq + 1,
+            "run.recovered" if recovering else "run.claimed",
+            worker=str(self.id),
+            epoch=epoch + 1,
+        )
+        return True
+
+    def _execute(self, run: Run, lease: Lease) -> None:
+        try:
+            close_old_connections()
+            outcome = execute(run, lease)
+            log.info("run %s (%s@%s): %s", run.id, run.workflow, run.version, outcome)
+        except Exception:
+            log.exception("run %s: unexpected error in the executor", run.id)
+        finally:
+            with self._lock:
+                self.active.pop(run.id, None)
+            connection.close()
+            self.bell.set()
+
+    # -- heartbeats ----------------------------------------------------------------------------
+
+    def heartbeat(self) -> None:
+        """Extend every held lease (compare-and-swap on its epoch) and the worker's heartbeat."""
+        now = timezone.now()
+        with self._lock:
+            leases = list(self.active.values())
+        for lease in leases:
+            if lease.lost.is_set():
+                continue
+            extended = Run.objects.filter(
+                pk=lease.run_id, lease_epoch=lease.epoch, status=RunStatus.RUNNING
+            ).update(lease_until=now + self.lease)
+            if not extended:
+                lease.lost.set()
+                log.warning("run %s: lease lost (another worker took it over)", lease.run_id)
+        Worker.objects.filter(pk=self.id).update(heartbeat_at=now)
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.lease.total_seconds() / 3
+        while not self.stopped.wait(interval):
+            try:
+                self.heartbeat()
+            except Exception:
+                log.exception("heartbeat failed; retrying next interval")
+                close_old_connections()
+
+    def _report_unknown(self) -> None:
+        waiting = (
+            Run.objects.filter(status=RunStatus.PENDING)
+            .exclude(self._mine)
+            .values_list("workflow", "version")
+            .distinct()[:20]
+        )
+        for name, version in waiting:
+            log.warning(
+                "pending runs of %s@%s are left alone: this worker does not have that workflow",
+                name,
+                version,
+            )

@@ -1,0 +1,32 @@
+import json
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from runs.engine import registry
+from runs.sdk import StepguardError, start_run
+
+
+class Command(BaseCommand):
+    help = "Start a run of a workflow and print its id (idempotent with --key)."
+
+    def add_arguments(self, parser):
+        parser.add_argument("name", help="workflow name")
+        parser.add_argument("--input", default="null", help="input as JSON (default null)")
+        parser.add_argument("--key", default=None, help="idempotency key for the run")
+        parser.add_argument("--workflow-version", dest="wf_version", default=None)
+        parser.add_argument("--import", dest="modules", action="append", default=[])
+
+    def handle(self, *args, name, input, key, wf_version, modules, **options):
+        try:
+            data = json.loads(input)
+        except json.JSONDecodeError as exc:
+            raise CommandError(f"--input is not valid JSON: {exc}") from None
+        try:
+            registry.import_modules([*settings.STEPGUARD_WORKFLOW_MODULES, *modules])
+            run = start_run(name, data, key=key, version=wf_version)
+        except (ImportError, StepguardError, ValueError) as exc:
+            raise CommandError(str(exc)) from None
+        if not run.was_created:
+            self.stderr.write(f"a run with key {key!r} already exists; not starting another")
+        self.stdout.write(str(run.id))

@@ -1,0 +1,217 @@
+"""Runs, their step checkpoints, the append-only event history, and workers.
+
+The database holds the invariants: a step's identity is a row (`UNIQUE(run, key)`,
+`UNIQUE(run, seq)`), an event's place in the history is a row (`UNIQUE(run, seq)`), a run key
+starts one run, and statuses are checked. Writes that change ownership are compare-and-swap on
+`lease_epoch` (see runs/engine/).
+"""
+
+import uuid
+
+from django.db import models
+from django.db.models import Q
+
+
+class RunStatus(models.TextChoices):
+    PENDING = "pending"
+    RUNNING = "running"
+    WAITING = "waiting"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    HALTED = "halted"
+    OVER_BUDGET = "over_budget"
+
+
+TERMINAL_STATUSES = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
+
+
+class StepStatus(models.TextChoices):
+    STARTED = "started"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    WAITING = "waiting"
+
+
+class StepKind(models.TextChoices):
+    CALL = "call"
+    LLM = "llm"
+    TOOL = "tool"
+    SLEEP = "sleep"
+    EVENT = "event"
+    APPROVAL = "approval"
+    CHILD = "child"
+    TRANSACTION = "transaction"
+
+
+class Recovery(models.TextChoices):
+    """How a step found `started` on resume (an ambiguous outcome) was recovered."""
+
+    NONE = "", "not recovered"
+    RESENT = "resent", "re-sent with the same idempotency key"
+    RECONCILED = "reconciled", "outcome looked up by its idempotency key"
+
+
+class Worker(models.Model):
+    """One `runworker` process. The id is per process, never reused, so a restarted pod with
+    the same hostname can't inherit its predecessor's leases."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    host = models.CharField(max_length=255)
+    pid = models.PositiveIntegerField()
+    concurrency = models.PositiveIntegerField()
+    workflows = models.JSONField(default=list, help_text="name@version pairs it can run")
+    started_at = models.DateTimeField()
+    heartbeat_at = models.DateTimeField()
+    stopped_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-started_at"]
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.pid}"
+
+
+class Run(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    workflow = models.CharField(max_length=200)
+    version = models.CharField(max_length=50)
+    input = models.JSONField(null=True, blank=True)
+    status = models.CharField(max_length=20, choices=RunStatus, default=RunStatus.PENDING)
+    output = models.JSONField(null=True, blank=True)
+    error = models.JSONField(null=True, blank=True)
+    # NULL, not "", for "no key": UNIQUE allows many NULLs but only one "".
+    key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="children"
+    )
+
+    # Ownership. Every checkpoint write is fenced by lease_epoch: a claim bumps it, so a worker
+    # that lost its lease finds its next write refused.
+    worker = models.ForeignKey(
+        Worker, null=True, blank=True, on_delete=models.SET_NULL, related_name="runs"
+    )
+    lease_until = models.DateTimeField(null=True, blank=True)
+    lease_epoch = models.BigIntegerField(default=0)
+    wake_at = models.DateTimeField(null=True, blank=True, help_text="runnable from this time")
+
+    attempt = models.PositiveIntegerField(default=1, help_text="run-level attempt, from 1")
+    max_attempts = models.PositiveIntegerField(default=3)
+    recoveries = models.PositiveIntegerField(
+        default=0, help_text="leases lost since the last step completed (poison-run bound)"
+    )
+    event_seq = models.BigIntegerField(default=0, help_text="seq of the last event written")
+
+    tokens_in = models.BigIntegerField(default=0)
+    tokens_out = models.BigIntegerField(default=0)
+    cost_usd = models.DecimalField(max_digits=14, decimal_places=6, default=0)
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["key"], name="runs_run_key_unique"),
+            models.CheckConstraint(
+                condition=Q(status__in=RunStatus.values), name="runs_run_status_valid"
+            ),
+            models.CheckConstraint(
+                condition=~Q(status=RunStatus.RUNNING) | Q(lease_until__isnull=False),
+                name="runs_run_running_has_lease",
+            ),
+            models.CheckConstraint(
+                condition=Q(attempt__gte=1) & Q(attempt__lte=models.F("max_attempts")),
+                name="runs_run_attempt_bounded",
+            ),
+        ]
+        indexes = [
+            # Claim query, first half: pending runs whose wake_at has come.
+            models.Index(
+                fields=["wake_at"], condition=Q(status="pending"), name="runs_run_pending_wake_idx"
+            ),
+            # Claim query, second half: running runs whose lease expired (crash recovery).
+            models.Index(
+                fields=["lease_until"],
+                condition=Q(status="running"),
+                name="runs_run_running_lease_idx",
+            ),
+            # Runs list in the admin and the dashboard, newest first, filtered by status.
+            models.Index(fields=["status", "-created_at"], name="runs_run_status_created_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.workflow}@{self.version} {self.id}"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+class Step(models.Model):
+    """A checkpoint: one row per step of a run, written ahead (`started`) and then finished."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps")
+    seq = models.PositiveIntegerField(help_text="position in the run's call sequence, from 0")
+    key = models.CharField(max_length=255)
+    kind = models.CharField(max_length=20, choices=StepKind, default=StepKind.CALL)
+    status = models.CharField(max_length=20, choices=StepStatus)
+    input = models.JSONField(null=True, blank=True)
+    output = models.JSONField(null=True, blank=True)
+    error = models.JSONField(null=True, blank=True)
+    idempotency_key = models.CharField(max_length=300)
+    attempt = models.PositiveIntegerField(default=1, help_text="times the function was called")
+    run_attempt = models.PositiveIntegerField(default=1)
+    recovered = models.CharField(max_length=20, choices=Recovery, default="", blank=True)
+    tokens_in = models.BigIntegerField(default=0)
+    tokens_out = models.BigIntegerField(default=0)
+    cost_usd = models.DecimalField(max_digits=14, decimal_places=6, default=0)
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run", "seq"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "key"], name="runs_step_run_key_unique"),
+            # Also the index for loading a run's checkpoints in order (one query per claim).
+            models.UniqueConstraint(fields=["run", "seq"], name="runs_step_run_seq_unique"),
+            models.CheckConstraint(
+                condition=Q(status__in=StepStatus.values), name="runs_step_status_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(kind__in=StepKind.values), name="runs_step_kind_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(recovered__in=Recovery.values), name="runs_step_recovered_valid"
+            ),
+            models.CheckConstraint(
+                condition=~Q(status="completed") | Q(finished_at__isnull=False),
+                name="runs_step_completed_has_finish",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.run_id}#{self.seq} {self.key} ({self.status})"
+
+
+class Event(models.Model):
+    """Append-only history: the timeline, the audit log and the source of live updates."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    seq = models.BigIntegerField()
+    type = models.CharField(max_length=64)
+    step_key = models.CharField(max_length=255, blank=True, default="")
+    actor = models.CharField(max_length=150, default="system")
+    payload = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["run", "seq"]
+        constraints = [
+            # Also the index for tailing a run's history after a given seq.
+            models.UniqueConstraint(fields=["run", "seq"], name="runs_event_run_seq_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.run_id}#{self.seq} {self.type}"
