@@ -1,0 +1,158 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from runs.engine.executor import Lease, execute
+from runs.engine.worker import WorkerProcess
+from runs.models import Run, RunStatus
+from tests import workflows
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Playwright's sync API keeps an event loop running in the test thread (browser tests only);
+# the servers the tests start never get this variable.
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+
+def pytest_collection_modifyitems(config, items):
+    """On SQLite, PostgreSQL-only tests are deselected (not skipped): they cannot run there."""
+    if connection.vendor == "postgresql":
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("postgres") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def wait_until(condition: Callable[[], object], *, timeout: float = 20.0, what: str = "condition"):
+    """Poll `condition` until it returns something truthy; fail with `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(autouse=True)
+def _reset_workflow_state():
+    workflows.calls.clear()
+    workflows.crash_at.clear()
+    workflows.variant.clear()
+
+
+@pytest.fixture
+def drive(db):
+    """Claim and execute runnable runs in this thread, like a worker with one slot.
+
+    Returns the outcomes. A `workflows.Crash` propagates, as if the process died there.
+    """
+    worker = WorkerProcess(concurrency=1)
+    worker.register()
+
+    def _drive(*, limit: int = 50) -> list[str]:
+        outcomes = []
+        for _ in range(limit):
+            claimed = worker.claim(1)
+            if not claimed:
+                break
+            run = claimed[0]
+            outcomes.append(execute(run, Lease(run.id, run.lease_epoch)))
+        return outcomes
+
+    return _drive
+
+
+@pytest.fixture
+def expire_lease(db):
+    """Make a run's lease lapse now, as if its worker stopped heartbeating long ago."""
+
+    def _expire(run_id):
+        past = timezone.now() - timezone.timedelta(seconds=1)
+        Run.objects.filter(pk=run_id, status=RunStatus.RUNNING).update(lease_until=past)
+
+    return _expire
+
+
+def database_url() -> str:
+    s = connection.settings_dict
+    if connection.vendor == "sqlite":
+        return f"sqlite:///{s['NAME']}"
+    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
+    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+
+
+class WorkerProc:
+    def __init__(self, args: list[str], log: Path):
+        env = {
+            **os.environ,
+            "DATABASE_URL": database_url(),
+            "DJANGO_SETTINGS_MODULE": "tests.settings",
+        }
+        env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+        self.log_path = log
+        self._log = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "manage.py", "runworker", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.pid = self.proc.pid
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def wait_registered(self, timeout: float = 20.0) -> None:
+        from runs.models import Worker
+
+        wait_until(
+            lambda: (
+                Worker.objects.filter(pid=self.pid, stopped_at__isnull=True).exists()
+                or self.proc.poll() is not None
+            ),
+            timeout=timeout,
+            what=f"worker {self.pid} to register",
+        )
+        assert self.proc.poll() is None, self.output()
+
+
+@pytest.fixture
+def spawn_worker(transactional_db, tmp_path):
+    """Start real `runworker` processes on the test database; all are killed at teardown."""
+    started: list[WorkerProc] = []
+
+    def _spawn(*args: str, lease: float = 2.0, wait: bool = True) -> WorkerProc:
+        argv = ["--lease-seconds", str(lease), "--poll-interval", "0.1", *args]
+        worker = WorkerProc(argv, tmp_path / f"worker-{len(started)}.log")
+        started.append(worker)
+        if wait:
+            worker.wait_registered()
+        return worker
+
+    yield _spawn
+    for worker in started:
+        if worker.proc.poll() is None:
+            worker.signal(signal.SIGCONT)
+        worker.kill()

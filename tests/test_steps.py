@@ -1,0 +1,259 @@
+"""Step semantics, executed in-process on the test database (both engines)."""
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from examples.models import Effect
+from runs.engine.executor import Lease, RunContext
+from runs.models import Event, Run, RunStatus, Step, StepStatus
+from runs.sdk import OutputNotSerializable, UnknownWorkflow, start_run
+from tests import workflows
+from tests.workflows import Crash
+
+pytestmark = pytest.mark.django_db
+
+
+def steps_of(run) -> dict[str, Step]:
+    return {s.key: s for s in Step.objects.filter(run=run)}
+
+
+def test_a_completed_step_is_never_called_again_on_replay(drive, expire_lease):
+    run = start_run("ledger", {"steps": 5})
+    workflows.crash_at.add("s3")
+    with pytest.raises(Crash):
+        drive()
+    assert workflows.calls == {"s0": 1, "s1": 1, "s2": 1, "s3": 1}
+
+    expire_lease(run.id)
+    assert drive() == ["completed"]
+
+    run.refresh_from_db()
+    assert run.status == RunStatus.COMPLETED and run.output == sum(range(5))
+    assert workflows.calls == {"s0": 1, "s1": 1, "s2": 1, "s3": 2, "s4": 1}
+
+
+def test_a_step_in_flight_at_a_crash_is_resent_with_the_same_idempotency_key(drive, expire_lease):
+    run = start_run("ledger", {"steps": 3})
+    workflows.crash_at.add("s1")
+    with pytest.raises(Crash):
+        drive()
+    assert Step.objects.get(run=run, key="s1").status == StepStatus.STARTED
+    expire_lease(run.id)
+    drive()
+
+    s1 = steps_of(run)["s1"]
+    assert s1.status == StepStatus.COMPLETED
+    assert (s1.attempt, s1.recovered) == (2, "resent")
+    assert s1.idempotency_key == f"{run.id}:s1"
+    keys = list(Effect.objects.filter(label="s1").values_list("idempotency_key", flat=True))
+    assert keys == [s1.idempotency_key, s1.idempotency_key]
+    assert Event.objects.filter(run=run, type="run.recovered").count() == 1
+    assert (
+        Event.objects.get(run=run, type="step.started", step_key="s1", payload__attempt=2).payload[
+            "recovered"
+        ]
+        == "resent"
+    )
+
+
+def test_a_step_with_reconcile_records_what_it_finds_instead_of_calling_again(drive, expire_lease):
+    run = start_run("ledger", {"steps": 3, "reconcile": [1]})
+    workflows.crash_at.add("s1")
+    with pytest.raises(Crash):
+        drive()
+    expire_lease(run.id)
+    drive()
+
+    s1 = steps_of(run)["s1"]
+    assert (s1.status, s1.attempt, s1.recovered) == ("completed", 1, "reconciled")
+    assert s1.output == {"found": "s1"}
+    assert workflows.calls["s1"] == 1
+    assert Effect.objects.filter(label="s1").count() == 1
+    assert Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED
+
+
+def test_reconcile_that_finds_nothing_sends_the_call_again(drive, expire_lease):
+    run = start_run("ledger", {"steps": 2, "reconcile": [0]})
+    workflows.crash_at.add("s0")
+    with pytest.raises(Crash):
+        drive()
+    Effect.objects.all().delete()  # the call never reached the service
+    expire_lease(run.id)
+    drive()
+    s0 = steps_of(run)["s0"]
+    assert (s0.status, s0.attempt, s0.recovered) == ("completed", 2, "resent")
+    assert workflows.calls["s0"] == 2
+
+
+def test_a_key_repeated_in_one_execution_gets_an_occurrence_suffix(drive):
+    run = start_run("loop", {"queries": ["lisbon", "berlin", "oslo"]})
+    drive()
+    run.refresh_from_db()
+    assert run.output == ["results for lisbon", "results for berlin", "results for oslo"]
+    assert [s.key for s in Step.objects.filter(run=run).order_by("seq")] == [
+        "search",
+        "search#2",
+        "search#3",
+    ]
+
+
+def test_changed_code_under_a_running_run_stops_it_with_a_non_determinism_error(
+    drive, expire_lease
+):
+    run = start_run("shapes", {})
+    workflows.crash_at.add("b")
+    with pytest.raises(Crash):
+        drive()
+    workflows.variant["second"] = "c"  # a deploy renamed the second step
+    expire_lease(run.id)
+    assert drive() == ["failed"]
+
+    run.refresh_from_db()
+    assert run.status == RunStatus.FAILED and run.attempt == 1  # not retried
+    assert run.error["code"] == "non_determinism"
+    assert "'b'" in run.error["message"] and "'c'" in run.error["message"]
+    assert steps_of(run)["a"].output == "a"  # nothing recorded was touched or handed over
+    assert "c" not in steps_of(run)
+    assert workflows.calls.get("c") is None
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"), [("bad-output", "object"), ("nul-output", "NUL character")]
+)
+def test_output_that_cannot_be_stored_fails_the_step_clearly_and_is_not_retried(
+    drive, name, needle
+):
+    run = start_run(name)
+    assert drive() == ["failed"]
+    run.refresh_from_db()
+    step = steps_of(run)["make"]
+    assert step.status == StepStatus.FAILED and step.attempt == 1
+    assert step.error["type"] == "OutputNotSerializable"
+    assert "'make'" in step.error["message"] and needle in step.error["message"]
+    assert run.status == RunStatus.FAILED and run.attempt == 1
+    assert run.error["code"] == "step_failed" and "'make'" in run.error["message"]
+
+
+def test_a_failing_step_is_retried_by_its_policy_and_the_attempts_are_recorded(drive):
+    run = start_run("flaky", {"failures": 2, "attempts": 3})
+    drive()
+    run.refresh_from_db()
+    assert run.status == RunStatus.COMPLETED and run.output == 3
+    step = steps_of(run)["call"]
+    assert (step.attempt, step.recovered) == (3, "")
+    retries = Event.objects.filter(run=run, type="step.retrying").order_by("seq")
+    assert [e.payload["error"]["message"] for e in retries] == ["failure 1", "failure 2"]
+
+
+def test_retries_are_bounded_and_the_run_is_retried_from_the_top_a_bounded_number_of_times(
+    drive, settings
+):
+    run = start_run("flaky", {"failures": 100, "attempts": 2})
+    outcomes = drive()
+    assert outcomes == ["retrying", "retrying", "failed"]
+    run.refresh_from_db()
+    assert run.status == RunStatus.FAILED and run.attempt == run.max_attempts == 3
+    assert "3 attempts used" in run.error["reason"]
+    assert workflows.calls["flaky"] == 6  # 2 step attempts in each of 3 run attempts
+
+
+def test_a_caught_step_failure_replays_as_the_same_failure(drive, expire_lease):
+    run = start_run("catches", {})
+    workflows.crash_at.add("after")
+    with pytest.raises(Crash):
+        drive()
+    expire_lease(run.id)
+    drive()
+    run.refresh_from_db()
+    assert run.status == RunStatus.COMPLETED
+    assert run.output == "told the model: no such flight"
+    assert workflows.calls["boom"] == 1
+
+
+def test_now_random_and_uuid_are_recorded_once(drive, expire_lease):
+    run = start_run("deterministic")
+    workflows.crash_at.add("last")
+    with pytest.raises(Crash):
+        drive()
+    first = {
+        s.key: s.output for s in Step.objects.filter(run=run, key__in=["now", "random", "uuid"])
+    }
+    expire_lease(run.id)
+    drive()
+    run.refresh_from_db()
+    assert run.output == {
+        "now": first["now"],
+        "random": first["random"],
+        "uuid": first["uuid"],
+    }
+
+
+def test_idempotency_key_outside_a_step_and_nested_steps_are_clear_errors(drive):
+    outside = start_run("misuse", "outside")
+    nested = start_run("misuse", "nested")
+    drive()
+    outside.refresh_from_db()
+    nested.refresh_from_db()
+    assert outside.status == nested.status == RunStatus.FAILED
+    assert "only defined while a step's function runs" in outside.error["message"]
+    assert "steps do not nest" in nested.error["message"]
+
+
+def test_starting_twice_with_one_key_returns_the_same_run():
+    first = start_run("ledger", {"steps": 1}, key="order-17")
+    second = start_run("ledger", {"steps": 99}, key="order-17")
+    assert (first.was_created, second.was_created) == (True, False)
+    assert second.id == first.id and second.input == {"steps": 1}
+    assert Run.objects.filter(key="order-17").count() == 1
+
+
+def test_start_run_rejects_unknown_workflows_and_non_json_input():
+    with pytest.raises(UnknownWorkflow, match="'ghost'"):
+        start_run("ghost")
+    with pytest.raises(OutputNotSerializable, match="input of workflow 'ledger'"):
+        start_run("ledger", {"steps": object()})
+    assert not Run.objects.exists()
+
+
+def business_statements(queries) -> list[str]:
+    """First word of each statement, without the savepoints of the test's own transaction."""
+    words = [q["sql"].split()[0].upper() for q in queries.captured_queries]
+    return [w for w in words if w not in ("SAVEPOINT", "RELEASE")]
+
+
+def test_replaying_1000_completed_steps_costs_a_constant_number_of_queries(drive, expire_lease):
+    run = start_run("many", {"steps": 1000, "crash": True})
+    with pytest.raises(Crash):
+        drive()
+    assert Step.objects.filter(run=run, status="completed").count() == 1000
+    Run.objects.filter(pk=run.pk).update(input={"steps": 1000})
+    expire_lease(run.id)
+    with CaptureQueriesContext(connection) as queries:
+        assert drive() == ["completed"]
+    # claim (select, update, event) + fetch the run + load all checkpoints + finish (update
+    # fence, update run, event) + the empty claim that ends drive().
+    assert business_statements(queries) == [
+        "SELECT", "UPDATE", "INSERT", "SELECT", "SELECT", "UPDATE", "UPDATE", "INSERT", "SELECT"
+    ]  # fmt: skip
+
+
+def test_a_new_step_costs_two_short_transactions_of_three_statements(drive):
+    run = start_run("many", {"steps": 1})
+    Run.objects.filter(pk=run.pk).update(
+        status=RunStatus.RUNNING, lease_until=run.created_at + timedelta(hours=1)
+    )
+    ctx = RunContext(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch))
+    with CaptureQueriesContext(connection) as queries:
+        assert ctx.step("one", int, 1) == 1
+    # started: fence, insert step, insert event; completed: fence, update step, insert event.
+    assert business_statements(queries) == [
+        "UPDATE",
+        "INSERT",
+        "INSERT",
+        "UPDATE",
+        "UPDATE",
+        "INSERT",
+    ]

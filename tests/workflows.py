@@ -1,0 +1,144 @@
+"""Workflows the tests run, in-process and in real worker subprocesses.
+
+Side effects go to examples.models.Effect (one row per call, keyed by idempotency key), so a
+test can count how often each step's function really ran.
+"""
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from examples.models import Effect
+from runs.sdk import NOT_FOUND, RetryPolicy, RunContext, workflow
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+#: Calls per step key made in this process (for in-process tests).
+calls: dict[str, int] = {}
+#: Set by in-process tests to make a step raise as if the process died mid-call.
+crash_at: set[str] = set()
+#: Set by in-process tests to change a workflow's code under a running run.
+variant: dict[str, str] = {}
+
+
+class Crash(BaseException):
+    """Stands in for the process dying: not an Exception, so nothing records it."""
+
+
+def effect(ctx: RunContext, label: str, value=None, sleep: float = 0.0):
+    calls[label] = calls.get(label, 0) + 1
+    Effect.objects.create(idempotency_key=ctx.idempotency_key, label=label, pid=os.getpid())
+    if sleep:
+        time.sleep(sleep)
+    if label in crash_at:
+        crash_at.discard(label)
+        raise Crash(label)
+    return value if value is not None else label
+
+
+def find_effect(idempotency_key: str):
+    found = Effect.objects.filter(idempotency_key=idempotency_key).first()
+    return NOT_FOUND if found is None else {"found": found.label}
+
+
+@workflow("ledger")
+def ledger(ctx: RunContext, input: dict):
+    """`steps` steps: `slow` ones sleep `slow_seconds`, `reconcile` ones reconcile."""
+    total = 0
+    for i in range(input["steps"]):
+        sleep = (
+            input.get("slow_seconds", 0) if i in input.get("slow", []) else input.get("sleep", 0)
+        )
+        reconcile = find_effect if i in input.get("reconcile", []) else None
+        out = ctx.step(f"s{i}", effect, ctx, f"s{i}", i, sleep, reconcile=reconcile)
+        total += out if isinstance(out, int) else i
+    return total
+
+
+@workflow("txn")
+def txn(ctx: RunContext, input: dict):
+    def write():
+        Effect.objects.create(idempotency_key=ctx.idempotency_key, label="txn", pid=os.getpid())
+        if not Path(input["release_flag"]).exists():
+            Path(input["entered_flag"]).touch()
+            time.sleep(60)
+        return "written"
+
+    before = ctx.step("before", effect, ctx, "before")
+    return [before, ctx.transaction("write", write)]
+
+
+@workflow("shapes")
+def shapes(ctx: RunContext, input: dict):
+    """Control flow that tests flip through `variant`, to change code under a running run."""
+    first = ctx.step("a", effect, ctx, "a")
+    second = ctx.step(variant.get("second", "b"), effect, ctx, variant.get("second", "b"))
+    return [first, second]
+
+
+@workflow("loop")
+def loop(ctx: RunContext, input: dict):
+    return [ctx.step("search", lambda q=q: f"results for {q}") for q in input["queries"]]
+
+
+@workflow("bad-output")
+def bad_output(ctx: RunContext, input):
+    return ctx.step("make", lambda: {"when": object()})
+
+
+@workflow("nul-output")
+def nul_output(ctx: RunContext, input):
+    return ctx.step("make", lambda: "a\x00b")
+
+
+@workflow("flaky")
+def flaky(ctx: RunContext, input: dict):
+    def attempt():
+        calls["flaky"] = calls.get("flaky", 0) + 1
+        if calls["flaky"] <= input["failures"]:
+            raise ConnectionError(f"failure {calls['flaky']}")
+        return calls["flaky"]
+
+    policy = RetryPolicy(max_attempts=input["attempts"], initial_interval=timedelta(0))
+    return ctx.step("call", attempt, retry=policy)
+
+
+@workflow("catches")
+def catches(ctx: RunContext, input):
+    from runs.sdk import StepFailed
+
+    def boom():
+        calls["boom"] = calls.get("boom", 0) + 1
+        raise ValueError("no such flight")
+
+    try:
+        ctx.step("boom", boom, retry=NO_RETRY)
+    except StepFailed as exc:
+        message = exc.error["message"]
+        handled = ctx.step("handled", lambda: f"told the model: {message}")
+    ctx.step("after", effect, ctx, "after")
+    return handled
+
+
+@workflow("deterministic")
+def deterministic(ctx: RunContext, input):
+    values = {"now": ctx.now().isoformat(), "random": ctx.random(), "uuid": str(ctx.uuid())}
+    ctx.step("last", effect, ctx, "last")
+    return values
+
+
+@workflow("misuse")
+def misuse(ctx: RunContext, input):
+    if input == "nested":
+        return ctx.step("outer", lambda: ctx.step("inner", lambda: 1))
+    return ctx.idempotency_key
+
+
+@workflow("many")
+def many(ctx: RunContext, input: dict):
+    for i in range(input["steps"]):
+        ctx.step(f"s{i}", int, i)
+    if input.get("crash"):
+        raise Crash("after all steps")
+    return input["steps"]
