@@ -1,0 +1,920 @@
+"""Stepguard step benchmark: per-step overhead, replay, throughput, against a floor and DBOS.
+
+    .venv/bin/python bench/steps.py
+
+Uses DATABASE_URL (default postgres://postgres@127.0.0.1:5432/stepguard_bench), creating that
+database and migrating it if needed; DBOS Transact gets its own database next to it
+(`<name>_dbos`, dropped and recreated on every run; override with STEPGUARD_BENCH_DBOS_URL).
+Progress goes to stderr, the report to stdout. See bench/README.md for what the figures mean.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/stepguard_bench")
+os.environ["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
+# DEBUG would make Django keep every query in memory (and slow each one down): keep it off.
+os.environ["DEBUG"] = "0"
+os.environ.setdefault("SECRET_KEY", "stepguard-bench-throwaway-not-a-secret")
+# The worker logs every finished run at INFO; that would bury the report.
+os.environ.setdefault("LOG_LEVEL", "WARNING")
+# DBOS reads DBOS__CLOUD, DBOS__CONDUCTOR_*, DBOS_DOMAIN... from the environment: none of that
+# here, so nothing can switch on Conductor or OTLP export behind our back.
+CLEARED_DBOS_ENV = sorted(name for name in os.environ if name.startswith("DBOS"))
+for _name in CLEARED_DBOS_ENV:
+    del os.environ[_name]
+
+import django  # noqa: E402
+
+django.setup()
+
+import psycopg  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.core.management import call_command  # noqa: E402
+from django.db import connection, connections  # noqa: E402
+from django.db.models import F  # noqa: E402
+from django.test.utils import CaptureQueriesContext  # noqa: E402
+from django.utils import timezone  # noqa: E402
+from psycopg import sql  # noqa: E402
+
+from runs.engine.executor import Lease, execute  # noqa: E402
+from runs.engine.worker import WorkerProcess  # noqa: E402
+from runs.models import TERMINAL_STATUSES, Event, Run, RunStatus, Step, Worker  # noqa: E402
+from runs.sdk import RunContext, start_run, workflow  # noqa: E402
+
+# -- workload sizes and targets ----------------------------------------------------------------
+
+LONG_STEPS = 1_000  # steps in the per-step / replay workflow
+LONG_REPS = 2  # 1,000-step executions per engine, pooled for the per-step percentiles
+WARMUP_STEPS = 50
+REPLAY_REPS = 7
+PROFILE_STEPS = 200  # steps in the statement-profile run
+THROUGHPUT_RUNS = 200
+THROUGHPUT_STEPS = 10
+THREAD_COUNTS = (1, 4)
+FLOOR_N = 2_000
+DBOS_QUEUE_POLL = float(os.environ.get("STEPGUARD_BENCH_DBOS_POLL", "0.005"))
+DRAIN_TIMEOUT = 120.0
+
+TARGET_VS_DBOS = 1 / 3  # Stepguard per-step median at most a third of DBOS's
+TARGET_VS_FLOOR = 3.0  # ... and within 3x of one INSERT + COMMIT
+TARGET_REPLAY_S = 0.100  # replay of 1,000 completed steps
+
+BENCH_WORKFLOWS = ("bench.long", "bench.short")
+
+# -- the workflows -----------------------------------------------------------------------------
+
+MARKS: list[float] = []  # perf_counter() at workflow start and after every step return
+
+
+def noop(i: int) -> int:
+    return i
+
+
+@workflow("bench.long", version="1")
+def long_workflow(ctx: RunContext, input: dict) -> int:
+    MARKS.append(time.perf_counter())
+    for i in range(input["steps"]):
+        ctx.step("noop", noop, i)
+        MARKS.append(time.perf_counter())
+    return input["steps"]
+
+
+@workflow("bench.short", version="1")
+def short_workflow(ctx: RunContext, input: dict) -> int:
+    for i in range(input["steps"]):
+        ctx.step("noop", noop, i)
+    return input["steps"]
+
+
+def plain_loop(n: int) -> None:
+    MARKS.append(time.perf_counter())
+    for i in range(n):
+        noop(i)
+        MARKS.append(time.perf_counter())
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def progress(message: str) -> None:
+    print(f"... {message}", file=sys.stderr, flush=True)
+
+
+def gaps(marks: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(marks)]
+
+
+def p(values: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def ms(seconds: float | None, digits: int = 3) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.{digits}f} ms"
+
+
+def us(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e6:.1f} us"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or not b else f"{a / b:.2f}x"
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("MET" if ok else "MISSED")
+
+
+def table(headers: list[str], rows: list[list[Any]], right: set[int] | None = None) -> str:
+    right = set(range(1, len(headers))) if right is None else right
+    cells = [headers, *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        return "  " + "  ".join(parts).rstrip()
+
+    rule = "  " + "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+REMOTE_ATTEMPTS: list[str] = []
+
+
+def _is_local(host: Any) -> bool:
+    if not isinstance(host, str) or host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return host.endswith(".localhost")
+
+
+def _audit(event: str, args: tuple) -> None:
+    # Every Python-level socket connect or DNS lookup that is not loopback (libpq's own sockets
+    # are C-level and go to 127.0.0.1 anyway).
+    if event == "socket.connect":
+        address = args[1]
+        host = address[0] if isinstance(address, tuple) else None
+        if host is not None and not _is_local(host):
+            REMOTE_ATTEMPTS.append(f"connect {address}")
+    elif event == "socket.getaddrinfo" and not _is_local(args[0]):
+        REMOTE_ATTEMPTS.append(f"getaddrinfo {args[0]!r}")
+
+
+sys.addaudithook(_audit)
+
+
+def pg_params(dbname: str | None = None) -> dict[str, Any]:
+    db = settings.DATABASES["default"]
+    params = {
+        "host": db.get("HOST") or None,
+        "port": db.get("PORT") or None,
+        "user": db.get("USER") or None,
+        "password": db.get("PASSWORD") or None,
+        "dbname": dbname or db["NAME"],
+    }
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def ensure_database(name: str) -> bool:
+    with psycopg.connect(**pg_params("postgres"), autocommit=True) as conn:
+        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
+            return False
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        return True
+
+
+def drop_database(name: str) -> None:
+    with psycopg.connect(**pg_params("postgres"), autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def delete_bench_rows() -> None:
+    """Remove runs of the bench workflows (and their steps, events, workers) from earlier runs."""
+    run, step, event, worker = (m._meta.db_table for m in (Run, Step, Event, Worker))
+    mine = f"SELECT id FROM {run} WHERE workflow = ANY(%s)"
+    names = list(BENCH_WORKFLOWS)
+    with connection.cursor() as cursor:
+        cursor.execute(f"DELETE FROM {event} WHERE run_id IN ({mine})", [names])
+        cursor.execute(f"DELETE FROM {step} WHERE run_id IN ({mine})", [names])
+        cursor.execute(f"DELETE FROM {run} WHERE workflow = ANY(%s)", [names])
+    refs = [f"{name}@1" for name in BENCH_WORKFLOWS]
+    Worker.objects.filter(workflows=refs).delete()
+
+
+# -- statement profile -------------------------------------------------------------------------
+
+
+def classify(statement: str) -> str:
+    s = " ".join(statement.split())
+    if "event_seq = event_seq +" in s:
+        return "UPDATE runs_run (fence)"
+    m = re.match(r'(INSERT INTO|UPDATE|DELETE FROM)\s+"?(\w+)"?', s, re.IGNORECASE)
+    if m:
+        return f"{m[1].split()[0].upper()} {m[2]}"
+    verb = s.split(" ", 1)[0].upper()
+    m = re.search(r'\bFROM\s+"?(\w+)"?', s, re.IGNORECASE)
+    if verb == "SELECT" and m:
+        return f"SELECT {m[1]}" + (" FOR UPDATE" if "FOR UPDATE" in s.upper() else "")
+    return s[:40]
+
+
+class SqlProfile:
+    """Wall time per kind of statement (Django execute_wrapper) and per COMMIT."""
+
+    def __init__(self) -> None:
+        self.time: dict[str, float] = defaultdict(float)
+        self.count: Counter[str] = Counter()
+
+    def __call__(self, execute: Callable, sql_: str, params: Any, many: bool, context: Any):
+        t0 = time.perf_counter()
+        try:
+            return execute(sql_, params, many, context)
+        finally:
+            label = classify(sql_)
+            self.time[label] += time.perf_counter() - t0
+            self.count[label] += 1
+
+    @contextmanager
+    def attached(self) -> Iterator[SqlProfile]:
+        wrapper = connections["default"]
+        original = wrapper._commit
+
+        def timed_commit():
+            t0 = time.perf_counter()
+            try:
+                return original()
+            finally:
+                self.time["COMMIT"] += time.perf_counter() - t0
+                self.count["COMMIT"] += 1
+
+        wrapper._commit = timed_commit
+        try:
+            with wrapper.execute_wrapper(self):
+                yield self
+        finally:
+            del wrapper._commit
+
+    @property
+    def statements(self) -> int:
+        return sum(n for label, n in self.count.items() if label != "COMMIT")
+
+    @property
+    def db_time(self) -> float:
+        return sum(self.time.values())
+
+
+# -- 4. the floor ------------------------------------------------------------------------------
+
+
+def measure_floor() -> dict[str, Any]:
+    progress(f"floor: {FLOOR_N} x INSERT + COMMIT with plain psycopg")
+    out: dict[str, Any] = {}
+    with psycopg.connect(**pg_params(), autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS bench_floor_scratch "
+            "(id bigserial PRIMARY KEY, payload jsonb NOT NULL, created_at timestamptz NOT NULL)"
+        )
+        try:
+            insert = (
+                "INSERT INTO bench_floor_scratch (payload, created_at) VALUES (%s::jsonb, now())"
+            )
+            for i in range(100):  # warm-up
+                conn.execute(insert, [f'{{"i": {i}}}'])
+            samples = []
+            for i in range(FLOOR_N):
+                t0 = time.perf_counter()
+                conn.execute(insert, [f'{{"i": {i}}}'])
+                samples.append(time.perf_counter() - t0)
+            out["insert"] = samples
+            samples = []
+            for _ in range(FLOOR_N):
+                t0 = time.perf_counter()
+                conn.execute("SELECT 1").fetchone()
+                samples.append(time.perf_counter() - t0)
+            out["select1"] = samples
+        finally:
+            conn.execute("DROP TABLE IF EXISTS bench_floor_scratch")
+    samples = []
+    for _ in range(20):
+        connection.close()
+        t0 = time.perf_counter()
+        connection.ensure_connection()
+        samples.append(time.perf_counter() - t0)
+    out["connect"] = samples
+    return out
+
+
+# -- 1-3. Stepguard ----------------------------------------------------------------------------
+
+
+def run_long(claimer: WorkerProcess, steps: int) -> tuple[list[float], float, Any]:
+    """Start a run of bench.long, claim it and execute it in this thread; per-step gaps."""
+    started = start_run("bench.long", {"steps": steps})
+    claimed = claimer.claim(1)
+    if len(claimed) != 1 or claimed[0].id != started.id:
+        raise RuntimeError(f"expected to claim run {started.id}, claimed {claimed}")
+    run = claimed[0]
+    MARKS.clear()
+    t0 = time.perf_counter()
+    outcome = execute(run, Lease(run.id, run.lease_epoch))
+    wall = time.perf_counter() - t0
+    if outcome != "completed":
+        raise RuntimeError(f"bench.long run {run.id} ended {outcome!r}")
+    return gaps(MARKS), wall, run.id
+
+
+def reopen(run_id: Any, worker_id: Any) -> Run:
+    """Put a completed run back to `running` under a fresh lease epoch, as a resume would."""
+    Run.objects.filter(pk=run_id).update(
+        status=RunStatus.RUNNING,
+        worker_id=worker_id,
+        lease_until=timezone.now() + timedelta(minutes=10),
+        lease_epoch=F("lease_epoch") + 1,
+        output=None,
+        finished_at=None,
+    )
+    return Run.objects.get(pk=run_id)
+
+
+def replay(run_id: Any, worker_id: Any) -> dict[str, Any]:
+    times = []
+    for _ in range(REPLAY_REPS):
+        run = reopen(run_id, worker_id)
+        before = run.event_seq
+        t0 = time.perf_counter()
+        outcome = execute(run, Lease(run.id, run.lease_epoch))
+        times.append(time.perf_counter() - t0)
+        after = Run.objects.values_list("event_seq", flat=True).get(pk=run_id)
+        # One event (run.completed) and nothing else: no step ran or wrote again.
+        if outcome != "completed" or after != before + 1:
+            raise RuntimeError(f"replay of {run_id}: {outcome}, event_seq {before} -> {after}")
+    run = reopen(run_id, worker_id)
+    profile = SqlProfile()
+    with CaptureQueriesContext(connection) as captured, profile.attached():
+        t0 = time.perf_counter()
+        execute(run, Lease(run.id, run.lease_epoch))
+        captured_wall = time.perf_counter() - t0
+    return {
+        "times": times,
+        "queries": [q["sql"] for q in captured.captured_queries],
+        "profile": profile,
+        "captured_wall": captured_wall,
+    }
+
+
+def step_profile(claimer: WorkerProcess) -> dict[str, Any]:
+    started = start_run("bench.long", {"steps": PROFILE_STEPS})
+    run = claimer.claim(1)[0]
+    assert run.id == started.id
+    profile = SqlProfile()
+    with CaptureQueriesContext(connection) as captured, profile.attached():
+        t0 = time.perf_counter()
+        execute(run, Lease(run.id, run.lease_epoch))
+        wall = time.perf_counter() - t0
+    return {"profile": profile, "wall": wall, "captured": len(captured.captured_queries)}
+
+
+def run_profile(claimer: WorkerProcess) -> dict[str, SqlProfile | float]:
+    """What one 10-step run costs end to end, phase by phase, serially in this thread."""
+    out: dict[str, Any] = {}
+    with SqlProfile().attached() as prof:
+        t0 = time.perf_counter()
+        started = start_run("bench.short", {"steps": THROUGHPUT_STEPS})
+        out["start_run"] = (prof, time.perf_counter() - t0)
+    with SqlProfile().attached() as prof:
+        t0 = time.perf_counter()
+        run = claimer.claim(1)[0]
+        out["claim"] = (prof, time.perf_counter() - t0)
+    assert run.id == started.id
+    with SqlProfile().attached() as prof:
+        t0 = time.perf_counter()
+        execute(run, Lease(run.id, run.lease_epoch))
+        out["execute"] = (prof, time.perf_counter() - t0)
+    return out
+
+
+def throughput(threads: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    ids = [
+        start_run("bench.short", {"steps": THROUGHPUT_STEPS}).id for _ in range(THROUGHPUT_RUNS)
+    ]
+    enqueue = time.perf_counter() - t0
+    worker = WorkerProcess(concurrency=threads, poll_interval=0.05, grace=5)
+    worker.register()
+    deadline = time.monotonic() + DRAIN_TIMEOUT
+    t0 = time.perf_counter()
+    try:
+        while True:
+            worker.bell.clear()
+            if worker.tick():
+                continue
+            if not worker.active:
+                left = Run.objects.filter(id__in=ids).exclude(status__in=TERMINAL_STATUSES)
+                if not left.exists():
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{threads}-thread throughput did not drain in {DRAIN_TIMEOUT}s")
+            worker.bell.wait(0.05)
+        drain = time.perf_counter() - t0
+    finally:
+        worker.stopping.set()
+        worker.shutdown()
+    statuses = Counter(Run.objects.filter(id__in=ids).values_list("status", flat=True))
+    if statuses != {RunStatus.COMPLETED: THROUGHPUT_RUNS}:
+        raise RuntimeError(f"{threads}-thread throughput: run statuses {dict(statuses)}")
+    return {"enqueue": enqueue, "drain": drain}
+
+
+def bench_stepguard() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    claimer = WorkerProcess(concurrency=1)
+    claimer.register()
+    try:
+        progress("Stepguard: warm-up")
+        run_long(claimer, WARMUP_STEPS)
+        samples, walls, first = [], [], None
+        for rep in range(LONG_REPS):
+            progress(f"Stepguard: {LONG_STEPS}-step workflow, repetition {rep + 1}/{LONG_REPS}")
+            gaps_, wall, run_id = run_long(claimer, LONG_STEPS)
+            samples += gaps_
+            walls.append(wall)
+            first = first or run_id
+        out["steps"], out["walls"] = samples, walls
+        progress(f"Stepguard: replaying {LONG_STEPS} completed steps x {REPLAY_REPS + 1}")
+        out["replay"] = replay(first, claimer.id)
+        progress(f"Stepguard: statement profile of a {PROFILE_STEPS}-step workflow")
+        out["profile"] = step_profile(claimer)
+        out["run_profile"] = run_profile(claimer)
+        for threads in THREAD_COUNTS:
+            progress(
+                f"Stepguard: {THROUGHPUT_RUNS} runs x {THROUGHPUT_STEPS} steps, {threads} thread(s)"
+            )
+            out[f"tp{threads}"] = throughput(threads)
+    finally:
+        claimer.stopping.set()
+        claimer.shutdown()
+    return out
+
+
+# -- 5. DBOS Transact --------------------------------------------------------------------------
+
+
+def dbos_url(name: str) -> str:
+    params = pg_params(name)
+    auth = params.get("user", "")
+    if params.get("password"):
+        auth += f":{params['password']}"
+    host = params.get("host", "127.0.0.1")
+    port = params.get("port", 5432)
+    return f"postgresql://{auth}{'@' if auth else ''}{host}:{port}/{name}"
+
+
+def bench_dbos() -> dict[str, Any]:
+    out: dict[str, Any] = {"error": None}
+    try:
+        from dbos import DBOS, DBOSConfig
+    except ImportError as exc:
+        out["error"] = (
+            f"DBOS is not importable ({exc}); install it with .venv/bin/pip install -e '.[bench]'"
+        )
+        return out
+    out["version"] = metadata.version("dbos")
+    name = settings.DATABASES["default"]["NAME"] + "_dbos"
+    url = os.environ.get("STEPGUARD_BENCH_DBOS_URL") or dbos_url(name)
+    name = url.rsplit("/", 1)[-1].split("?")[0]
+    out["database"] = name
+    launched = False
+    try:
+        progress(f"DBOS {out['version']}: fresh database {name}, launch")
+        drop_database(name)  # DBOS creates it; a clean slate means no recovery of old runs
+
+        noop_step = DBOS.step(name="bench_noop")(noop)
+        finished = {"count": 0, "target": 0}
+        lock, all_done = threading.Lock(), threading.Event()
+
+        @DBOS.workflow(name="bench_long")
+        def dbos_long(n: int) -> int:
+            MARKS.append(time.perf_counter())
+            for i in range(n):
+                noop_step(i)
+                MARKS.append(time.perf_counter())
+            return n
+
+        @DBOS.workflow(name="bench_short")
+        def dbos_short(n: int) -> int:
+            for i in range(n):
+                noop_step(i)
+            with lock:
+                finished["count"] += 1
+                if finished["count"] >= finished["target"]:
+                    all_done.set()
+            return n
+
+        config: DBOSConfig = {
+            "name": "stepguard-bench",
+            "system_database_url": url,
+            "enable_otlp": False,  # no OTLP traces or logs exported anywhere
+            "log_level": "WARNING",
+            # No conductor_key / conductor_url: no websocket to DBOS Conductor.
+        }
+        out["offline"] = (
+            "enable_otlp=False, no conductor_key/conductor_url, DBOS* environment cleared"
+            + (f" ({', '.join(CLEARED_DBOS_ENV)})" if CLEARED_DBOS_ENV else "")
+        )
+        DBOS(config=config)
+        DBOS.launch()
+        launched = True
+        queues = {
+            n: DBOS.register_queue(
+                f"bench-{n}", worker_concurrency=0, polling_interval_sec=DBOS_QUEUE_POLL
+            )
+            for n in THREAD_COUNTS
+        }
+
+        progress("DBOS: warm-up")
+        MARKS.clear()
+        dbos_long(WARMUP_STEPS)
+        samples, walls = [], []
+        for rep in range(LONG_REPS):
+            progress(f"DBOS: {LONG_STEPS}-step workflow, repetition {rep + 1}/{LONG_REPS}")
+            MARKS.clear()
+            t0 = time.perf_counter()
+            dbos_long(LONG_STEPS)
+            walls.append(time.perf_counter() - t0)
+            samples += gaps(MARKS)
+        out["steps"], out["walls"] = samples, walls
+
+        with psycopg.connect(url, autocommit=True) as watch:
+            for threads in THREAD_COUNTS:
+                progress(
+                    f"DBOS: {THROUGHPUT_RUNS} runs x {THROUGHPUT_STEPS} steps through a queue, "
+                    f"worker_concurrency={threads}"
+                )
+                queue = queues[threads]
+                finished.update(count=0, target=THROUGHPUT_RUNS)
+                all_done.clear()
+                t0 = time.perf_counter()
+                handles = [
+                    queue.enqueue(dbos_short, THROUGHPUT_STEPS) for _ in range(THROUGHPUT_RUNS)
+                ]
+                enqueue = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                queue.set_worker_concurrency(threads)  # the queue was paused at 0
+                if not all_done.wait(DRAIN_TIMEOUT):
+                    raise RuntimeError(f"DBOS queue bench-{threads} did not drain")
+                while True:  # the last workflow's status row is written after it returns
+                    (done,) = watch.execute(
+                        "SELECT count(*) FROM dbos.workflow_status "
+                        "WHERE queue_name = %s AND status = 'SUCCESS'",
+                        [f"bench-{threads}"],
+                    ).fetchone()
+                    if done >= THROUGHPUT_RUNS:
+                        break
+                    time.sleep(0.001)
+                drain = time.perf_counter() - t0
+                queue.set_worker_concurrency(0)
+                results = [h.get_result() for h in handles]
+                if results != [THROUGHPUT_STEPS] * THROUGHPUT_RUNS:
+                    raise RuntimeError(f"DBOS queue bench-{threads}: unexpected results")
+                out[f"tp{threads}"] = {"enqueue": enqueue, "drain": drain}
+
+        for threads in THREAD_COUNTS:
+            progress(f"DBOS: {THROUGHPUT_RUNS} runs x {THROUGHPUT_STEPS} steps, direct calls "
+                     f"on {threads} thread(s)")
+            tickets = itertools.count()
+
+            def call_until_done() -> None:
+                while next(tickets) < THROUGHPUT_RUNS:
+                    dbos_short(THROUGHPUT_STEPS)
+
+            finished.update(count=0, target=10**9)
+            pool = [threading.Thread(target=call_until_done) for _ in range(threads)]
+            t0 = time.perf_counter()
+            for thread in pool:
+                thread.start()
+            for thread in pool:
+                thread.join()
+            drain = time.perf_counter() - t0
+            if finished["count"] != THROUGHPUT_RUNS:
+                raise RuntimeError(f"DBOS direct: {finished['count']} runs finished")
+            out[f"direct{threads}"] = {"enqueue": None, "drain": drain}
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        if launched:
+            try:
+                DBOS.destroy(destroy_registry=True)
+            except Exception as exc:
+                progress(f"DBOS.destroy failed: {exc}")
+    return out
+
+
+# -- the report --------------------------------------------------------------------------------
+
+
+def environment() -> list[str]:
+    with psycopg.connect(**pg_params(), autocommit=True) as conn:
+        version = conn.execute("SHOW server_version").fetchone()[0]
+        sync = conn.execute("SHOW synchronous_commit").fetchone()[0]
+        fsync = conn.execute("SHOW fsync").fetchone()[0]
+    db = settings.DATABASES["default"]
+    dbos = "not installed"
+    try:
+        dbos = metadata.version("dbos")
+    except metadata.PackageNotFoundError:
+        pass
+    return [
+        f"PostgreSQL {version} at {db.get('HOST') or 'local socket'}:{db.get('PORT') or 5432}"
+        f"/{db['NAME']} (synchronous_commit={sync}, fsync={fsync})",
+        f"Python {platform.python_version()}, Django {django.get_version()}, "
+        f"psycopg {psycopg.__version__}, dbos {dbos}, {os.cpu_count()} CPUs, {platform.machine()}",
+    ]
+
+
+def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> str:
+    out: list[str] = []
+    w = out.append
+    floor_med = statistics.median(floor["insert"])
+    w("Stepguard step benchmark")
+    w("=" * 24)
+    for line in env:
+        w(line)
+    w("")
+
+    w("[4] Floor: one round trip with plain psycopg (autocommit), n=%d" % FLOOR_N)
+    w(
+        table(
+            ["what", "median", "p99"],
+            [
+                ["INSERT + COMMIT (scratch table)", ms(floor_med), ms(p(floor["insert"], 99))],
+                ["SELECT 1", ms(statistics.median(floor["select1"])), ms(p(floor["select1"], 99))],
+                [
+                    "new Django connection (n=20)",
+                    ms(statistics.median(floor["connect"])),
+                    ms(p(floor["connect"], 99)),
+                ],
+            ],
+        )
+    )
+    w("")
+
+    plain = MARKS_PLAIN
+    plain_med = statistics.median(plain)
+    sg_med, sg_p99 = statistics.median(sg["steps"]), p(sg["steps"], 99)
+    db_ok = db.get("error") is None and "steps" in db
+    db_med = statistics.median(db["steps"]) if db_ok else None
+    db_p99 = p(db["steps"], 99) if db_ok else None
+    w(
+        f"[1] Per-step time, {LONG_STEPS}-step workflow of a no-op step "
+        f"(gap between consecutive step returns, {LONG_REPS} x {LONG_STEPS} samples)"
+    )
+    rows = [
+        ["plain Python loop", us(plain_med), us(p(plain, 99)), "-", "-", "-"],
+        [
+            "Stepguard",
+            ms(sg_med),
+            ms(sg_p99),
+            ms(sg_med - plain_med),
+            ratio(sg_med, floor_med),
+            f"{statistics.median(sg['walls']):.2f} s",
+        ],
+    ]
+    if db_ok:
+        rows.append(
+            [
+                f"DBOS {db['version']}",
+                ms(db_med),
+                ms(db_p99),
+                ms(db_med - plain_med),
+                ratio(db_med, floor_med),
+                f"{statistics.median(db['walls']):.2f} s",
+            ]
+        )
+    else:
+        rows.append(["DBOS", "n/a", "n/a", "n/a", "n/a", "n/a"])
+    w(table(["engine", "median", "p99", "overhead", "median/floor", f"{LONG_STEPS} steps"], rows))
+    w("")
+
+    rp = sg["replay"]
+    rp_med = statistics.median(rp["times"])
+    statements = [q for q in rp["queries"] if q.strip().upper() != "COMMIT"]
+    commits = len(rp["queries"]) - len(statements)
+    w(
+        f"[2] Replay of {LONG_STEPS} completed steps: executor.execute on the reopened run "
+        f"(fresh lease epoch), {REPLAY_REPS} repetitions"
+    )
+    w(
+        table(
+            ["what", "value"],
+            [
+                ["median", ms(rp_med, 1)],
+                ["min / max", f"{ms(min(rp['times']), 1)} / {ms(max(rp['times']), 1)}"],
+                ["per replayed step (median)", us(rp_med / LONG_STEPS)],
+                [
+                    "queries (CaptureQueriesContext)",
+                    f"{len(statements)} statements + {commits} COMMIT",
+                ],
+            ],
+        )
+    )
+    prof: SqlProfile = rp["profile"]
+    w("  statements:")
+    for label, n in prof.count.most_common():
+        w(f"    {n:>3} x {label:<28} {ms(prof.time[label])}")
+    w(
+        f"    Python (model instantiation, replay loop, JSON), by difference: "
+        f"{ms(rp['captured_wall'] - prof.db_time, 1)} of {ms(rp['captured_wall'], 1)}"
+    )
+    w("")
+
+    w(
+        f"[3] Throughput: {THROUGHPUT_RUNS} runs x {THROUGHPUT_STEPS} no-op steps "
+        "(runs created first, then drained; runs/s and steps/s over the drain)"
+    )
+    rows = []
+    sg_rates = {}
+    for threads in THREAD_COUNTS:
+        t = sg[f"tp{threads}"]
+        sg_rates[threads] = THROUGHPUT_RUNS / t["drain"]
+        rows.append(
+            [
+                "Stepguard WorkerProcess.tick",
+                threads,
+                f"{t['enqueue']:.2f} s",
+                f"{t['drain']:.2f} s",
+                f"{sg_rates[threads]:.1f}",
+                f"{sg_rates[threads] * THROUGHPUT_STEPS:.0f}",
+                "-",
+            ]
+        )
+    for mode, label in (("tp", "DBOS queue"), ("direct", "DBOS direct call, no queue")):
+        for threads in THREAD_COUNTS:
+            t = db.get(f"{mode}{threads}")
+            if t is None:
+                rows.append([label, threads, "n/a", "n/a", "n/a", "n/a", "n/a"])
+                continue
+            rate = THROUGHPUT_RUNS / t["drain"]
+            rows.append(
+                [
+                    label,
+                    threads,
+                    "-" if t["enqueue"] is None else f"{t['enqueue']:.2f} s",
+                    f"{t['drain']:.2f} s",
+                    f"{rate:.1f}",
+                    f"{rate * THROUGHPUT_STEPS:.0f}",
+                    ratio(sg_rates[threads], rate),
+                ]
+            )
+    w(
+        table(
+            ["engine", "threads", "create 200", "drain", "runs/s", "steps/s", "Stepguard/this"],
+            rows,
+            right={1, 2, 3, 4, 5, 6},
+        )
+    )
+    w(
+        f"  DBOS queue: paused (worker_concurrency=0) while enqueuing, then set to the thread "
+        f"count; polling_interval_sec={DBOS_QUEUE_POLL:g}."
+    )
+    w("  Stepguard: runs claimed by WorkerProcess.tick() in this thread, executed on its pool.")
+    rprof = sg["run_profile"]
+    parts = []
+    for phase in ("start_run", "claim", "execute"):
+        pr, wall = rprof[phase]
+        parts.append(
+            f"{phase} {pr.statements} stmts + {pr.count['COMMIT']} COMMIT, {ms(wall, 2)}"
+        )
+    w(f"  One {THROUGHPUT_STEPS}-step run, serially in one thread: " + "; ".join(parts) + ".")
+    w(
+        "  The pool thread also closes its connection after every run "
+        f"(reconnect ~{ms(statistics.median(floor['connect']), 2)}, see [4])."
+    )
+    w("")
+
+    sp = sg["profile"]
+    prof = sp["profile"]
+    per_step = sp["wall"] / PROFILE_STEPS
+    w(
+        f"Where a Stepguard step's time goes ({PROFILE_STEPS}-step workflow, wall time per "
+        "statement kind via connection.execute_wrapper; BEGIN is sent by psycopg with a "
+        "transaction's first statement and counted there)"
+    )
+    rows = []
+    for label, n in sorted(prof.count.items(), key=lambda kv: -prof.time[kv[0]]):
+        per = prof.time[label] / PROFILE_STEPS
+        rows.append(
+            [
+                label,
+                f"{n / PROFILE_STEPS:.2f}",
+                us(prof.time[label] / n),
+                us(per),
+                f"{per / per_step:.0%}",
+            ]
+        )
+    other = sp["wall"] - prof.db_time
+    rows.append(["Python (engine + ORM), by difference", "-", "-", us(other / PROFILE_STEPS),
+                 f"{other / sp['wall']:.0%}"])
+    rows.append(["total per step", "-", "-", us(per_step), "100%"])
+    w(table(["statement", "per step", "each", "per step time", "share"], rows))
+    w("")
+
+    w("Targets")
+    vs_dbos = sg_med / db_med if db_med else None
+    vs_floor = sg_med / floor_med
+    w(
+        table(
+            ["target", "measured", "verdict"],
+            [
+                [
+                    "Stepguard per-step median <= 1/3 of DBOS's",
+                    "n/a" if vs_dbos is None else f"{vs_dbos:.2f}x DBOS (p99 {ratio(sg_p99, db_p99)})",
+                    verdict(None if vs_dbos is None else vs_dbos <= TARGET_VS_DBOS),
+                ],
+                [
+                    "Stepguard per-step median <= 3x floor",
+                    f"{vs_floor:.2f}x floor",
+                    verdict(vs_floor <= TARGET_VS_FLOOR),
+                ],
+                [
+                    f"replay of {LONG_STEPS} steps < 100 ms",
+                    ms(rp_med, 1),
+                    verdict(rp_med < TARGET_REPLAY_S),
+                ],
+            ],
+            right={1},
+        )
+    )
+    w("")
+    if db.get("error"):
+        w(f"DBOS: FAILED - {db['error']}")
+    elif "offline" in db:
+        w(f"DBOS offline: {db['offline']}; database {db['database']}.")
+    w(
+        "Non-loopback network attempts from this process: "
+        + (", ".join(sorted(set(REMOTE_ATTEMPTS))) if REMOTE_ATTEMPTS else "none")
+    )
+    w(f"Total time {elapsed:.0f} s.")
+    return "\n".join(out)
+
+
+MARKS_PLAIN: list[float] = []
+
+
+def main() -> int:
+    started = time.perf_counter()
+    db = settings.DATABASES["default"]
+    if db["ENGINE"] != "django.db.backends.postgresql":
+        print(f"DATABASE_URL must point at PostgreSQL, not {db['ENGINE']}", file=sys.stderr)
+        return 2
+    if ensure_database(db["NAME"]):
+        progress(f"created database {db['NAME']}")
+    progress("migrate")
+    call_command("migrate", verbosity=0, interactive=False)
+    delete_bench_rows()
+    env = environment()
+
+    progress("plain Python loop")
+    for _ in range(3):
+        MARKS.clear()
+        plain_loop(LONG_STEPS)
+    for _ in range(LONG_REPS):
+        MARKS.clear()
+        plain_loop(LONG_STEPS)
+        MARKS_PLAIN.extend(gaps(MARKS))
+
+    floor = measure_floor()
+    sg = bench_stepguard()
+    dbos = bench_dbos()
+    if dbos.get("error"):
+        progress(f"DBOS failed: {dbos['error']}")
+    print(report(env, floor, sg, dbos, time.perf_counter() - started))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Real worker processes: SIGKILL, SIGSTOP, SIGTERM, several workers at once."""
+
+import random
+import signal
+import time
+
+import pytest
+from django.db.models import Count
+from django.utils import timezone
+
+from examples.models import Effect
+from runs.models import Event, Run, RunStatus, Step, StepStatus, Worker
+from runs.sdk import start_run
+from tests.conftest import wait_until
+
+
+def completed_steps(run) -> int:
+    return Step.objects.filter(run=run, status=StepStatus.COMPLETED).count()
+
+
+def effect_counts() -> dict[str, int]:
+    rows = Effect.objects.values("idempotency_key").annotate(n=Count("id"))
+    return {row["idempotency_key"]: row["n"] for row in rows}
+
+
+def wait_done(run, timeout: float = 60.0) -> Run:
+    return wait_until(
+        lambda: (r := Run.objects.get(pk=run.pk)).is_terminal and r,
+        timeout=timeout,
+        what=f"run {run.pk} to finish",
+    )
+
+
+@pytest.mark.postgres
+def test_a_run_survives_20_sigkills_without_running_a_completed_step_twice(spawn_worker):
+    rng = random.Random(20261130)
+    run = start_run(
+        "ledger",
+        {
+            "steps": 50,
+            "sleep": 0.03,
+            "slow": [10, 30],
+            "slow_seconds": 0.6,
+            "reconcile": [30],
+        },
+    )
+    # 18 kills once the run has made some random amount of progress, and one inside each
+    # slow step after its side effect reached the "service": 20 in all, a fresh worker each time.
+    thresholds = rng.sample([t for t in range(1, 49) if t not in (10, 11, 30, 31)], 18)
+    plan = sorted([(t, "progress") for t in thresholds] + [(10.5, "inside"), (30.5, "inside")])
+    kills = 0
+    for point, how in plan:
+        worker = spawn_worker(lease=1.0)
+        worker_id = Worker.objects.get(pid=worker.pid).id
+        wait_until(
+            lambda w=worker_id: Run.objects.filter(pk=run.pk, worker=w).exists(), what="claim"
+        )
+        if how == "inside":
+            key = f"{run.pk}:s{int(point)}"
+            wait_until(lambda k=key: Effect.objects.filter(idempotency_key=k).exists(), what=key)
+        else:
+            target = max(point, completed_steps(run) + 1)
+            wait_until(lambda t=target: completed_steps(run) >= t, what=f"{target} steps")
+            time.sleep(rng.uniform(0, 0.03))  # land anywhere in the next step
+        worker.kill()
+        kills += 1
+    spawn_worker(lease=1.0)
+
+    run = wait_done(run, timeout=120)
+    assert run.status == RunStatus.COMPLETED, run.error
+    assert run.output == sum(range(50))
+    steps = {s.key: s for s in Step.objects.filter(run=run)}
+    assert len(steps) == 50 and all(s.status == StepStatus.COMPLETED for s in steps.values())
+    effects = effect_counts()
+    for step in steps.values():
+        # Each call of a step's function left one effect, all under the step's one key (a
+        # kill between the write-ahead row and the call itself leaves none for that attempt)...
+        assert 1 <= effects[step.idempotency_key] <= step.attempt, step.key
+        # ...and a step only ran again if a crash left its outcome ambiguous.
+        assert step.attempt == 1 or step.recovered == "resent", step.key
+        # No completed step was ever called again.
+        late = Effect.objects.filter(
+            idempotency_key=step.idempotency_key, created_at__gt=step.finished_at
+        )
+        assert not late.exists(), step.key
+    assert steps["s10"].recovered == "resent" and steps["s10"].attempt >= 2
+    assert steps["s30"].recovered == "reconciled" and steps["s30"].attempt == 1
+    assert effects[steps["s30"].idempotency_key] == 1
+    assert kills == 20
+    assert Event.objects.filter(run=run, type="run.recovered").count() == 20
+
+
+@pytest.mark.postgres
+def test_a_worker_killed_inside_a_transaction_step_leaves_neither_row(spawn_worker, tmp_path):
+    entered, release = tmp_path / "entered", tmp_path / "release"
+    run = start_run("txn", {"entered_flag": str(entered), "release_flag": str(release)})
+    worker = spawn_worker(lease=1.0)
+    wait_until(entered.exists, what="the transaction step to start")
+    worker.kill()
+    assert not Effect.objects.filter(label="txn").exists()
+    assert not Step.objects.filter(run=run, key="write").exists()
+
+    release.touch()
+    spawn_worker(lease=1.0)
+    run = wait_done(run)
+    assert run.status == RunStatus.COMPLETED and run.output == ["before", "written"]
+    assert Effect.objects.filter(label="txn").count() == 1
+    assert Step.objects.filter(run=run, key="write", status=StepStatus.COMPLETED).count() == 1
+    assert Effect.objects.filter(label="before").count() == 1
+
+
+@pytest.mark.postgres
+def test_three_workers_run_50_runs_of_10_steps_each_step_exactly_once(spawn_worker):
+    runs = [start_run("ledger", {"steps": 10}) for _ in range(50)]
+    for _ in range(3):
+        spawn_worker("--concurrency", "4", lease=5.0)
+    wait_until(
+        lambda: Run.objects.filter(status=RunStatus.COMPLETED).count() == 50,
+        timeout=90,
+        what="50 runs to complete",
+    )
+    assert all(Run.objects.get(pk=r.pk).output == 45 for r in runs)
+    effects = effect_counts()
+    assert len(effects) == 500 and set(effects.values()) == {1}
+    workers_used = Event.objects.filter(type="run.claimed").values("payload__worker").distinct()
+    assert workers_used.count() >= 2
+
+
+@pytest.mark.postgres
+def test_a_paused_worker_that_lost_its_lease_writes_nothing_when_it_resumes(spawn_worker):
+    run = start_run("ledger", {"steps": 4, "slow": [1], "slow_seconds": 1.5})
+    a = spawn_worker(lease=1.0)
+    key = f"{run.pk}:s1"
+    wait_until(lambda: Effect.objects.filter(idempotency_key=key).exists(), what="slow step")
+    a.signal(signal.SIGSTOP)
+    spawn_worker(lease=1.0)
+    run = wait_done(run)
+    assert run.status == RunStatus.COMPLETED
+    history = list(Event.objects.filter(run=run).values_list("seq", "type"))
+    steps = list(Step.objects.filter(run=run).values())
+
+    a.signal(signal.SIGCONT)
+    wait_until(lambda: "lease" in a.output() and "lost" in a.output(), what="A to notice")
+    assert list(Event.objects.filter(run=run).values_list("seq", "type")) == history
+    assert list(Step.objects.filter(run=run).values()) == steps
+    # A stopped working on the run: the steps after the slow one ran once, on B.
+    effects = effect_counts()
+    assert [effects[f"{run.pk}:s{i}"] for i in range(4)] == [1, 2, 1, 1]
+    assert a.proc.poll() is None  # A itself keeps serving
+
+
+def test_sigterm_hands_the_run_to_another_worker_within_two_seconds(spawn_worker):
+    run = start_run("ledger", {"steps": 3, "slow": [1], "slow_seconds": 2.0})
+    a = spawn_worker(lease=30.0)
+    wait_until(lambda: Event.objects.filter(run=run, type="run.claimed").exists(), what="A")
+    b = spawn_worker(lease=30.0)
+    b_id = str(Worker.objects.get(pid=b.pid).id)
+    wait_until(
+        lambda: Effect.objects.filter(idempotency_key=f"{run.pk}:s1").exists(), what="slow step"
+    )
+    a.signal(signal.SIGTERM)
+    claim = wait_until(
+        lambda: Event.objects.filter(run=run, type="run.claimed", payload__worker=b_id).first(),
+        timeout=10,
+        what="B to claim the run",
+    )
+    released = Event.objects.get(run=run, type="run.released")
+    s1 = Step.objects.get(run=run, key="s1")
+    # A finished the step in flight, checkpointed it, released the run at once, and B took it
+    # over promptly: the 30 s lease played no part.
+    assert (released.created_at - s1.finished_at).total_seconds() < 0.5
+    assert (claim.created_at - released.created_at).total_seconds() < 2.0
+    assert a.proc.wait(10) == 0
+    run = wait_done(run)
+    assert run.status == RunStatus.COMPLETED
+    assert effect_counts()[f"{run.pk}:s1"] == 1  # not re-sent
+    assert Step.objects.get(run=run, key="s2").attempt == 1
+
+
+def test_bad_runs_fail_clearly_and_the_worker_keeps_serving(spawn_worker):
+    # A run of a workflow no worker here has (started by another deployment).
+    ghost = Run.objects.create(workflow="ghost", version="1", wake_at=timezone.now())
+    bad = start_run("bad-output")
+    good = start_run("ledger", {"steps": 2})
+    worker = spawn_worker()
+    assert wait_done(bad).status == RunStatus.FAILED
+    assert wait_done(good).status == RunStatus.COMPLETED
+    assert Run.objects.get(pk=ghost.pk).status == RunStatus.PENDING  # left alone, not failed
+    assert worker.proc.poll() is None
+    assert "ghost@1 are left alone" in worker.output()
