@@ -154,7 +154,10 @@ def table(headers: list[str], rows: list[list[Any]], right: set[int] | None = No
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
 
     def line(row: list[str]) -> str:
-        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        parts = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
         return "  " + "  ".join(parts).rstrip()
 
     rule = "  " + "  ".join("-" * w for w in widths)
@@ -188,6 +191,37 @@ def _audit(event: str, args: tuple) -> None:
 sys.addaudithook(_audit)
 
 
+def host_cpu() -> tuple[float, float] | None:
+    """(busy, total) jiffies of all CPUs from /proc/stat, or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
+class CpuMeter:
+    """Process CPU (all threads of this process) and whole-host CPU over a stretch of time."""
+
+    def __enter__(self) -> CpuMeter:
+        self.wall, self.proc, self.host = time.perf_counter(), time.process_time(), host_cpu()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.wall
+        self.proc = time.process_time() - self.proc
+        end = host_cpu()
+        if self.host is None or end is None or end[1] == self.host[1]:
+            self.host_busy = None
+        else:
+            self.host_busy = (end[0] - self.host[0]) / (end[1] - self.host[1])
+
+    def summary(self) -> dict[str, float | None]:
+        return {"proc_cpu": self.proc / self.wall, "host_busy": self.host_busy}
+
+
 def pg_params(dbname: str | None = None) -> dict[str, Any]:
     db = settings.DATABASES["default"]
     params = {
@@ -210,7 +244,9 @@ def ensure_database(name: str) -> bool:
 
 def drop_database(name: str) -> None:
     with psycopg.connect(**pg_params("postgres"), autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 def delete_bench_rows() -> None:
@@ -320,6 +356,14 @@ def measure_floor() -> dict[str, Any]:
         finally:
             conn.execute("DROP TABLE IF EXISTS bench_floor_scratch")
     samples = []
+    with connection.cursor() as cursor:
+        for _ in range(FLOOR_N):
+            t0 = time.perf_counter()
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+            samples.append(time.perf_counter() - t0)
+    out["select1_django"] = samples
+    samples = []
     for _ in range(20):
         connection.close()
         t0 = time.perf_counter()
@@ -420,34 +464,31 @@ def run_profile(claimer: WorkerProcess) -> dict[str, SqlProfile | float]:
 
 def throughput(threads: int) -> dict[str, Any]:
     t0 = time.perf_counter()
-    ids = [
-        start_run("bench.short", {"steps": THROUGHPUT_STEPS}).id for _ in range(THROUGHPUT_RUNS)
-    ]
+    ids = [start_run("bench.short", {"steps": THROUGHPUT_STEPS}).id for _ in range(THROUGHPUT_RUNS)]
     enqueue = time.perf_counter() - t0
     worker = WorkerProcess(concurrency=threads, poll_interval=0.05, grace=5)
     worker.register()
     deadline = time.monotonic() + DRAIN_TIMEOUT
-    t0 = time.perf_counter()
     try:
-        while True:
-            worker.bell.clear()
-            if worker.tick():
-                continue
-            if not worker.active:
-                left = Run.objects.filter(id__in=ids).exclude(status__in=TERMINAL_STATUSES)
-                if not left.exists():
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{threads}-thread throughput did not drain in {DRAIN_TIMEOUT}s")
-            worker.bell.wait(0.05)
-        drain = time.perf_counter() - t0
+        with CpuMeter() as cpu:
+            while True:
+                worker.bell.clear()
+                if worker.tick():
+                    continue
+                if not worker.active:
+                    left = Run.objects.filter(id__in=ids).exclude(status__in=TERMINAL_STATUSES)
+                    if not left.exists():
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{threads} thread(s): not drained in {DRAIN_TIMEOUT}s")
+                worker.bell.wait(0.05)
     finally:
         worker.stopping.set()
         worker.shutdown()
     statuses = Counter(Run.objects.filter(id__in=ids).values_list("status", flat=True))
     if statuses != {RunStatus.COMPLETED: THROUGHPUT_RUNS}:
         raise RuntimeError(f"{threads}-thread throughput: run statuses {dict(statuses)}")
-    return {"enqueue": enqueue, "drain": drain}
+    return {"enqueue": enqueue, "drain": cpu.wall, **cpu.summary()}
 
 
 def bench_stepguard() -> dict[str, Any]:
@@ -583,29 +624,30 @@ def bench_dbos() -> dict[str, Any]:
                     queue.enqueue(dbos_short, THROUGHPUT_STEPS) for _ in range(THROUGHPUT_RUNS)
                 ]
                 enqueue = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                queue.set_worker_concurrency(threads)  # the queue was paused at 0
-                if not all_done.wait(DRAIN_TIMEOUT):
-                    raise RuntimeError(f"DBOS queue bench-{threads} did not drain")
-                while True:  # the last workflow's status row is written after it returns
-                    (done,) = watch.execute(
-                        "SELECT count(*) FROM dbos.workflow_status "
-                        "WHERE queue_name = %s AND status = 'SUCCESS'",
-                        [f"bench-{threads}"],
-                    ).fetchone()
-                    if done >= THROUGHPUT_RUNS:
-                        break
-                    time.sleep(0.001)
-                drain = time.perf_counter() - t0
+                with CpuMeter() as cpu:
+                    queue.set_worker_concurrency(threads)  # the queue was paused at 0
+                    if not all_done.wait(DRAIN_TIMEOUT):
+                        raise RuntimeError(f"DBOS queue bench-{threads} did not drain")
+                    while True:  # the last workflow's status row is written after it returns
+                        (done,) = watch.execute(
+                            "SELECT count(*) FROM dbos.workflow_status "
+                            "WHERE queue_name = %s AND status = 'SUCCESS'",
+                            [f"bench-{threads}"],
+                        ).fetchone()
+                        if done >= THROUGHPUT_RUNS:
+                            break
+                        time.sleep(0.001)
                 queue.set_worker_concurrency(0)
                 results = [h.get_result() for h in handles]
                 if results != [THROUGHPUT_STEPS] * THROUGHPUT_RUNS:
                     raise RuntimeError(f"DBOS queue bench-{threads}: unexpected results")
-                out[f"tp{threads}"] = {"enqueue": enqueue, "drain": drain}
+                out[f"tp{threads}"] = {"enqueue": enqueue, "drain": cpu.wall, **cpu.summary()}
 
         for threads in THREAD_COUNTS:
-            progress(f"DBOS: {THROUGHPUT_RUNS} runs x {THROUGHPUT_STEPS} steps, direct calls "
-                     f"on {threads} thread(s)")
+            progress(
+                f"DBOS: {THROUGHPUT_RUNS} runs x {THROUGHPUT_STEPS} steps, direct calls "
+                f"on {threads} thread(s)"
+            )
             tickets = itertools.count()
 
             def call_until_done() -> None:
@@ -614,15 +656,14 @@ def bench_dbos() -> dict[str, Any]:
 
             finished.update(count=0, target=10**9)
             pool = [threading.Thread(target=call_until_done) for _ in range(threads)]
-            t0 = time.perf_counter()
-            for thread in pool:
-                thread.start()
-            for thread in pool:
-                thread.join()
-            drain = time.perf_counter() - t0
+            with CpuMeter() as cpu:
+                for thread in pool:
+                    thread.start()
+                for thread in pool:
+                    thread.join()
             if finished["count"] != THROUGHPUT_RUNS:
                 raise RuntimeError(f"DBOS direct: {finished['count']} runs finished")
-            out[f"direct{threads}"] = {"enqueue": None, "drain": drain}
+            out[f"direct{threads}"] = {"enqueue": None, "drain": cpu.wall, **cpu.summary()}
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -673,6 +714,11 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
             [
                 ["INSERT + COMMIT (scratch table)", ms(floor_med), ms(p(floor["insert"], 99))],
                 ["SELECT 1", ms(statistics.median(floor["select1"])), ms(p(floor["select1"], 99))],
+                [
+                    "SELECT 1 via a Django cursor",
+                    ms(statistics.median(floor["select1_django"])),
+                    ms(p(floor["select1_django"], 99)),
+                ],
                 [
                     "new Django connection (n=20)",
                     ms(statistics.median(floor["connect"])),
@@ -806,9 +852,7 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
     parts = []
     for phase in ("start_run", "claim", "execute"):
         pr, wall = rprof[phase]
-        parts.append(
-            f"{phase} {pr.statements} stmts + {pr.count['COMMIT']} COMMIT, {ms(wall, 2)}"
-        )
+        parts.append(f"{phase} {pr.statements} stmts + {pr.count['COMMIT']} COMMIT, {ms(wall, 2)}")
     w(f"  One {THROUGHPUT_STEPS}-step run, serially in one thread: " + "; ".join(parts) + ".")
     w(
         "  The pool thread also closes its connection after every run "
@@ -837,8 +881,15 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
             ]
         )
     other = sp["wall"] - prof.db_time
-    rows.append(["Python (engine + ORM), by difference", "-", "-", us(other / PROFILE_STEPS),
-                 f"{other / sp['wall']:.0%}"])
+    rows.append(
+        [
+            "Python (engine + ORM), by difference",
+            "-",
+            "-",
+            us(other / PROFILE_STEPS),
+            f"{other / sp['wall']:.0%}",
+        ]
+    )
     rows.append(["total per step", "-", "-", us(per_step), "100%"])
     w(table(["statement", "per step", "each", "per step time", "share"], rows))
     w("")
@@ -852,7 +903,9 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
             [
                 [
                     "Stepguard per-step median <= 1/3 of DBOS's",
-                    "n/a" if vs_dbos is None else f"{vs_dbos:.2f}x DBOS (p99 {ratio(sg_p99, db_p99)})",
+                    "n/a"
+                    if vs_dbos is None
+                    else f"{vs_dbos:.2f}x DBOS (p99 {ratio(sg_p99, db_p99)})",
                     verdict(None if vs_dbos is None else vs_dbos <= TARGET_VS_DBOS),
                 ],
                 [

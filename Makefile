@@ -1,0 +1,39 @@
+# Stepguard: `make run` starts the demo, `make test` runs the whole suite. `make help` lists all.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PORT ?= 8000
+
+.DEFAULT_GOAL := help
+.PHONY: help install run test lint format bench migrate
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP) ## create the virtualenv and install Stepguard with its dev tools
+
+run: $(STAMP) ## migrate SQLite, create a demo operator, serve on 127.0.0.1:$(PORT), run a worker and the demo agents
+	DEBUG=1 $(BIN)/python manage.py rundemo --port $(PORT)
+
+test: $(STAMP) ## lint, check migrations, run the whole suite (DATABASE_URL picks the engine)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	DJANGO_SETTINGS_MODULE=tests.settings $(BIN)/python manage.py makemigrations --check --dry-run
+	$(BIN)/pytest
+
+lint: $(STAMP) ## ruff check
+	$(BIN)/ruff check .
+
+format: $(STAMP) ## ruff format
+	$(BIN)/ruff format .
+
+bench: $(STAMP) ## step overhead, replay and throughput benchmarks on local PostgreSQL
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python bench/steps.py

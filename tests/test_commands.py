@@ -1,0 +1,110 @@
+"""The operator commands, as a terminal user runs them."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from runs.models import Run, RunStatus
+from runs.sdk import start_run
+from tests.conftest import ROOT, database_url, wait_until
+
+pytestmark = pytest.mark.django_db
+
+
+def call(*args) -> str:
+    from io import StringIO
+
+    out = StringIO()
+    call_command(*args, stdout=out, stderr=StringIO())
+    return out.getvalue()
+
+
+def test_startrun_prints_the_run_id_and_is_idempotent_by_key():
+    first = call("startrun", "ledger", "--input", '{"steps": 2}', "--key", "nightly-1").strip()
+    again = call("startrun", "ledger", "--input", '{"steps": 9}', "--key", "nightly-1").strip()
+    assert first == again == str(Run.objects.get(key="nightly-1").id)
+    assert Run.objects.get().input == {"steps": 2}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["ledger", "--input", "{steps: 2}"], "--input is not valid JSON"),
+        (["no-such-flow"], "unknown workflow 'no-such-flow'"),
+        (
+            ["ledger", "--import", "no.such.module"],
+            "cannot import workflow module 'no.such.module'",
+        ),
+    ],
+)
+def test_startrun_rejects_bad_input_with_a_clear_error_and_stores_nothing(args, message):
+    with pytest.raises(CommandError, match=message):
+        call("startrun", *args)
+    assert not Run.objects.exists()
+
+
+def test_showrun_json_prints_the_run_and_its_steps(drive):
+    run = start_run("flight-booking", {"from": "LIS", "to": "BER", "date": "d", "passenger": "Ada"})
+    drive()
+    shown = json.loads(call("showrun", str(run.id), "--json"))
+    assert shown["status"] == "completed" and shown["attempt"] == 1
+    assert shown["output"]["booking"]["flight"] == "FR1213"
+    assert [(s["key"], s["status"], s["attempt"]) for s in shown["steps"]] == [
+        ("search", "completed", 1),
+        ("pick", "completed", 1),
+        ("book", "completed", 1),
+        ("notify", "completed", 2),
+    ]
+    assert shown["steps"][2]["idempotency_key"] == f"{run.id}:book"
+
+
+def test_showrun_names_an_unknown_run():
+    with pytest.raises(CommandError, match="no run with id 'nope'"):
+        call("showrun", "nope")
+
+
+def test_runworker_refuses_a_module_that_does_not_import():
+    with pytest.raises(CommandError, match="cannot import workflow module 'no.such.module'"):
+        call("runworker", "--import", "no.such.module")
+
+
+def run_manage(*args, **popen) -> subprocess.Popen:
+    env = {**os.environ, "DATABASE_URL": database_url(), "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+    return subprocess.Popen(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, text=True, **popen
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_showrun_follow_prints_each_step_as_it_happens_until_the_run_ends(spawn_worker):
+    run = start_run("ledger", {"steps": 3, "sleep": 0.2})
+    follow = run_manage("showrun", str(run.id), "--follow", stdout=subprocess.PIPE)
+    spawn_worker()
+    out, _ = follow.communicate(timeout=30)
+    assert follow.returncode == 0
+    lines = out.splitlines()
+    assert [line.split()[2] for line in lines[1:-1]][:2] == ["run.created", "run.claimed"]
+    assert sum("step.completed" in line for line in lines) == 3
+    assert lines[-1] == "completed: 3"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_demo_books_once_says_so_and_ctrl_c_stops_everything():
+    demo = run_manage("rundemo", "--port", "0", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(demo.stdout), daemon=True)
+    reader.start()
+    wait_until(lambda: any("not booked twice" in line for line in lines), timeout=60, what="demo")
+    assert any(line.strip().startswith("demo operator: demo / ") for line in lines)
+    assert Run.objects.get(workflow="flight-booking").status == RunStatus.COMPLETED
+    demo.send_signal(signal.SIGINT)
+    assert demo.wait(30) == 0
+    reader.join(5)
+    assert any("worker" in line and "stopped" in line for line in lines)
