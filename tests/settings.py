@@ -6,7 +6,9 @@ os.environ.setdefault("SECRET_KEY", "test-only-secret-key-not-for-production-012
 
 from controlplane.settings import *  # noqa: F403
 
+# The test servers speak plain HTTP on 127.0.0.1.
 SECURE_SSL_REDIRECT = False
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = False
 STEPGUARD_WORKFLOW_MODULES = ["tests.workflows", "examples.flight_booking"]
 STEPGUARD_POLL_INTERVAL = 0.1
 STEPGUARD_RUN_RETRY_BASE_SECONDS = 0.0
