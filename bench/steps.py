@@ -22,7 +22,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from importlib import metadata
 from pathlib import Path
@@ -251,7 +251,7 @@ def drop_database(name: str) -> None:
 
 def delete_bench_rows() -> None:
     """Remove runs of the bench workflows (and their steps, events, workers) from earlier runs."""
-    run, step, event, worker = (m._meta.db_table for m in (Run, Step, Event, Worker))
+    run, step, event = (m._meta.db_table for m in (Run, Step, Event))
     mine = f"SELECT id FROM {run} WHERE workflow = ANY(%s)"
     names = list(BENCH_WORKFLOWS)
     with connection.cursor() as cursor:
@@ -443,23 +443,34 @@ def step_profile(claimer: WorkerProcess) -> dict[str, Any]:
     return {"profile": profile, "wall": wall, "captured": len(captured.captured_queries)}
 
 
-def run_profile(claimer: WorkerProcess) -> dict[str, SqlProfile | float]:
-    """What one 10-step run costs end to end, phase by phase, serially in this thread."""
-    out: dict[str, Any] = {}
-    with SqlProfile().attached() as prof:
-        t0 = time.perf_counter()
-        started = start_run("bench.short", {"steps": THROUGHPUT_STEPS})
-        out["start_run"] = (prof, time.perf_counter() - t0)
-    with SqlProfile().attached() as prof:
-        t0 = time.perf_counter()
-        run = claimer.claim(1)[0]
-        out["claim"] = (prof, time.perf_counter() - t0)
-    assert run.id == started.id
-    with SqlProfile().attached() as prof:
-        t0 = time.perf_counter()
-        execute(run, Lease(run.id, run.lease_epoch))
-        out["execute"] = (prof, time.perf_counter() - t0)
-    return out
+RUN_PROFILE_REPS = 7
+
+
+def run_profile(claimer: WorkerProcess) -> dict[str, dict[str, Any]]:
+    """What one 10-step run costs, phase by phase, serially in this thread (median of reps)."""
+    samples: dict[str, list[tuple[SqlProfile, float]]] = defaultdict(list)
+
+    def timed(phase: str, fn: Callable[[], Any]) -> Any:
+        with SqlProfile().attached() as prof:
+            t0 = time.perf_counter()
+            value = fn()
+            samples[phase].append((prof, time.perf_counter() - t0))
+        return value
+
+    for _ in range(RUN_PROFILE_REPS):
+        started = timed("start_run", lambda: start_run("bench.short", {"steps": THROUGHPUT_STEPS}))
+        run = timed("claim", lambda: claimer.claim(1)[0])
+        assert run.id == started.id
+        timed("execute", lambda run=run: execute(run, Lease(run.id, run.lease_epoch)))
+    return {
+        phase: {
+            "statements": rows[-1][0].statements,
+            "commits": rows[-1][0].count["COMMIT"],
+            "wall": statistics.median(wall for _, wall in rows),
+            "db": statistics.median(prof.db_time for prof, _ in rows),
+        }
+        for phase, rows in samples.items()
+    }
 
 
 def throughput(threads: int) -> dict[str, Any]:
@@ -650,12 +661,14 @@ def bench_dbos() -> dict[str, Any]:
             )
             tickets = itertools.count()
 
-            def call_until_done() -> None:
+            def call_until_done(tickets: Iterator[int]) -> None:
                 while next(tickets) < THROUGHPUT_RUNS:
                     dbos_short(THROUGHPUT_STEPS)
 
             finished.update(count=0, target=10**9)
-            pool = [threading.Thread(target=call_until_done) for _ in range(threads)]
+            pool = [
+                threading.Thread(target=call_until_done, args=(tickets,)) for _ in range(threads)
+            ]
             with CpuMeter() as cpu:
                 for thread in pool:
                     thread.start()
@@ -685,16 +698,19 @@ def environment() -> list[str]:
         fsync = conn.execute("SHOW fsync").fetchone()[0]
     db = settings.DATABASES["default"]
     dbos = "not installed"
-    try:
+    with suppress(metadata.PackageNotFoundError):
         dbos = metadata.version("dbos")
-    except metadata.PackageNotFoundError:
-        pass
     return [
         f"PostgreSQL {version} at {db.get('HOST') or 'local socket'}:{db.get('PORT') or 5432}"
         f"/{db['NAME']} (synchronous_commit={sync}, fsync={fsync})",
         f"Python {platform.python_version()}, Django {django.get_version()}, "
         f"psycopg {psycopg.__version__}, dbos {dbos}, {os.cpu_count()} CPUs, {platform.machine()}",
     ]
+
+
+def cpu_cells(t: dict) -> list[str]:
+    host = t.get("host_busy")
+    return [f"{t['proc_cpu']:.0%}", "n/a" if host is None else f"{host:.0%}"]
 
 
 def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> str:
@@ -707,7 +723,7 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
         w(line)
     w("")
 
-    w("[4] Floor: one round trip with plain psycopg (autocommit), n=%d" % FLOOR_N)
+    w(f"[4] Floor: one round trip with plain psycopg (autocommit), n={FLOOR_N}")
     w(
         table(
             ["what", "median", "p99"],
@@ -764,12 +780,20 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
     else:
         rows.append(["DBOS", "n/a", "n/a", "n/a", "n/a", "n/a"])
     w(table(["engine", "median", "p99", "overhead", "median/floor", f"{LONG_STEPS} steps"], rows))
+    w("  overhead = median minus the plain loop's; median/floor = median / INSERT+COMMIT median.")
+    if db_ok:
+        w(
+            f"  Stepguard/DBOS per-step time: median {ratio(sg_med, db_med)}, "
+            f"p99 {ratio(sg_p99, db_p99)} (below 1 = Stepguard faster)."
+        )
     w("")
 
     rp = sg["replay"]
     rp_med = statistics.median(rp["times"])
-    statements = [q for q in rp["queries"] if q.strip().upper() != "COMMIT"]
-    commits = len(rp["queries"]) - len(statements)
+    kinds = Counter(
+        q.strip().upper() if q.strip().upper() in ("BEGIN", "COMMIT") else "stmt"
+        for q in rp["queries"]
+    )
     w(
         f"[2] Replay of {LONG_STEPS} completed steps: executor.execute on the reopened run "
         f"(fresh lease epoch), {REPLAY_REPS} repetitions"
@@ -783,13 +807,14 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
                 ["per replayed step (median)", us(rp_med / LONG_STEPS)],
                 [
                     "queries (CaptureQueriesContext)",
-                    f"{len(statements)} statements + {commits} COMMIT",
+                    f"{len(rp['queries'])}: {kinds['stmt']} statements + {kinds['BEGIN']} BEGIN"
+                    f" + {kinds['COMMIT']} COMMIT",
                 ],
             ],
         )
     )
     prof: SqlProfile = rp["profile"]
-    w("  statements:")
+    w("  statements (wall time of the captured repetition):")
     for label, n in prof.count.most_common():
         w(f"    {n:>3} x {label:<28} {ms(prof.time[label])}")
     w(
@@ -815,6 +840,7 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
                 f"{t['drain']:.2f} s",
                 f"{sg_rates[threads]:.1f}",
                 f"{sg_rates[threads] * THROUGHPUT_STEPS:.0f}",
+                *cpu_cells(t),
                 "-",
             ]
         )
@@ -822,7 +848,7 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
         for threads in THREAD_COUNTS:
             t = db.get(f"{mode}{threads}")
             if t is None:
-                rows.append([label, threads, "n/a", "n/a", "n/a", "n/a", "n/a"])
+                rows.append([label, threads, *["n/a"] * 7])
                 continue
             rate = THROUGHPUT_RUNS / t["drain"]
             rows.append(
@@ -833,14 +859,25 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
                     f"{t['drain']:.2f} s",
                     f"{rate:.1f}",
                     f"{rate * THROUGHPUT_STEPS:.0f}",
+                    *cpu_cells(t),
                     ratio(sg_rates[threads], rate),
                 ]
             )
     w(
         table(
-            ["engine", "threads", "create 200", "drain", "runs/s", "steps/s", "Stepguard/this"],
+            [
+                "engine",
+                "threads",
+                f"create {THROUGHPUT_RUNS}",
+                "drain",
+                "runs/s",
+                "steps/s",
+                "py CPU",
+                "host CPU",
+                "Stepguard/this",
+            ],
             rows,
-            right={1, 2, 3, 4, 5, 6},
+            right=set(range(1, 9)),
         )
     )
     w(
@@ -848,12 +885,23 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
         f"count; polling_interval_sec={DBOS_QUEUE_POLL:g}."
     )
     w("  Stepguard: runs claimed by WorkerProcess.tick() in this thread, executed on its pool.")
+    w("  Stepguard/this: Stepguard's runs/s at that thread count / this row's (above 1: faster).")
+    w(
+        f"  py CPU: CPU time of this Python process / drain time (100% = one core, the most "
+        f"one GIL allows for Python code); host CPU: all {os.cpu_count()} CPUs busy, PostgreSQL "
+        "included."
+    )
     rprof = sg["run_profile"]
     parts = []
     for phase in ("start_run", "claim", "execute"):
-        pr, wall = rprof[phase]
-        parts.append(f"{phase} {pr.statements} stmts + {pr.count['COMMIT']} COMMIT, {ms(wall, 2)}")
-    w(f"  One {THROUGHPUT_STEPS}-step run, serially in one thread: " + "; ".join(parts) + ".")
+        ph = rprof[phase]
+        parts.append(
+            f"{phase:<9} {ph['statements']:>3} statements + {ph['commits']:>2} BEGIN/COMMIT  "
+            f"{ms(ph['wall'], 2):>9}, of which {ms(ph['db'], 2)} in database calls"
+        )
+    w(f"  One {THROUGHPUT_STEPS}-step run, serially in one thread (median of {RUN_PROFILE_REPS}):")
+    for part in parts:
+        w(f"    {part}")
     w(
         "  The pool thread also closes its connection after every run "
         f"(reconnect ~{ms(statistics.median(floor['connect']), 2)}, see [4])."
@@ -892,6 +940,12 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
     )
     rows.append(["total per step", "-", "-", us(per_step), "100%"])
     w(table(["statement", "per step", "each", "per step time", "share"], rows))
+    commits = prof.count["COMMIT"] / PROFILE_STEPS
+    w(
+        f"  Round trips per step: {prof.statements / PROFILE_STEPS:.2f} statements + "
+        f"{commits:.2f} BEGIN + {commits:.2f} COMMIT = "
+        f"{prof.statements / PROFILE_STEPS + 2 * commits:.1f} (the floor is 1)."
+    )
     w("")
 
     w("Targets")

@@ -257,3 +257,35 @@ def test_a_new_step_costs_two_short_transactions_of_three_statements(drive):
         "UPDATE",
         "INSERT",
     ]
+
+
+def test_a_run_that_kills_its_worker_every_time_is_failed_after_a_bounded_number(
+    drive, expire_lease, settings
+):
+    settings.STEPGUARD_MAX_RECOVERIES = 3
+    run = start_run("ledger", {"steps": 2})
+    for _ in range(3):  # the first execution and two recoveries all die inside s0
+        workflows.crash_at.add("s0")
+        with pytest.raises(Crash):
+            drive()
+        expire_lease(run.id)
+    assert drive() == []  # the fourth claim fails the run instead of running it again
+
+    run.refresh_from_db()
+    assert run.status == RunStatus.FAILED and run.error["code"] == "worker_lost"
+    assert "3 times in a row without progress" in run.error["message"]
+    assert "during step 's0'" in run.error["message"]
+    assert workflows.calls == {"s0": 3}
+    assert Event.objects.filter(run=run).last().type == "run.failed"
+
+
+def test_progress_resets_the_lost_worker_count(drive, expire_lease, settings):
+    settings.STEPGUARD_MAX_RECOVERIES = 2
+    run = start_run("ledger", {"steps": 4})
+    for key in ("s0", "s1", "s2", "s3"):  # one crash per step: progress between each
+        workflows.crash_at.add(key)
+        with pytest.raises(Crash):
+            drive()
+        expire_lease(run.id)
+    assert drive() == ["completed"]
+    assert Run.objects.get(pk=run.pk).output == sum(range(4))

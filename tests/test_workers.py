@@ -188,3 +188,33 @@ def test_bad_runs_fail_clearly_and_the_worker_keeps_serving(spawn_worker):
     assert Run.objects.get(pk=ghost.pk).status == RunStatus.PENDING  # left alone, not failed
     assert worker.proc.poll() is None
     assert "ghost@1 are left alone" in worker.output()
+
+
+@pytest.mark.postgres
+def test_workers_wake_on_notify_and_the_listener_reconnects_after_its_backend_dies(
+    spawn_worker,
+):
+    from django.db import connection
+
+    # A 60 s poll interval: only a NOTIFY can make these runs start promptly.
+    worker = spawn_worker("--poll-interval", "60", lease=5.0)
+    listening = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN stepguard_runs%%'"
+
+    def listeners() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(listening)
+            return cursor.fetchone()[0]
+
+    wait_until(listeners, what="the worker to LISTEN")
+    first = start_run("ledger", {"steps": 1})
+    assert wait_done(first, timeout=10).status == RunStatus.COMPLETED
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE query LIKE 'LISTEN stepguard_runs%%'"
+        )
+    wait_until(lambda: "listener connection lost" in worker.output(), what="the drop")
+    wait_until(listeners, what="the listener to reconnect")
+    second = start_run("ledger", {"steps": 1})
+    assert wait_done(second, timeout=10).status == RunStatus.COMPLETED

@@ -153,7 +153,7 @@ class WorkerProcess:
             runnable_filter(now), pk=run_id, lease_epoch=epoch, event_seq=event_seq
         )
         recovering = status == RunStatus.RUNNING
-        if recovering and recoveries + 1 > settings.STEPGUARD_MAX_RECOVERIES:
+        if recovering and recoveries + 1 >= settings.STEPGUARD_MAX_RECOVERIES:
             step = (
                 Step.objects.filter(run_id=run_id, status=StepStatus.STARTED)
                 .values_list("key", flat=True)
