@@ -1,0 +1,79 @@
+"""Approval requests: a person decides whether a run may take a side-effecting action.
+
+A request is created by `ctx.approval(...)` (or by an ambiguous step whose policy is to ask),
+and decided once: the first decision wins, by a conditional UPDATE on `status = 'pending'`.
+"""
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+
+class ApprovalStatus(models.TextChoices):
+    PENDING = "pending"
+    APPROVED = "approved"
+    REJECTED = "rejected"
+    EXPIRED = "expired"
+    REVOKED = "revoked"
+
+
+class ApprovalKind(models.TextChoices):
+    ACTION = "action", "approve an action"
+    AMBIGUOUS = "ambiguous", "resolve a step whose outcome is unknown"
+
+
+class Resolution(models.TextChoices):
+    """What a person said about an ambiguous step."""
+
+    NONE = "", "-"
+    HAPPENED = "happened", "it happened (record this output)"
+    RESEND = "resend", "re-send it with the same idempotency key"
+    FAIL = "fail", "fail the run"
+
+
+class ApprovalRequest(models.Model):
+    run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="approvals")
+    step_key = models.CharField(max_length=255)
+    kind = models.CharField(max_length=20, choices=ApprovalKind, default=ApprovalKind.ACTION)
+    action = models.CharField(max_length=200)
+    summary = models.TextField(blank=True, default="")
+    payload = models.JSONField(null=True, blank=True)
+    status = models.CharField(max_length=20, choices=ApprovalStatus, default=ApprovalStatus.PENDING)
+    resolution = models.CharField(max_length=20, choices=Resolution, default="", blank=True)
+    resolution_output = models.JSONField(null=True, blank=True)
+    decided_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    decided_at = models.DateTimeField(null=True, blank=True)
+    comment = models.TextField(blank=True, default="")
+    expires_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["created_at"]
+        permissions = [("decide_approvalrequest", "Can approve or reject pending actions")]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["run", "step_key"], name="approvals_request_step_unique"
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=ApprovalStatus.values), name="approvals_request_status_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=["pending", "expired"]) | Q(decided_at__isnull=False),
+                name="approvals_request_decided_has_time",
+            ),
+            models.CheckConstraint(
+                condition=Q(kind="action", resolution="") | Q(kind="ambiguous"),
+                name="approvals_request_resolution_only_ambiguous",
+            ),
+        ]
+        indexes = [
+            # The inbox: pending requests, oldest first.
+            models.Index(
+                fields=["created_at"], condition=Q(status="pending"), name="approvals_pending_idx"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"#{self.pk} {self.action} ({self.status})"

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/stepguard_bench")
+DEFAULT_DB_NAME = "stepguard_bench"
+os.environ.setdefault("DATABASE_URL", f"postgres://postgres@127.0.0.1:5432/{DEFAULT_DB_NAME}")
 os.environ["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
 # DEBUG would make Django keep every query in memory (and slow each one down): keep it off.
 os.environ["DEBUG"] = "0"
@@ -242,11 +243,64 @@ def ensure_database(name: str) -> bool:
         return True
 
 
-def drop_database(name: str) -> None:
-    with psycopg.connect(**pg_params("postgres"), autocommit=True) as conn:
+def drop_database(name: str, url: str | None = None) -> None:
+    """Drop `name` on the server of `url` (default: the Stepguard database's server)."""
+    server = psycopg.connect(url, dbname="postgres", autocommit=True) if url else None
+    with server or psycopg.connect(**pg_params("postgres"), autocommit=True) as conn:
         conn.execute(
             sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
         )
+
+
+def schema_drift() -> list[str]:
+    """Tables and columns the models have but the database lacks: an edited migration that
+    `migrate` will not re-apply (the project still rewrites 0001_initial in place)."""
+    from django.apps import apps
+
+    missing = []
+    with connection.cursor() as cursor:
+        tables = set(connection.introspection.table_names(cursor))
+        for model in apps.get_models():
+            table = model._meta.db_table
+            if not model._meta.managed or model._meta.proxy:
+                continue
+            if table not in tables:
+                missing.append(table)
+                continue
+            columns = {
+                c.name for c in connection.introspection.get_table_description(cursor, table)
+            }
+            missing += [
+                f"{table}.{f.column}"
+                for f in model._meta.local_concrete_fields
+                if f.column not in columns
+            ]
+    return missing
+
+
+def prepare_database() -> str | None:
+    """Create and migrate the bench database; rebuild it if its schema is stale. Error or None."""
+    name = settings.DATABASES["default"]["NAME"]
+    if ensure_database(name):
+        progress(f"created database {name}")
+    progress("migrate")
+    call_command("migrate", verbosity=0, interactive=False)
+    drift = schema_drift()
+    if not drift:
+        return None
+    if name != DEFAULT_DB_NAME and os.environ.get("STEPGUARD_BENCH_REBUILD") != "1":
+        return (
+            f"database {name} lacks {', '.join(drift[:5])}{' ...' if len(drift) > 5 else ''} "
+            "after migrate (a migration was edited in place); set STEPGUARD_BENCH_REBUILD=1 to "
+            "drop and recreate it"
+        )
+    progress(f"stale schema ({', '.join(drift[:3])} missing): recreating database {name}")
+    connection.close()
+    drop_database(name)
+    ensure_database(name)
+    call_command("migrate", verbosity=0, interactive=False)
+    drift = schema_drift()
+    return f"schema still differs after rebuilding: {', '.join(drift[:5])}" if drift else None
 
 
 def delete_bench_rows() -> None:
@@ -436,11 +490,11 @@ def step_profile(claimer: WorkerProcess) -> dict[str, Any]:
     run = claimer.claim(1)[0]
     assert run.id == started.id
     profile = SqlProfile()
-    with CaptureQueriesContext(connection) as captured, profile.attached():
+    with profile.attached():
         t0 = time.perf_counter()
         execute(run, Lease(run.id, run.lease_epoch))
         wall = time.perf_counter() - t0
-    return {"profile": profile, "wall": wall, "captured": len(captured.captured_queries)}
+    return {"profile": profile, "wall": wall}
 
 
 RUN_PROFILE_REPS = 7
@@ -502,37 +556,6 @@ def throughput(threads: int) -> dict[str, Any]:
     return {"enqueue": enqueue, "drain": cpu.wall, **cpu.summary()}
 
 
-def bench_stepguard() -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    claimer = WorkerProcess(concurrency=1)
-    claimer.register()
-    try:
-        progress("Stepguard: warm-up")
-        run_long(claimer, WARMUP_STEPS)
-        samples, walls, first = [], [], None
-        for rep in range(LONG_REPS):
-            progress(f"Stepguard: {LONG_STEPS}-step workflow, repetition {rep + 1}/{LONG_REPS}")
-            gaps_, wall, run_id = run_long(claimer, LONG_STEPS)
-            samples += gaps_
-            walls.append(wall)
-            first = first or run_id
-        out["steps"], out["walls"] = samples, walls
-        progress(f"Stepguard: replaying {LONG_STEPS} completed steps x {REPLAY_REPS + 1}")
-        out["replay"] = replay(first, claimer.id)
-        progress(f"Stepguard: statement profile of a {PROFILE_STEPS}-step workflow")
-        out["profile"] = step_profile(claimer)
-        out["run_profile"] = run_profile(claimer)
-        for threads in THREAD_COUNTS:
-            progress(
-                f"Stepguard: {THROUGHPUT_RUNS} runs x {THROUGHPUT_STEPS} steps, {threads} thread(s)"
-            )
-            out[f"tp{threads}"] = throughput(threads)
-    finally:
-        claimer.stopping.set()
-        claimer.shutdown()
-    return out
-
-
 # -- 5. DBOS Transact --------------------------------------------------------------------------
 
 
@@ -546,126 +569,152 @@ def dbos_url(name: str) -> str:
     return f"postgresql://{auth}{'@' if auth else ''}{host}:{port}/{name}"
 
 
-def bench_dbos() -> dict[str, Any]:
-    out: dict[str, Any] = {"error": None}
-    try:
-        from dbos import DBOS, DBOSConfig
-    except ImportError as exc:
-        out["error"] = (
-            f"DBOS is not importable ({exc}); install it with .venv/bin/pip install -e '.[bench]'"
-        )
-        return out
-    out["version"] = metadata.version("dbos")
-    name = settings.DATABASES["default"]["NAME"] + "_dbos"
-    url = os.environ.get("STEPGUARD_BENCH_DBOS_URL") or dbos_url(name)
-    name = url.rsplit("/", 1)[-1].split("?")[0]
-    out["database"] = name
-    launched = False
-    try:
-        progress(f"DBOS {out['version']}: fresh database {name}, launch")
-        drop_database(name)  # DBOS creates it; a clean slate means no recovery of old runs
+class DbosBench:
+    """The same workloads on DBOS Transact, launched once in this process.
 
-        noop_step = DBOS.step(name="bench_noop")(noop)
-        finished = {"count": 0, "target": 0}
-        lock, all_done = threading.Lock(), threading.Event()
+    Any failure is kept in `out["error"]` and stops further DBOS measurements; the Stepguard
+    ones go on.
+    """
 
-        @DBOS.workflow(name="bench_long")
-        def dbos_long(n: int) -> int:
-            MARKS.append(time.perf_counter())
-            for i in range(n):
-                noop_step(i)
-                MARKS.append(time.perf_counter())
-            return n
+    IDLE_POLL = 1.0  # a drained queue's polling, while other things are measured
 
-        @DBOS.workflow(name="bench_short")
-        def dbos_short(n: int) -> int:
-            for i in range(n):
-                noop_step(i)
-            with lock:
-                finished["count"] += 1
-                if finished["count"] >= finished["target"]:
-                    all_done.set()
-            return n
+    def __init__(self) -> None:
+        self.out: dict[str, Any] = {"error": None}
+        self.launched = False
+        self.DBOS: Any = None
 
-        config: DBOSConfig = {
-            "name": "stepguard-bench",
-            "system_database_url": url,
-            "enable_otlp": False,  # no OTLP traces or logs exported anywhere
-            "log_level": "WARNING",
-            # No conductor_key / conductor_url: no websocket to DBOS Conductor.
-        }
-        out["offline"] = (
-            "enable_otlp=False, no conductor_key/conductor_url, DBOS* environment cleared"
-            + (f" ({', '.join(CLEARED_DBOS_ENV)})" if CLEARED_DBOS_ENV else "")
-        )
-        DBOS(config=config)
-        DBOS.launch()
-        launched = True
-        queues = {
-            n: DBOS.register_queue(
-                f"bench-{n}", worker_concurrency=0, polling_interval_sec=DBOS_QUEUE_POLL
+    @property
+    def ok(self) -> bool:
+        return self.launched and self.out["error"] is None
+
+    def fail(self, exc: BaseException) -> None:
+        self.out["error"] = f"{type(exc).__name__}: {exc}"
+        progress(f"DBOS failed: {self.out['error']}")
+
+    def start(self) -> None:
+        try:
+            from dbos import DBOS, DBOSConfig
+        except ImportError as exc:
+            self.out["error"] = (
+                f"DBOS is not importable ({exc}); install it with "
+                ".venv/bin/pip install -e '.[bench]'"
             )
-            for n in THREAD_COUNTS
-        }
+            return
+        self.DBOS = DBOS
+        self.out["version"] = metadata.version("dbos")
+        name = settings.DATABASES["default"]["NAME"] + "_dbos"
+        url = os.environ.get("STEPGUARD_BENCH_DBOS_URL") or dbos_url(name)
+        self.url, self.out["database"] = url, url.rsplit("/", 1)[-1].split("?")[0]
+        try:
+            progress(f"DBOS {self.out['version']}: fresh database {self.out['database']}, launch")
+            # DBOS recreates it: a clean slate, so no recovery of runs left by an earlier run.
+            drop_database(self.out["database"], url)
 
-        progress("DBOS: warm-up")
-        MARKS.clear()
-        dbos_long(WARMUP_STEPS)
-        samples, walls = [], []
-        for rep in range(LONG_REPS):
-            progress(f"DBOS: {LONG_STEPS}-step workflow, repetition {rep + 1}/{LONG_REPS}")
+            noop_step = DBOS.step(name="bench_noop")(noop)
+            self.finished = {"count": 0, "target": 0}
+            self.lock, self.all_done = threading.Lock(), threading.Event()
+
+            @DBOS.workflow(name="bench_long")
+            def dbos_long(n: int) -> int:
+                MARKS.append(time.perf_counter())
+                for i in range(n):
+                    noop_step(i)
+                    MARKS.append(time.perf_counter())
+                return n
+
+            @DBOS.workflow(name="bench_short")
+            def dbos_short(n: int) -> int:
+                for i in range(n):
+                    noop_step(i)
+                with self.lock:
+                    self.finished["count"] += 1
+                    if self.finished["count"] >= self.finished["target"]:
+                        self.all_done.set()
+                return n
+
+            self.dbos_long, self.dbos_short = dbos_long, dbos_short
+            config: DBOSConfig = {
+                "name": "stepguard-bench",
+                "system_database_url": url,
+                "enable_otlp": False,  # no OTLP traces or logs exported anywhere
+                "log_level": "WARNING",
+                # No conductor_key / conductor_url: no websocket to DBOS Conductor.
+            }
+            self.out["offline"] = (
+                "enable_otlp=False, no conductor_key/conductor_url, DBOS* environment cleared"
+                + (f" ({', '.join(CLEARED_DBOS_ENV)})" if CLEARED_DBOS_ENV else "")
+            )
+            DBOS(config=config)
+            DBOS.launch()
+            self.launched = True
+            MARKS.clear()
+            dbos_long(WARMUP_STEPS)
+        except Exception as exc:
+            self.fail(exc)
+
+    def long(self, steps: int) -> tuple[list[float], float] | None:
+        if not self.ok:
+            return None
+        try:
             MARKS.clear()
             t0 = time.perf_counter()
-            dbos_long(LONG_STEPS)
-            walls.append(time.perf_counter() - t0)
-            samples += gaps(MARKS)
-        out["steps"], out["walls"] = samples, walls
+            self.dbos_long(steps)
+            return gaps(MARKS), time.perf_counter() - t0
+        except Exception as exc:
+            self.fail(exc)
+            return None
 
-        with psycopg.connect(url, autocommit=True) as watch:
-            for threads in THREAD_COUNTS:
-                progress(
-                    f"DBOS: {THROUGHPUT_RUNS} runs x {THROUGHPUT_STEPS} steps through a queue, "
-                    f"worker_concurrency={threads}"
-                )
-                queue = queues[threads]
-                finished.update(count=0, target=THROUGHPUT_RUNS)
-                all_done.clear()
-                t0 = time.perf_counter()
-                handles = [
-                    queue.enqueue(dbos_short, THROUGHPUT_STEPS) for _ in range(THROUGHPUT_RUNS)
-                ]
-                enqueue = time.perf_counter() - t0
-                with CpuMeter() as cpu:
-                    queue.set_worker_concurrency(threads)  # the queue was paused at 0
-                    if not all_done.wait(DRAIN_TIMEOUT):
-                        raise RuntimeError(f"DBOS queue bench-{threads} did not drain")
-                    while True:  # the last workflow's status row is written after it returns
-                        (done,) = watch.execute(
-                            "SELECT count(*) FROM dbos.workflow_status "
-                            "WHERE queue_name = %s AND status = 'SUCCESS'",
-                            [f"bench-{threads}"],
-                        ).fetchone()
-                        if done >= THROUGHPUT_RUNS:
-                            break
-                        time.sleep(0.001)
-                queue.set_worker_concurrency(0)
-                results = [h.get_result() for h in handles]
-                if results != [THROUGHPUT_STEPS] * THROUGHPUT_RUNS:
-                    raise RuntimeError(f"DBOS queue bench-{threads}: unexpected results")
-                out[f"tp{threads}"] = {"enqueue": enqueue, "drain": cpu.wall, **cpu.summary()}
-
-        for threads in THREAD_COUNTS:
-            progress(
-                f"DBOS: {THROUGHPUT_RUNS} runs x {THROUGHPUT_STEPS} steps, direct calls "
-                f"on {threads} thread(s)"
+    def queue_throughput(self, threads: int) -> dict[str, Any] | None:
+        if not self.ok:
+            return None
+        try:
+            # Registered only now, so its worker thread polls at DBOS_QUEUE_POLL from the start
+            # (a queue's polling interval only decays slowly towards a lowered value), and
+            # paused (worker_concurrency=0) while we enqueue.
+            queue = self.DBOS.register_queue(
+                f"bench-{threads}", worker_concurrency=0, polling_interval_sec=DBOS_QUEUE_POLL
             )
+            self.finished.update(count=0, target=THROUGHPUT_RUNS)
+            self.all_done.clear()
+            t0 = time.perf_counter()
+            handles = [
+                queue.enqueue(self.dbos_short, THROUGHPUT_STEPS) for _ in range(THROUGHPUT_RUNS)
+            ]
+            enqueue = time.perf_counter() - t0
+            time.sleep(1.5)  # DBOS starts a queue's worker thread within a second of registration
+            with psycopg.connect(self.url, autocommit=True) as watch, CpuMeter() as cpu:
+                queue.set_worker_concurrency(threads)  # unpause
+                if not self.all_done.wait(DRAIN_TIMEOUT):
+                    raise RuntimeError(f"DBOS queue bench-{threads} did not drain")
+                while True:  # the last workflow's status row is written after it returns
+                    (done,) = watch.execute(
+                        "SELECT count(*) FROM dbos.workflow_status "
+                        "WHERE queue_name = %s AND status = 'SUCCESS'",
+                        [f"bench-{threads}"],
+                    ).fetchone()
+                    if done >= THROUGHPUT_RUNS:
+                        break
+                    time.sleep(0.001)
+            queue.set_worker_concurrency(0)
+            queue.set_polling_interval_sec(self.IDLE_POLL)  # stop loading the host from now on
+            if [h.get_result() for h in handles] != [THROUGHPUT_STEPS] * THROUGHPUT_RUNS:
+                raise RuntimeError(f"DBOS queue bench-{threads}: unexpected results")
+            return {"enqueue": enqueue, "drain": cpu.wall, **cpu.summary()}
+        except Exception as exc:
+            self.fail(exc)
+            return None
+
+    def direct_throughput(self, threads: int) -> dict[str, Any] | None:
+        if not self.ok:
+            return None
+
+        def call_until_done(tickets: Iterator[int]) -> None:
+            while next(tickets) < THROUGHPUT_RUNS:
+                self.dbos_short(THROUGHPUT_STEPS)
+
+        try:
+            self.finished.update(count=0, target=10**9)
             tickets = itertools.count()
-
-            def call_until_done(tickets: Iterator[int]) -> None:
-                while next(tickets) < THROUGHPUT_RUNS:
-                    dbos_short(THROUGHPUT_STEPS)
-
-            finished.update(count=0, target=10**9)
             pool = [
                 threading.Thread(target=call_until_done, args=(tickets,)) for _ in range(threads)
             ]
@@ -674,18 +723,73 @@ def bench_dbos() -> dict[str, Any]:
                     thread.start()
                 for thread in pool:
                     thread.join()
-            if finished["count"] != THROUGHPUT_RUNS:
-                raise RuntimeError(f"DBOS direct: {finished['count']} runs finished")
-            out[f"direct{threads}"] = {"enqueue": None, "drain": cpu.wall, **cpu.summary()}
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        if launched:
+            if self.finished["count"] != THROUGHPUT_RUNS:
+                raise RuntimeError(f"DBOS direct: {self.finished['count']} runs finished")
+            return {"enqueue": None, "drain": cpu.wall, **cpu.summary()}
+        except Exception as exc:
+            self.fail(exc)
+            return None
+
+    def close(self) -> None:
+        if self.launched:
             try:
-                DBOS.destroy(destroy_registry=True)
+                self.DBOS.destroy(destroy_registry=True)
             except Exception as exc:
                 progress(f"DBOS.destroy failed: {exc}")
-    return out
+
+
+# -- the driver: both engines, interleaved -----------------------------------------------------
+
+
+def run_all() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Stepguard alone (replay, profiles), then both engines turn by turn (per-step,
+    throughput), so drifting load on the host hits both alike."""
+    sg: dict[str, Any] = {"steps": [], "walls": []}
+    dbos = DbosBench()
+    claimer = WorkerProcess(concurrency=1)
+    claimer.register()
+    try:
+        # Stepguard-only measurements first, before DBOS's background threads share the process.
+        progress("Stepguard: warm-up")
+        run_long(claimer, WARMUP_STEPS)
+        progress(f"Stepguard: a {LONG_STEPS}-step run to replay")
+        *_, completed = run_long(claimer, LONG_STEPS)
+        progress(f"Stepguard: replaying {LONG_STEPS} completed steps x {REPLAY_REPS + 1}")
+        sg["replay"] = replay(completed, claimer.id)
+        progress(f"Stepguard: statement profile of a {PROFILE_STEPS}-step workflow")
+        sg["profile"] = step_profile(claimer)
+        sg["run_profile"] = run_profile(claimer)
+
+        # Then both engines, turn by turn.
+        dbos.start()
+        db = dbos.out
+        db.update(steps=[], walls=[])
+        for rep in range(1, LONG_REPS + 1):
+            progress(f"{LONG_STEPS}-step workflow, repetition {rep}/{LONG_REPS}: Stepguard")
+            samples, wall, _ = run_long(claimer, LONG_STEPS)
+            sg["steps"] += samples
+            sg["walls"].append(wall)
+            if dbos.ok:
+                progress(f"{LONG_STEPS}-step workflow, repetition {rep}/{LONG_REPS}: DBOS")
+                measured = dbos.long(LONG_STEPS)
+                if measured:
+                    db["steps"] += measured[0]
+                    db["walls"].append(measured[1])
+        for threads in THREAD_COUNTS:
+            what = f"{THROUGHPUT_RUNS} runs x {THROUGHPUT_STEPS} steps, {threads} thread(s)"
+            progress(f"{what}: Stepguard")
+            sg[f"tp{threads}"] = throughput(threads)
+            if dbos.ok:
+                progress(f"{what}: DBOS queue")
+                db[f"tp{threads}"] = dbos.queue_throughput(threads)
+            if dbos.ok:
+                progress(f"{what}: DBOS direct calls")
+                db[f"direct{threads}"] = dbos.direct_throughput(threads)
+    finally:
+        claimer.stopping.set()
+        claimer.shutdown()
+        dbos.close()
+    return sg, db
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -786,6 +890,10 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
             f"  Stepguard/DBOS per-step time: median {ratio(sg_med, db_med)}, "
             f"p99 {ratio(sg_p99, db_p99)} (below 1 = Stepguard faster)."
         )
+    w(
+        f"  Targets: Stepguard/DBOS median <= {TARGET_VS_DBOS:.2f}x, "
+        f"Stepguard median/floor <= {TARGET_VS_FLOOR:g}x (verdicts at the end)."
+    )
     w("")
 
     rp = sg["replay"]
@@ -803,6 +911,7 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
             ["what", "value"],
             [
                 ["median", ms(rp_med, 1)],
+                ["target", f"< {ms(TARGET_REPLAY_S, 0)}"],
                 ["min / max", f"{ms(min(rp['times']), 1)} / {ms(max(rp['times']), 1)}"],
                 ["per replayed step (median)", us(rp_med / LONG_STEPS)],
                 [
@@ -881,8 +990,8 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
         )
     )
     w(
-        f"  DBOS queue: paused (worker_concurrency=0) while enqueuing, then set to the thread "
-        f"count; polling_interval_sec={DBOS_QUEUE_POLL:g}."
+        f"  DBOS queue: registered with polling_interval_sec={DBOS_QUEUE_POLL:g} and paused "
+        "(worker_concurrency=0) while enqueuing, then set to the thread count."
     )
     w("  Stepguard: runs claimed by WorkerProcess.tick() in this thread, executed on its pool.")
     w("  Stepguard/this: Stepguard's runs/s at that thread count / this row's (above 1: faster).")
@@ -998,10 +1107,10 @@ def main() -> int:
     if db["ENGINE"] != "django.db.backends.postgresql":
         print(f"DATABASE_URL must point at PostgreSQL, not {db['ENGINE']}", file=sys.stderr)
         return 2
-    if ensure_database(db["NAME"]):
-        progress(f"created database {db['NAME']}")
-    progress("migrate")
-    call_command("migrate", verbosity=0, interactive=False)
+    error = prepare_database()
+    if error:
+        print(f"cannot benchmark: {error}", file=sys.stderr)
+        return 2
     delete_bench_rows()
     env = environment()
 
@@ -1015,10 +1124,7 @@ def main() -> int:
         MARKS_PLAIN.extend(gaps(MARKS))
 
     floor = measure_floor()
-    sg = bench_stepguard()
-    dbos = bench_dbos()
-    if dbos.get("error"):
-        progress(f"DBOS failed: {dbos['error']}")
+    sg, dbos = run_all()
     print(report(env, floor, sg, dbos, time.perf_counter() - started))
     return 0
 

@@ -72,3 +72,72 @@ class LeaseLost(ControlFlow):
 
 class Released(ControlFlow):
     """This worker is shutting down: release the run at the step boundary."""
+
+
+class Suspended(ControlFlow):
+    """The run waits (timer, signal, approval, child): it was released with a wake-up time."""
+
+
+class Cancelled(ControlFlow):
+    """An operator cancelled the run: compensations run, then it ends `cancelled`."""
+
+
+class WaitTimeout(StepguardError, TimeoutError):
+    code = "wait_timeout"
+
+
+class ApprovalRejected(StepguardError):
+    code = "approval_rejected"
+    retryable = False
+
+
+class ApprovalExpired(StepguardError):
+    code = "approval_expired"
+    retryable = False
+
+
+class ApprovalRevoked(StepguardError):
+    """The approval guarding a step was revoked after it was granted: the step did not start."""
+
+    code = "approval_revoked"
+    retryable = False
+
+
+class ChildFailed(StepguardError):
+    """A child run failed or was cancelled. Not retried at the parent: the child has retries."""
+
+    code = "child_failed"
+    retryable = False
+
+
+class OperatorFailed(StepguardError):
+    """A person decided an ambiguous step should fail the run."""
+
+    code = "operator_failed"
+    retryable = False
+
+
+class DecisionError(StepguardError, ValueError):
+    """A decision that cannot be taken: already decided, wrong kind, unknown request..."""
+
+    code = "decision_error"
+
+
+class OperationError(StepguardError, ValueError):
+    """An operator action that cannot be taken in the run's current state."""
+
+    code = "operation_error"
+
+
+#: Errors a workflow can catch from a step, rebuilt from their recorded `code` on replay.
+REPLAYED = {
+    cls.code: cls
+    for cls in (
+        WaitTimeout,
+        ApprovalRejected,
+        ApprovalExpired,
+        ApprovalRevoked,
+        ChildFailed,
+        OperatorFailed,
+    )
+}

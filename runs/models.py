@@ -50,6 +50,7 @@ class Recovery(models.TextChoices):
     NONE = "", "not recovered"
     RESENT = "resent", "re-sent with the same idempotency key"
     RECONCILED = "reconciled", "outcome looked up by its idempotency key"
+    CONFIRMED = "confirmed", "a person said it happened and recorded its outcome"
 
 
 class Worker(models.Model):
@@ -106,12 +107,17 @@ class Run(models.Model):
     tokens_out = models.BigIntegerField(default=0)
     cost_usd = models.DecimalField(max_digits=14, decimal_places=6, default=0)
 
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    cancel_requested_by = models.CharField(max_length=150, blank=True, default="")
+    cancel_reason = models.TextField(blank=True, default="")
+
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
+        permissions = [("cancel_run", "Can cancel runs (their compensations run)")]
         constraints = [
             models.UniqueConstraint(fields=["key"], name="runs_run_key_unique"),
             models.CheckConstraint(
@@ -127,9 +133,11 @@ class Run(models.Model):
             ),
         ]
         indexes = [
-            # Claim query, first half: pending runs whose wake_at has come.
+            # Claim query, first half: pending runs and waiting runs whose wake_at has come.
             models.Index(
-                fields=["wake_at"], condition=Q(status="pending"), name="runs_run_pending_wake_idx"
+                fields=["wake_at"],
+                condition=Q(status__in=["pending", "waiting"]),
+                name="runs_run_wake_idx",
             ),
             # Claim query, second half: running runs whose lease expired (crash recovery).
             models.Index(
@@ -167,6 +175,7 @@ class Step(models.Model):
     tokens_in = models.BigIntegerField(default=0)
     tokens_out = models.BigIntegerField(default=0)
     cost_usd = models.DecimalField(max_digits=14, decimal_places=6, default=0)
+    wake_at = models.DateTimeField(null=True, blank=True, help_text="timer or wait deadline")
     started_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True, blank=True)
 
@@ -215,3 +224,42 @@ class Event(models.Model):
 
     def __str__(self) -> str:
         return f"{self.run_id}#{self.seq} {self.type}"
+
+
+class Signal(models.Model):
+    """An external event sent to a run; consumed by at most one `wait_for_event` step."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="signals")
+    name = models.CharField(max_length=200)
+    payload = models.JSONField(null=True, blank=True)
+    sent_by = models.CharField(max_length=150, default="system")
+    created_at = models.DateTimeField()
+    consumed_by = models.CharField(max_length=255, blank=True, default="", help_text="step key")
+    consumed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run", "id"]
+        constraints = [
+            # A wait step consumes one signal at most, and a signal feeds one wait at most.
+            models.UniqueConstraint(
+                fields=["run", "consumed_by"],
+                condition=~Q(consumed_by=""),
+                name="runs_signal_consumed_once",
+            ),
+            models.CheckConstraint(
+                condition=Q(consumed_by="", consumed_at__isnull=True)
+                | (~Q(consumed_by="") & Q(consumed_at__isnull=False)),
+                name="runs_signal_consumed_consistent",
+            ),
+        ]
+        indexes = [
+            # wait_for_event: the oldest unconsumed signal of a name for a run.
+            models.Index(
+                fields=["run", "name", "id"],
+                condition=Q(consumed_at__isnull=True),
+                name="runs_signal_unconsumed_idx",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} -> {self.run_id}"

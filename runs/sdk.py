@@ -19,22 +19,39 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from runs.engine import registry
-from runs.engine.executor import NOT_FOUND, RetryPolicy, RunContext, append_event
+from runs.engine.executor import NOT_FOUND, Decision, RetryPolicy, RunContext
 from runs.engine.serialization import to_json
-from runs.engine.wakeup import notify_runnable
+from runs.engine.store import create_run, run_event
 from runs.errors import (
+    ApprovalExpired,
+    ApprovalRejected,
+    ApprovalRevoked,
+    ChildFailed,
+    DecisionError,
     NonDeterminismError,
+    OperationError,
+    OperatorFailed,
     OutputNotSerializable,
     StepFailed,
     StepguardError,
     StepMisuse,
     UnknownWorkflow,
+    WaitTimeout,
 )
-from runs.models import Run
+from runs.models import Run, Signal
+from runs.operations import cancel_run, lock_run
 
 __all__ = [
     "NOT_FOUND",
+    "ApprovalExpired",
+    "ApprovalRejected",
+    "ApprovalRevoked",
+    "ChildFailed",
+    "Decision",
+    "DecisionError",
     "NonDeterminismError",
+    "OperationError",
+    "OperatorFailed",
     "OutputNotSerializable",
     "RetryPolicy",
     "RunContext",
@@ -42,7 +59,10 @@ __all__ = [
     "StepMisuse",
     "StepguardError",
     "UnknownWorkflow",
+    "WaitTimeout",
+    "cancel_run",
     "get_run",
+    "send_signal",
     "start_run",
     "wait_for_run",
     "workflow",
@@ -87,17 +107,13 @@ def start_run(
     fields: dict[str, Any] = {"max_attempts": max_attempts} if max_attempts else {}
     try:
         with transaction.atomic():
-            run = Run.objects.create(
+            run = create_run(
                 workflow=definition.name,
                 version=definition.version,
                 input=data,
                 key=key,
-                wake_at=timezone.now(),
-                event_seq=1,
                 **fields,
             )
-            append_event(run.id, 1, "run.created", workflow=definition.ref, key=key)
-            transaction.on_commit(notify_runnable)
     except IntegrityError:
         existing = Run.objects.filter(key=key).first() if key is not None else None
         if existing is None:
@@ -111,6 +127,28 @@ def start_run(
         return existing
     run.was_created = True
     return run
+
+
+def send_signal(run_id: str | UUID, name: str, payload: Any = None, *, sent_by: str = "system"):
+    """Deliver signal `name` to a run; the next `ctx.wait_for_event(..., name)` consumes it.
+
+    A signal sent before the run reaches its wait is kept until then. Raises OperationError for
+    an unknown or finished run (nothing would ever consume it).
+    """
+    if not isinstance(name, str) or not 0 < len(name) <= 200:
+        raise OperationError("a signal name is a string of 1 to 200 characters")
+    data = to_json(payload, what=f"the payload of signal {name!r}")
+    with transaction.atomic():
+        run = lock_run(run_id)
+        if run.is_terminal:
+            raise OperationError(f"run {run_id} is {run.status}; a signal would never be consumed")
+        signal = Signal.objects.create(
+            run_id=run.pk, name=name, payload=data, sent_by=sent_by, created_at=timezone.now()
+        )
+        run_event(
+            run.pk, "signal.received", wake=True, actor=sent_by, name=name, signal_id=signal.pk
+        )
+    return signal
 
 
 def get_run(run_id: str | UUID) -> Run:

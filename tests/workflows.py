@@ -142,3 +142,94 @@ def many(ctx: RunContext, input: dict):
     if input.get("crash"):
         raise Crash("after all steps")
     return input["steps"]
+
+
+# -- durable waits ---------------------------------------------------------------------------
+
+
+@workflow("sleeper")
+def sleeper(ctx: RunContext, input: dict):
+    ctx.step("before", effect, ctx, "before")
+    ctx.sleep("nap", input["seconds"])
+    return ctx.step("after", effect, ctx, "after")
+
+
+@workflow("waiter")
+def waiter(ctx: RunContext, input: dict):
+    from runs.sdk import WaitTimeout
+
+    try:
+        payload = ctx.wait_for_event("wait", "go", timeout=input.get("timeout"))
+    except WaitTimeout:
+        payload = "timed out"
+    ctx.step("after", effect, ctx, "after")
+    return payload
+
+
+@workflow("two-waits")
+def two_waits(ctx: RunContext, input):
+    return [ctx.wait_for_event("first", "item"), ctx.wait_for_event("second", "item")]
+
+
+@workflow("approver")
+def approver(ctx: RunContext, input: dict):
+    from runs.sdk import ApprovalExpired, ApprovalRejected
+
+    try:
+        decision = ctx.approval(
+            "ok",
+            action="charge card",
+            summary=f"charge {input['amount']} EUR",
+            payload={"amount": input["amount"]},
+            timeout=input.get("timeout"),
+        )
+    except (ApprovalRejected, ApprovalExpired) as exc:
+        return f"refused: {exc}"
+    if input.get("cooling_off"):
+        ctx.sleep("cooling-off", input["cooling_off"])
+    ctx.step("charge", effect, ctx, "charge", approval=decision)
+    return {"approved_by": decision.decided_by, "comment": decision.comment}
+
+
+@workflow("asker")
+def asker(ctx: RunContext, input):
+    booked = ctx.step("book", effect, ctx, "book", {"ref": "B1"}, on_ambiguous="ask")
+    return booked
+
+
+@workflow("parent")
+def parent(ctx: RunContext, input: dict):
+    from runs.sdk import ChildFailed
+
+    try:
+        results = ctx.children(
+            [(f"c{i}", input.get("child", "ledger"), {"steps": input.get("steps", 2)})
+             for i in range(input["n"])]
+        )  # fmt: skip
+    except ChildFailed as exc:
+        return f"child failed: {exc}"
+    ctx.step("after", effect, ctx, "after")
+    return results
+
+
+@workflow("saga")
+def saga(ctx: RunContext, input: dict):
+    def undo(label):
+        return lambda output: effect(ctx, f"undo-{label}", sleep=input.get("undo_sleep", 0))
+
+    ctx.step("reserve", effect, ctx, "reserve", compensate=undo("reserve"))
+    ctx.step("charge", effect, ctx, "charge", compensate=undo("charge"))
+    ctx.step("email", effect, ctx, "email")  # nothing to undo
+    if input.get("fail"):
+        ctx.step("ship", lambda: 1 / 0, retry=NO_RETRY)
+    return ctx.wait_for_event("wait", "confirm")
+
+
+@workflow("patchy")
+def patchy(ctx: RunContext, input):
+    first = ctx.step("a", effect, ctx, "a")
+    if variant.get("patched") and ctx.patched("better-b"):
+        second = ctx.step("b2", effect, ctx, "b2")
+    else:
+        second = ctx.step("b", effect, ctx, "b")
+    return [first, second]

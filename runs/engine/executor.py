@@ -2,41 +2,57 @@
 
 A worker runs the workflow function from the top. Each step takes the next `seq`; a completed
 checkpoint hands back its stored output and the function never runs. Every write goes through
-`_fence`, one UPDATE of the run row that checks the lease epoch, allocates event sequence
+`store.fence`, one UPDATE of the run row that checks the lease epoch, allocates event sequence
 numbers and row-locks the run for the rest of the transaction, so a worker whose lease was
 taken over can never write again.
+
+Waits (timers, signals, approvals, child runs) are steps too: a `waiting` row, the run set
+`waiting` with a wake-up time, the lease given up, all in one transaction, then `Suspended` is
+raised to unwind the workflow. Whatever satisfies the wait wakes the run through its row.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import threading
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, NoReturn
 from uuid import UUID
 
 from django.conf import settings
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs.engine import registry
 from runs.engine.serialization import describe_input, to_json
+from runs.engine.store import Lease, append_event, create_run, fence, run_event
 from runs.errors import (
+    REPLAYED,
+    ApprovalExpired,
+    ApprovalRejected,
+    ApprovalRevoked,
+    Cancelled,
+    ChildFailed,
     ControlFlow,
     LeaseLost,
     NonDeterminismError,
+    OperatorFailed,
     OutputNotSerializable,
     Released,
     StepFailed,
     StepguardError,
     StepMisuse,
+    Suspended,
+    WaitTimeout,
 )
-from runs.models import Event, Recovery, Run, RunStatus, Step, StepKind, StepStatus
+from runs.models import Recovery, Run, RunStatus, Signal, Step, StepKind, StepStatus
+
+__all__ = ["NOT_FOUND", "Decision", "Lease", "RetryPolicy", "RunContext", "execute", "release"]
 
 log = logging.getLogger("stepguard.executor")
 
@@ -90,14 +106,31 @@ class RetryPolicy:
 DEFAULT_RETRY = RetryPolicy()
 
 
-@dataclass
-class Lease:
-    """A worker's hold on one run; `lost` is set by the heartbeat or a refused write."""
+@dataclass(frozen=True)
+class Decision:
+    """A granted approval, as `ctx.approval(...)` returns it (and replays it)."""
 
-    run_id: UUID
-    epoch: int
-    stopping: threading.Event = field(default_factory=threading.Event)
-    lost: threading.Event = field(default_factory=threading.Event)
+    approval_id: int
+    decided_by: str
+    decided_at: datetime
+    comment: str
+
+    def as_json(self) -> dict:
+        return {
+            "approval_id": self.approval_id,
+            "decided_by": self.decided_by,
+            "decided_at": self.decided_at.isoformat(),
+            "comment": self.comment,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Decision:
+        return cls(
+            data["approval_id"],
+            data["decided_by"],
+            datetime.fromisoformat(data["decided_at"]),
+            data["comment"],
+        )
 
 
 def error_record(exc: BaseException) -> dict:
@@ -109,49 +142,34 @@ def error_record(exc: BaseException) -> dict:
     return record
 
 
-def _fence_sql(progress: bool) -> str:
-    extra = ", recoveries = 0" if progress else ""
-    return (
-        f"UPDATE {Run._meta.db_table} SET event_seq = event_seq + %s{extra} "
-        "WHERE id = %s AND lease_epoch = %s AND status = %s RETURNING event_seq"
-    )
+def _brief(exc: BaseException) -> dict:
+    return {"type": type(exc).__name__, "message": str(exc)[:500]}
 
 
-_FENCE = _fence_sql(False)
-_FENCE_PROGRESS = _fence_sql(True)
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, OutputNotSerializable):
+        return False
+    return not (isinstance(exc, StepguardError) and not exc.retryable)
 
 
-def fence(lease: Lease, events: int = 1, *, progress: bool = False) -> int:
-    """Check we still own the run and reserve `events` event seqs; return the first.
-
-    Must run inside a transaction: the UPDATE row-locks the run until commit, so a concurrent
-    claim (which bumps the epoch) is ordered before or after this whole write, never inside it.
-    """
-    pk = Run._meta.pk.get_db_prep_value(lease.run_id, connection)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            _FENCE_PROGRESS if progress else _FENCE, [events, pk, lease.epoch, RunStatus.RUNNING]
-        )
-        row = cursor.fetchone()
-    if row is None:
-        lease.lost.set()
-        raise LeaseLost(f"run {lease.run_id}: lease epoch {lease.epoch} is no longer current")
-    return row[0] - events + 1
+def _as_timedelta(value: float | timedelta, what: str) -> timedelta:
+    delta = value if isinstance(value, timedelta) else timedelta(seconds=value)
+    if delta < timedelta(0):
+        raise StepMisuse(f"{what} cannot be negative")
+    return delta
 
 
-def append_event(run_id, seq: int, type: str, step_key: str = "", **payload) -> Event:
-    return Event.objects.create(
-        run_id=run_id,
-        seq=seq,
-        type=type,
-        step_key=step_key,
-        payload=payload,
-        created_at=timezone.now(),
-    )
+@dataclass
+class _Child:
+    key: str
+    seq: int
+    record: Step | None
+    workflow: str
+    input: Any
 
 
 class RunContext:
-    """What a workflow function receives: the only door to durable steps.
+    """What a workflow function receives: the only door to durable steps and waits.
 
     Workflow code between steps re-runs on every resume, so it must be deterministic: take the
     time, randomness and ids from `ctx.now()`, `ctx.random()` and `ctx.uuid()`.
@@ -169,8 +187,11 @@ class RunContext:
         self._occurrences: dict[str, int] = {}
         self._in_step: str | None = None
         self._idempotency_key: str | None = None
+        self._cancel_requested = run.cancel_requested_at is not None
+        self._compensations: list[tuple[str, Callable, Any]] = []
+        self._compensating = False
 
-    # -- public API -------------------------------------------------------------------------
+    # -- steps --------------------------------------------------------------------------------
 
     @property
     def idempotency_key(self) -> str:
@@ -191,6 +212,9 @@ class RunContext:
         *args: Any,
         retry: RetryPolicy | None = None,
         reconcile: Callable[[str], Any] | None = None,
+        on_ambiguous: str = "resend",
+        compensate: Callable[[Any], Any] | None = None,
+        approval: Decision | None = None,
         kind: str = StepKind.CALL,
         **kwargs: Any,
     ) -> Any:
@@ -198,53 +222,57 @@ class RunContext:
 
         On replay a completed step returns its recorded output without calling `fn`. A key
         used again in the same execution becomes `key#2`, `key#3`... A step found `started`
-        (its worker died mid-call) is re-sent with the same idempotency key, or, if
-        `reconcile` is given, `reconcile(idempotency_key)` is asked first: it returns the
-        outcome it found, or `NOT_FOUND` to have the call sent again. `retry`, `reconcile`
-        and `kind` are options of the step, never passed to `fn`.
+        (its worker died mid-call) is re-sent with the same idempotency key; with `reconcile`,
+        `reconcile(idempotency_key)` is asked first and returns the outcome it found or
+        `NOT_FOUND`; with `on_ambiguous="ask"` a person decides. `compensate(output)` undoes
+        the step if the run is cancelled or finally fails. With `approval=decision`, the step
+        starts only if that approval still stands, checked in the transaction that starts it.
+        The keyword options are never passed to `fn`.
         """
+        if on_ambiguous not in ("resend", "ask"):
+            raise StepMisuse("on_ambiguous must be 'resend' or 'ask'")
         key, seq, record = self._enter(key)
         if record is not None and record.status == StepStatus.COMPLETED:
-            return record.output
-        policy = retry or DEFAULT_RETRY
+            return self._remember(key, compensate, record.output)
         idem = f"{self.run_id}:{key}"
         ambiguous = record is not None and record.status == StepStatus.STARTED
-        if ambiguous and reconcile is not None:
-            found = self._reconcile(record, reconcile, idem)
+        if ambiguous and (reconcile is not None or on_ambiguous == "ask"):
+            found = (
+                self._reconcile(record, reconcile, idem)
+                if reconcile is not None
+                else self._ask(record, idem)
+            )
             if found is not NOT_FOUND:
-                return found
-        if record is None:
+                return self._remember(key, compensate, found)
+        try:
             with transaction.atomic():
-                event_seq = fence(self._lease)
-                now = timezone.now()
-                record = Step.objects.create(
-                    run_id=self._lease.run_id,
-                    seq=seq,
-                    key=key,
-                    kind=kind,
-                    status=StepStatus.STARTED,
-                    input=describe_input(args, kwargs),
-                    idempotency_key=idem,
-                    run_attempt=self.attempt,
-                    started_at=now,
-                )
-                append_event(self._lease.run_id, event_seq, "step.started", key, attempt=1)
-            attempt = 1
-        else:
-            attempt = record.attempt + 1
-            fields: dict[str, Any] = {
-                "status": StepStatus.STARTED,
-                "attempt": attempt,
-                "run_attempt": self.attempt,
-                "error": None,
-                "finished_at": None,
-            }
-            payload: dict[str, Any] = {"attempt": attempt}
-            if ambiguous:
-                fields["recovered"] = Recovery.RESENT
-                payload["recovered"] = Recovery.RESENT
-            self._write(record.pk, key, "step.started", payload, **fields)
-        return self._call(record.pk, key, idem, fn, args, kwargs, policy, attempt)
+                event_seq = fence(self._lease, starting=self._starting)
+                self._check_approval(approval)
+                if record is None:
+                    attempt = 1
+                    record = self._new_step(
+                        seq, key, kind, StepStatus.STARTED, input=describe_input(args, kwargs)
+                    )
+                    payload: dict[str, Any] = {"attempt": 1}
+                else:
+                    attempt = record.attempt + 1
+                    fields: dict[str, Any] = {
+                        "status": StepStatus.STARTED,
+                        "attempt": attempt,
+                        "run_attempt": self.attempt,
+                        "error": None,
+                        "finished_at": None,
+                    }
+                    payload = {"attempt": attempt}
+                    if ambiguous:
+                        fields["recovered"] = payload["recovered"] = Recovery.RESENT
+                    Step.objects.filter(pk=record.pk).update(**fields)
+                append_event(self._lease.run_id, event_seq, "step.started", key, **payload)
+        except ApprovalRevoked as exc:
+            step_pk = record.pk if record is not None else None
+            self._record_failure(step_pk, seq, key, idem, kind, 1, exc)
+        output = self._call(record.pk, key, idem, fn, args, kwargs, retry or DEFAULT_RETRY, attempt)
+        return self._remember(key, compensate, output)
 
     def transaction(
         self, key: str, fn: Callable, /, *args: Any, retry: RetryPolicy | None = None, **kwargs: Any
@@ -265,7 +293,7 @@ class RunContext:
             tries += 1
             try:
                 with transaction.atomic():
-                    event_seq = fence(self._lease, progress=True)
+                    event_seq = fence(self._lease, progress=True, starting=self._starting)
                     value = self._invoke(key, idem, fn, args, kwargs)
                     output = to_json(value, what=f"the output of step {key!r}")
                     now = timezone.now()
@@ -297,17 +325,14 @@ class RunContext:
             except ControlFlow:
                 raise
             except Exception as exc:
-                retry_it = not isinstance(exc, OutputNotSerializable) and policy.retries(exc)
-                if retry_it and tries < policy.max_attempts:
+                if _retryable(exc) and policy.retries(exc) and tries < policy.max_attempts:
                     self._note_retry(key, tries, exc, policy)
                     continue
                 step_pk = record.pk if record is not None else None
                 self._record_failure(step_pk, seq, key, idem, StepKind.TRANSACTION, tries, exc)
 
-    def now(self):
+    def now(self) -> datetime:
         """The current time, recorded once: replay sees the same instant."""
-        from datetime import datetime
-
         return datetime.fromisoformat(self.step("now", lambda: timezone.now().isoformat()))
 
     def random(self) -> float:
@@ -320,7 +345,270 @@ class RunContext:
 
         return UUID(self.step("uuid", lambda: str(uuid.uuid4())))
 
-    # -- internals --------------------------------------------------------------------------
+    def patched(self, change_id: str) -> bool:
+        """True where new code may take its new path; False for a run that recorded the old one.
+
+        Wrap a change to a running workflow: `if ctx.patched("use-v2-search"): new() else:
+        old()`. A run whose history already holds a different step at this position replays
+        the old path; any other run records a marker and takes the new path from here on.
+        """
+        key = f"patch:{change_id}"
+        record = self._history.get(self._seq)
+        if record is not None:
+            if record.key != key:
+                return False
+            self._seq += 1
+            return True
+        with transaction.atomic():
+            event_seq = fence(self._lease, starting=self._starting)
+            now = timezone.now()
+            self._new_step(self._seq, key, StepKind.CALL, StepStatus.COMPLETED, finished_at=now)
+            append_event(self._lease.run_id, event_seq, "step.completed", key, patch=change_id)
+        self._seq += 1
+        return True
+
+    # -- waits --------------------------------------------------------------------------------
+
+    def sleep(self, key: str, duration: float | timedelta) -> None:
+        """Wait `duration` (seconds or a timedelta) without holding a worker.
+
+        The deadline is fixed when the step is first reached, so a resume after a crash waits
+        only for what is left of it.
+        """
+        delta = _as_timedelta(duration, "a sleep")
+        self._timer(key, lambda now: now + delta)
+
+    def sleep_until(self, key: str, when: datetime) -> None:
+        """Wait until `when` (a timezone-aware datetime) without holding a worker."""
+        if timezone.is_naive(when):
+            raise StepMisuse("ctx.sleep_until needs a timezone-aware datetime")
+        self._timer(key, lambda now: when)
+
+    def wait_for_event(self, key: str, name: str, *, timeout: float | timedelta | None = None):
+        """Return the payload of the next signal `name` sent to this run.
+
+        A signal sent before the run gets here is kept and delivered; each signal is consumed
+        by one wait. After `timeout` (from when the wait was first reached) raises WaitTimeout.
+        """
+        delta = None if timeout is None else _as_timedelta(timeout, "a timeout")
+        key, seq, record = self._enter(key)
+        if record is not None and record.status == StepStatus.COMPLETED:
+            return record.output
+        timed_out = False
+        with transaction.atomic():
+            event_seq, now = self._wait_fence()
+            if record is None:
+                record = self._new_step(
+                    seq, key, StepKind.EVENT, StepStatus.WAITING,
+                    input={"signal": name}, wake_at=None if delta is None else now + delta,
+                )  # fmt: skip
+            signal = (
+                Signal.objects.filter(
+                    run_id=self._lease.run_id, name=name, consumed_at__isnull=True
+                )
+                .order_by("id")
+                .first()
+            )
+            if signal is not None:
+                Signal.objects.filter(pk=signal.pk).update(consumed_by=key, consumed_at=now)
+                self._settle(record, event_seq, now, output=signal.payload, signal_id=signal.pk)
+                return signal.payload
+            if record.wake_at is not None and record.wake_at <= now:
+                error = WaitTimeout(
+                    f"no signal {name!r} arrived before {record.wake_at:%Y-%m-%d %H:%M:%S}"
+                )
+                self._settle(record, event_seq, now, error=error)
+                timed_out = True
+            else:
+                append_event(
+                    self._lease.run_id, event_seq, "signal.waiting", key, name=name,
+                    timeout_at=record.wake_at.isoformat() if record.wake_at else None,
+                )  # fmt: skip
+                self._suspend(record.wake_at)
+        if timed_out:
+            raise error
+        raise Suspended(f"waiting for signal {name!r}")
+
+    def approval(
+        self,
+        key: str,
+        *,
+        action: str,
+        summary: str = "",
+        payload: Any = None,
+        timeout: float | timedelta | None = None,
+    ) -> Decision:
+        """Ask a person to approve `action` and wait for the decision without holding a worker.
+
+        Returns the Decision when approved; raises ApprovalRejected or, after `timeout`,
+        ApprovalExpired. Pass the decision to the guarded step (`ctx.step(..., approval=d)`)
+        so it re-checks, as it starts, that the approval was not revoked since.
+        """
+        delta = None if timeout is None else _as_timedelta(timeout, "a timeout")
+        key, seq, record = self._enter(key)
+        if record is not None and record.status == StepStatus.COMPLETED:
+            return Decision.from_json(record.output)
+        if not action or len(action) > 200:
+            raise StepMisuse("an approval needs an action of 1 to 200 characters")
+        data = to_json(payload, what=f"the payload of approval {key!r}")
+        error: StepguardError | None = None
+        with transaction.atomic():
+            event_seq, now = self._wait_fence()
+            if record is None:
+                expires = None if delta is None else now + delta
+                record = self._new_step(
+                    seq, key, StepKind.APPROVAL, StepStatus.WAITING,
+                    input={"action": action, "summary": summary}, wake_at=expires,
+                )  # fmt: skip
+                request = ApprovalRequest.objects.create(
+                    run_id=self._lease.run_id,
+                    step_key=key,
+                    action=action,
+                    summary=summary,
+                    payload=data,
+                    expires_at=expires,
+                )
+                append_event(
+                    self._lease.run_id, event_seq, "approval.requested", key,
+                    approval_id=request.pk, action=action,
+                    expires_at=expires.isoformat() if expires else None,
+                )  # fmt: skip
+                self._suspend(expires)
+            else:
+                request = ApprovalRequest.objects.select_related("decided_by").get(
+                    run_id=self._lease.run_id, step_key=key
+                )
+                outcome = self._approval_outcome(request, now)
+                if isinstance(outcome, Decision):
+                    self._settle(record, event_seq, now, output=outcome.as_json())
+                    return outcome
+                if outcome is None:
+                    append_event(
+                        self._lease.run_id, event_seq, "approval.waiting", key,
+                        approval_id=request.pk,
+                    )  # fmt: skip
+                    self._suspend(request.expires_at)
+                else:
+                    error = outcome
+                    self._settle(record, event_seq, now, error=error)
+        if error is not None:
+            raise error
+        raise Suspended(f"waiting for approval of {action!r}")
+
+    @staticmethod
+    def _approval_outcome(request: ApprovalRequest, now: datetime):
+        """The decision, the error to raise, or None while it is still pending."""
+        if request.status == ApprovalStatus.PENDING:
+            if request.expires_at is None or request.expires_at > now:
+                return None
+            ApprovalRequest.objects.filter(pk=request.pk, status=ApprovalStatus.PENDING).update(
+                status=ApprovalStatus.EXPIRED
+            )
+            request.status = ApprovalStatus.EXPIRED
+        who = request.decided_by.get_username() if request.decided_by else "nobody"
+        action = request.action
+        if request.status == ApprovalStatus.APPROVED:
+            return Decision(request.pk, who, request.decided_at, request.comment)
+        if request.status == ApprovalStatus.EXPIRED:
+            return ApprovalExpired(f"approval #{request.pk} for {action!r} expired undecided")
+        if request.status == ApprovalStatus.REVOKED:
+            return ApprovalRevoked(f"approval #{request.pk} for {action!r} was revoked by {who}")
+        note = f": {request.comment}" if request.comment else ""
+        return ApprovalRejected(f"{who} rejected {action!r} (approval #{request.pk}){note}")
+
+    def child(self, key: str, workflow: str, input: Any = None) -> Any:
+        """Start a child run (at most once: its identity is this run plus `key`) and wait for
+        its result without holding a worker. Raises ChildFailed if it fails or is cancelled."""
+        return self.children([(key, workflow, input)])[0]
+
+    def children(self, specs: Iterable[tuple[str, str, Any]]) -> list[Any]:
+        """Start several child runs at once and wait for all (fan-out, fan-in).
+
+        `specs` are `(key, workflow, input)`; results come back in the same order. The first
+        failed child (in that order) raises ChildFailed.
+        """
+        entries = []
+        for key, workflow, child_input in specs:
+            key, seq, record = self._enter(key)
+            entries.append(_Child(key, seq, record, workflow, child_input))
+        if all(e.record is not None and e.record.status == StepStatus.COMPLETED for e in entries):
+            return [e.record.output for e in entries]
+        plans = {}
+        for e in entries:
+            if e.record is None:
+                definition = registry.get(e.workflow)
+                plans[e.key] = (definition, to_json(e.input, what=f"the input of child {e.key!r}"))
+        failure: ChildFailed | None = None
+        with transaction.atomic():
+            event_seq, now = self._wait_fence()
+            events: list[tuple[str, str, dict]] = []
+            for e in entries:
+                if e.key in plans:
+                    definition, data = plans[e.key]
+                    child = create_run(
+                        workflow=definition.name,
+                        version=definition.version,
+                        input=data,
+                        key=f"{self.run_id}:{e.key}",
+                        parent_id=self._lease.run_id,
+                    )
+                    e.record = self._new_step(
+                        e.seq, e.key, StepKind.CHILD, StepStatus.WAITING,
+                        input={"workflow": definition.ref, "run_id": str(child.id)},
+                    )  # fmt: skip
+                    events.append(("child.started", e.key, {"child": str(child.id)}))
+            keys = {
+                f"{self.run_id}:{e.key}": e
+                for e in entries
+                if e.record.status != StepStatus.COMPLETED
+            }
+            waiting = False
+            for child in Run.objects.filter(key__in=keys).only(
+                "id", "key", "status", "output", "error"
+            ):
+                e = keys[child.key]
+                if child.status == RunStatus.COMPLETED:
+                    Step.objects.filter(pk=e.record.pk).update(
+                        status=StepStatus.COMPLETED, output=child.output, finished_at=now
+                    )
+                    e.record.status, e.record.output = StepStatus.COMPLETED, child.output
+                    events.append(("step.completed", e.key, {"child": str(child.id)}))
+                elif child.status in (RunStatus.FAILED, RunStatus.CANCELLED):
+                    message = (child.error or {}).get("message", child.status)
+                    error = ChildFailed(f"child run {child.id} ({e.key}) {child.status}: {message}")
+                    Step.objects.filter(pk=e.record.pk).update(
+                        status=StepStatus.FAILED,
+                        error={**error.as_record(), "child": str(child.id)},
+                        run_attempt=self.attempt,
+                        finished_at=now,
+                    )
+                    e.record.status = StepStatus.FAILED
+                    events.append(
+                        ("step.failed", e.key, {"child": str(child.id), "error": _brief(error)})
+                    )
+                else:
+                    waiting = True
+            failed = [e for e in entries if e.record.status == StepStatus.FAILED]
+            if failed:
+                failure = ChildFailed(Step.objects.get(pk=failed[0].record.pk).error["message"])
+            elif waiting:
+                pending = sum(1 for e in entries if e.record.status == StepStatus.WAITING)
+                events.append(("children.waiting", "", {"pending": pending}))
+            self._append_events(event_seq, events)  # needs the lease: before _suspend
+            if waiting and not failed:
+                self._suspend(None)
+        if failure is not None:
+            raise failure
+        if waiting:
+            raise Suspended("waiting for child runs")
+        return [e.record.output for e in entries]
+
+    # -- internals ----------------------------------------------------------------------------
+
+    @property
+    def _starting(self) -> bool:
+        # Compensations run after a cancel was requested; every other step is refused then.
+        return not self._compensating
 
     def _enter(self, key: str) -> tuple[str, int, Step | None]:
         if self._in_step is not None:
@@ -339,19 +627,66 @@ class RunContext:
         seq = self._seq
         self._seq += 1
         record = self._history.get(seq)
+        if record is not None and record.key == key and record.status == StepStatus.COMPLETED:
+            return key, seq, record
+        if self._cancel_requested and not self._compensating:
+            raise Cancelled("cancel requested")
         if record is not None:
             if record.key != key:
                 raise NonDeterminismError(seq=seq, recorded=record.key, requested=key)
             if record.status == StepStatus.FAILED and record.run_attempt == self.attempt:
-                error = record.error or {}
-                raise StepFailed(key, error, retryable=error.get("retryable", True))
-            if record.status == StepStatus.COMPLETED:
-                return key, seq, record
+                self._raise_recorded(key, record.error or {})
         if self._lease.lost.is_set():
             raise LeaseLost(f"run {self.run_id}: lease lost")
         if self._lease.stopping.is_set():
             raise Released("worker shutting down")
         return key, seq, record
+
+    @staticmethod
+    def _raise_recorded(key: str, error: dict) -> NoReturn:
+        cls = REPLAYED.get(error.get("code"))
+        if cls is not None:
+            raise cls(error.get("message", ""))
+        raise StepFailed(key, error, retryable=error.get("retryable", True))
+
+    def _new_step(self, seq: int, key: str, kind: str, status: str, **fields) -> Step:
+        return Step.objects.create(
+            run_id=self._lease.run_id,
+            seq=seq,
+            key=key,
+            kind=kind,
+            status=status,
+            idempotency_key=f"{self.run_id}:{key}",
+            run_attempt=self.attempt,
+            started_at=timezone.now(),
+            **fields,
+        )
+
+    def _remember(self, key: str, compensate: Callable | None, output: Any) -> Any:
+        if compensate is not None:
+            self._compensations.append((key, compensate, output))
+        return output
+
+    def _compensate(self) -> list[str]:
+        """Run the compensations of completed steps, newest first, each one a step itself."""
+        self._compensating = True
+        done = []
+        for key, undo, output in reversed(self._compensations):
+            self.step(f"undo:{key}", undo, output)
+            done.append(key)
+        return done
+
+    def _check_approval(self, decision: Decision | None) -> None:
+        if decision is None:
+            return
+        approval_id = decision.approval_id if isinstance(decision, Decision) else int(decision)
+        stands = ApprovalRequest.objects.filter(
+            pk=approval_id, run_id=self._lease.run_id, status=ApprovalStatus.APPROVED
+        ).exists()
+        if not stands:
+            raise ApprovalRevoked(
+                f"approval #{approval_id} no longer stands; the step did not start"
+            )
 
     def _invoke(self, key: str, idem: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
         self._in_step, self._idempotency_key = key, idem
@@ -378,8 +713,7 @@ class RunContext:
             except ControlFlow:
                 raise
             except Exception as exc:
-                retry_it = not isinstance(exc, OutputNotSerializable) and policy.retries(exc)
-                if retry_it and tries < policy.max_attempts:
+                if _retryable(exc) and policy.retries(exc) and tries < policy.max_attempts:
                     delay = policy.delay(tries)
                     attempt += 1
                     self._write(
@@ -405,11 +739,8 @@ class RunContext:
                 )
                 return output
 
-    def _record_failure(self, step_pk, seq, key, idem, kind, attempt, exc: Exception):
-        retryable = not isinstance(exc, OutputNotSerializable) and not (
-            isinstance(exc, StepguardError) and not exc.retryable
-        )
-        error = {**error_record(exc), "retryable": retryable}
+    def _record_failure(self, step_pk, seq, key, idem, kind, attempt, exc: Exception) -> NoReturn:
+        error = {**error_record(exc), "retryable": _retryable(exc)}
         fields = {
             "status": StepStatus.FAILED,
             "error": error,
@@ -433,7 +764,9 @@ class RunContext:
                     **fields,
                 )
                 append_event(self._lease.run_id, event_seq, "step.failed", key, **payload)
-        raise StepFailed(key, error, retryable=retryable) from exc
+        if isinstance(exc, StepguardError) and exc.code in REPLAYED:
+            raise exc
+        raise StepFailed(key, error, retryable=error["retryable"]) from exc
 
     def _note_retry(self, key: str, tries: int, exc: Exception, policy: RetryPolicy) -> None:
         delay = policy.delay(tries)
@@ -470,20 +803,159 @@ class RunContext:
         )
         return output
 
+    def _ask(self, record: Step, idem: str) -> Any:
+        """The third ambiguous-outcome policy: a person says what happened."""
+        label = f"{record.key}@attempt-{record.attempt}"
+        failure = None
+        with transaction.atomic():
+            event_seq, now = self._wait_fence()
+            request = (
+                ApprovalRequest.objects.select_related("decided_by")
+                .filter(run_id=self._lease.run_id, step_key=label)
+                .first()
+            )
+            if request is None:
+                request = ApprovalRequest.objects.create(
+                    run_id=self._lease.run_id,
+                    step_key=label,
+                    kind=ApprovalKind.AMBIGUOUS,
+                    action=f"resolve step {record.key}"[:200],
+                    summary=(
+                        "The worker running this step died mid-call: the side effect may or may "
+                        "not have happened. Say whether it happened (and what it returned), "
+                        "re-send it with the same idempotency key, or fail the run."
+                    ),
+                    payload={
+                        "idempotency_key": idem,
+                        "input": record.input,
+                        "attempt": record.attempt,
+                    },
+                )
+                append_event(
+                    self._lease.run_id, event_seq, "approval.requested", record.key,
+                    approval_id=request.pk, kind=ApprovalKind.AMBIGUOUS,
+                )  # fmt: skip
+                self._suspend(None)
+            elif request.status == ApprovalStatus.PENDING:
+                append_event(
+                    self._lease.run_id,
+                    event_seq,
+                    "approval.waiting",
+                    record.key,
+                    approval_id=request.pk,
+                )
+                self._suspend(None)
+            elif request.resolution == Resolution.HAPPENED:
+                Step.objects.filter(pk=record.pk).update(
+                    status=StepStatus.COMPLETED,
+                    output=request.resolution_output,
+                    recovered=Recovery.CONFIRMED,
+                    finished_at=now,
+                )
+                append_event(
+                    self._lease.run_id, event_seq, "step.completed", record.key,
+                    recovered=Recovery.CONFIRMED, approval_id=request.pk,
+                )  # fmt: skip
+                return request.resolution_output
+            elif request.resolution == Resolution.RESEND:
+                return NOT_FOUND
+            else:
+                who = request.decided_by.get_username() if request.decided_by else "an operator"
+                failure = OperatorFailed(f"{who} failed the run at ambiguous step {record.key!r}")
+                self._settle(record, event_seq, now, error=failure)
+        if failure is not None:
+            raise failure
+        raise Suspended(f"waiting for a person to resolve step {record.key!r}")
+
+    def _append_events(self, first_seq: int, events: list[tuple[str, str, dict]]) -> None:
+        """Write several events; the fence already reserved `first_seq` for the first one."""
+        seqs = [first_seq]
+        if len(events) > 1:
+            more = fence(self._lease, len(events) - 1)
+            seqs += range(more, more + len(events) - 1)
+        for seq, (type, key, payload) in zip(seqs, events, strict=False):
+            append_event(self._lease.run_id, seq, type, key, **payload)
+
+    def _wait_fence(self) -> tuple[int, datetime]:
+        return fence(self._lease, progress=True, starting=self._starting), timezone.now()
+
+    def _settle(self, record: Step, event_seq: int, now, *, output=None, error=None, **payload):
+        """Finish a waiting step (inside the caller's transaction)."""
+        if error is None:
+            Step.objects.filter(pk=record.pk).update(
+                status=StepStatus.COMPLETED, output=output, finished_at=now
+            )
+            append_event(self._lease.run_id, event_seq, "step.completed", record.key, **payload)
+        else:
+            Step.objects.filter(pk=record.pk).update(
+                status=StepStatus.FAILED,
+                error={**error.as_record(), "retryable": error.retryable},
+                run_attempt=self.attempt,
+                finished_at=now,
+            )
+            append_event(
+                self._lease.run_id, event_seq, "step.failed", record.key, error=_brief(error)
+            )
+
+    def _suspend(self, wake_at: datetime | None) -> None:
+        """Give the run up until `wake_at` (or until something wakes it), inside the caller's
+        transaction: the run row is already locked by the fence."""
+        Run.objects.filter(pk=self._lease.run_id).update(
+            status=RunStatus.WAITING, wake_at=wake_at, worker=None, lease_until=None
+        )
+
+    def _timer(self, key: str, deadline: Callable[[datetime], datetime]) -> None:
+        key, seq, record = self._enter(key)
+        if record is not None and record.status == StepStatus.COMPLETED:
+            return
+        with transaction.atomic():
+            event_seq, now = self._wait_fence()
+            if record is None:
+                when = deadline(now)
+                record = self._new_step(
+                    seq, key, StepKind.SLEEP, StepStatus.WAITING,
+                    input={"until": when.isoformat()}, wake_at=when,
+                )  # fmt: skip
+            if record.wake_at <= now:
+                Step.objects.filter(pk=record.pk).update(
+                    status=StepStatus.COMPLETED, finished_at=now
+                )
+                append_event(
+                    self._lease.run_id,
+                    event_seq,
+                    "timer.fired",
+                    key,
+                    wake_at=record.wake_at.isoformat(),
+                )
+                return
+            append_event(
+                self._lease.run_id, event_seq, "timer.set", key, wake_at=record.wake_at.isoformat()
+            )
+            self._suspend(record.wake_at)
+        raise Suspended(f"sleeping until {record.wake_at.isoformat()}")
+
     def _sleep(self, seconds: float) -> None:
         if self._lease.lost.wait(seconds):
             raise LeaseLost(f"run {self.run_id}: lease lost during a retry delay")
 
 
-def _brief(exc: BaseException) -> dict:
-    return {"type": type(exc).__name__, "message": str(exc)[:500]}
-
-
-def _finish(lease: Lease, event: str, payload: dict, **fields) -> None:
+def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields) -> None:
     with transaction.atomic():
         event_seq = fence(lease, progress=True)
         Run.objects.filter(pk=lease.run_id).update(**fields)
         append_event(lease.run_id, event_seq, event, **payload)
+        if parent_id is not None and fields.get("status") in (
+            RunStatus.COMPLETED,
+            RunStatus.FAILED,
+            RunStatus.CANCELLED,
+        ):
+            run_event(
+                parent_id,
+                "child.finished",
+                wake=True,
+                child=str(lease.run_id),
+                status=fields["status"],
+            )
 
 
 def release(lease: Lease, reason: str) -> bool:
@@ -501,17 +973,18 @@ def release(lease: Lease, reason: str) -> bool:
             wake_at=timezone.now(),
             lease_epoch=F("lease_epoch") + 1,
         )
-    except LeaseLost:
+    except (LeaseLost, Cancelled):
         return False
     transaction.on_commit(notify_runnable)
     return True
 
 
 def execute(run: Run, lease: Lease) -> str:
-    """Run one claimed run until it completes, fails, suspends or is released.
+    """Run one claimed run until it completes, fails, waits, is cancelled or released.
 
-    Returns what happened: completed, failed, retrying, released, lost or abandoned. Costs one
-    query to load every checkpoint, then at most two transactions per new step.
+    Returns what happened: completed, failed, retrying, waiting, cancelled, released, lost or
+    abandoned. Costs one query to load every checkpoint, then at most two transactions per
+    new step.
     """
     history = {s.seq: s for s in Step.objects.filter(run_id=run.id).order_by("seq")}
     ctx = RunContext(run, history, lease)
@@ -519,23 +992,28 @@ def execute(run: Run, lease: Lease) -> str:
         definition = registry.get(run.workflow, run.version)
         result = definition.fn(ctx, run.input)
         output = to_json(result, what=f"the result of workflow {run.workflow!r}")
+    except Suspended:
+        return "waiting"
     except LeaseLost:
         log.warning("run %s: lease lost; another worker owns it now, stopping here", run.id)
         return "lost"
     except Released:
         return "released" if release(lease, "worker shutting down") else "lost"
+    except Cancelled:
+        return _cancelled(run, ctx, lease)
     except DatabaseError:
         # Our own checkpoint write failed (database down?): nothing is recorded, the lease will
         # expire and any live worker resumes the run through the normal claim path.
         log.exception("run %s: database error, abandoning the run to lease recovery", run.id)
         return "abandoned"
     except Exception as exc:
-        return _fail(run, lease, exc)
+        return _fail(run, ctx, lease, exc)
     try:
         _finish(
             lease,
             "run.completed",
             {},
+            parent_id=run.parent_id,
             status=RunStatus.COMPLETED,
             output=output,
             error=None,
@@ -548,7 +1026,54 @@ def execute(run: Run, lease: Lease) -> str:
     return "completed"
 
 
-def _fail(run: Run, lease: Lease, exc: Exception) -> str:
+def _run_compensations(ctx: RunContext) -> tuple[list[str], dict | None]:
+    """Returns the undone step keys and, if an undo failed, its error. Control flow passes."""
+    try:
+        return ctx._compensate(), None
+    except Exception as exc:
+        return [], error_record(exc)
+
+
+def _cancelled(run: Run, ctx: RunContext, lease: Lease) -> str:
+    ctx._cancel_requested = True
+    try:
+        undone, failure = _run_compensations(ctx)
+        who = Run.objects.filter(pk=run.pk).values("cancel_requested_by", "cancel_reason").first()
+        if failure is not None:
+            _finish(
+                lease,
+                "run.failed",
+                {"reason": "a compensation failed after a cancel", "error": failure["message"]},
+                parent_id=run.parent_id,
+                status=RunStatus.FAILED,
+                error={**failure, "reason": "a compensation failed after a cancel"},
+                finished_at=timezone.now(),
+                worker=None,
+                lease_until=None,
+            )
+            return "failed"
+        _finish(
+            lease,
+            "run.cancelled",
+            {
+                "by": who["cancel_requested_by"],
+                "reason": who["cancel_reason"],
+                "compensated": undone,
+            },
+            parent_id=run.parent_id,
+            status=RunStatus.CANCELLED,
+            finished_at=timezone.now(),
+            worker=None,
+            lease_until=None,
+        )
+    except LeaseLost:
+        return "lost"
+    except Released:
+        return "released" if release(lease, "worker shutting down") else "lost"
+    return "cancelled"
+
+
+def _fail(run: Run, ctx: RunContext, lease: Lease, exc: Exception) -> str:
     error = error_record(exc)
     retryable = getattr(exc, "retryable", True)
     try:
@@ -572,10 +1097,14 @@ def _fail(run: Run, lease: Lease, exc: Exception) -> str:
             )
             return "retrying"
         reason = "not retryable" if not retryable else f"{run.max_attempts} attempts used"
+        undone, failure = _run_compensations(ctx)
+        if failure is not None:
+            error["compensation_error"] = failure
         _finish(
             lease,
             "run.failed",
-            {"error": _brief(exc), "reason": reason},
+            {"error": _brief(exc), "reason": reason, "compensated": undone},
+            parent_id=run.parent_id,
             status=RunStatus.FAILED,
             error={**error, "reason": reason},
             finished_at=timezone.now(),
@@ -584,5 +1113,9 @@ def _fail(run: Run, lease: Lease, exc: Exception) -> str:
         )
     except LeaseLost:
         return "lost"
+    except Released:
+        return "released" if release(lease, "worker shutting down") else "lost"
+    except Cancelled:
+        return _cancelled(run, ctx, lease)
     log.warning("run %s failed (%s): %s", run.id, reason, exc)
     return "failed"

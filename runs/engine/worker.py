@@ -18,19 +18,24 @@ from operator import or_
 
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
-from django.db.models import F, Q
+from django.db.models import F, Min, Q
 from django.utils import timezone
 
 from runs.engine import registry
-from runs.engine.executor import Lease, append_event, execute, release
+from runs.engine.executor import execute, release
+from runs.engine.store import Lease, append_event
 from runs.engine.wakeup import Listener, is_postgres
 from runs.models import Run, RunStatus, Step, StepStatus, Worker
 
 log = logging.getLogger("stepguard.worker")
 
 
+WAKEABLE = (RunStatus.PENDING, RunStatus.WAITING)
+
+
 def runnable_filter(now) -> Q:
-    return Q(status=RunStatus.PENDING, wake_at__lte=now) | Q(
+    """Due pending or waiting runs, and running runs whose worker stopped heartbeating."""
+    return Q(status__in=WAKEABLE, wake_at__lte=now) | Q(
         status=RunStatus.RUNNING, lease_until__lt=now
     )
 
@@ -94,7 +99,7 @@ class WorkerProcess:
             self.bell.clear()
             claimed = self.tick()
             if not claimed:
-                self.bell.wait(self.poll_interval)
+                self.bell.wait(self.idle_wait())
         self.shutdown()
 
     def shutdown(self) -> None:
@@ -113,6 +118,16 @@ class WorkerProcess:
         Worker.objects.filter(pk=self.id).update(stopped_at=timezone.now())
         self.stopped.set()
         self.pool.shutdown(wait=not leftovers, cancel_futures=True)
+
+    def idle_wait(self) -> float:
+        """Sleep until the next poll, or sooner if a timer of ours is due before it."""
+        now = timezone.now()
+        due = Run.objects.filter(self._mine, status__in=WAKEABLE, wake_at__gt=now).aggregate(
+            due=Min("wake_at")
+        )["due"]
+        if due is None:
+            return self.poll_interval
+        return max(0.0, min(self.poll_interval, (due - now).total_seconds()))
 
     # -- one tick ------------------------------------------------------------------------------
 
@@ -184,14 +199,16 @@ class WorkerProcess:
             lease_epoch=F("lease_epoch") + 1,
             event_seq=F("event_seq") + 1,
             recoveries=F("recoveries") + (1 if recovering else 0),
-            started_at=now if status == RunStatus.PENDING and epoch == 0 else F("started_at"),
+            started_at=now if epoch == 0 else F("started_at"),
         )
         if not updated:
             return False
         append_event(
             run_id,
             event_seq + 1,
-            "run.recovered" if recovering else "run.claimed",
+            "run.recovered"
+            if recovering
+            else ("run.woken" if status == RunStatus.WAITING else "run.claimed"),
             worker=str(self.id),
             epoch=epoch + 1,
         )

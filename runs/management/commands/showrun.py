@@ -5,6 +5,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
 from runs.models import Event, Run
+from runs.operations import unserved_reason
 
 
 def run_as_dict(run: Run) -> dict:
@@ -19,6 +20,7 @@ def run_as_dict(run: Run) -> dict:
         "input": run.input,
         "output": run.output,
         "error": run.error,
+        "waiting_reason": unserved_reason(run),
         "created_at": run.created_at.isoformat(),
         "finished_at": run.finished_at.isoformat() if run.finished_at else None,
         "steps": [
@@ -73,6 +75,9 @@ class Command(BaseCommand):
             self.stdout.write(_json.dumps(run_as_dict(run), indent=2, default=str))
             return
         self.stdout.write(f"run {run.id}  {run.workflow}@{run.version}  {run.status}")
+        reason = unserved_reason(run)
+        if reason:
+            self.stdout.write(f"waiting: {reason}")
         after = -1
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

@@ -1,0 +1,21 @@
+from django.core.management.base import BaseCommand, CommandError
+
+from approvals.services import decide
+from runs.errors import StepguardError
+
+
+class Command(BaseCommand):
+    help = "Approve a pending action. The decision is final and recorded with its actor."
+    decision = "approve"
+
+    def add_arguments(self, parser):
+        parser.add_argument("approval_id")
+        parser.add_argument("--user", required=True, help="the person deciding (a username)")
+        parser.add_argument("--comment", default="")
+
+    def handle(self, *args, approval_id, user, comment, **options):
+        try:
+            request = decide(approval_id, self.decision, user, comment)
+        except StepguardError as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(f"approval #{request.pk} ({request.action}): {request.status} by {user}")
