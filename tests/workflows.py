@@ -203,7 +203,8 @@ def parent(ctx: RunContext, input: dict):
 
     try:
         results = ctx.children(
-            [(f"c{i}", input.get("child", "ledger"), {"steps": input.get("steps", 2)})
+            [(f"c{i}", input.get("child", "ledger"),
+              {"steps": input.get("steps", 2), "sleep": input.get("sleep", 0)})
              for i in range(input["n"])]
         )  # fmt: skip
     except ChildFailed as exc:
@@ -215,7 +216,17 @@ def parent(ctx: RunContext, input: dict):
 @workflow("saga")
 def saga(ctx: RunContext, input: dict):
     def undo(label):
-        return lambda output: effect(ctx, f"undo-{label}", sleep=input.get("undo_sleep", 0))
+        def compensate(output):
+            if input.get("idempotent_undo"):  # a service that dedupes on the idempotency key
+                Effect.objects.get_or_create(
+                    idempotency_key=ctx.idempotency_key,
+                    defaults={"label": f"undo-{label}", "pid": os.getpid()},
+                )
+                time.sleep(input.get("undo_sleep", 0))
+                return label
+            return effect(ctx, f"undo-{label}", sleep=input.get("undo_sleep", 0))
+
+        return compensate
 
     ctx.step("reserve", effect, ctx, "reserve", compensate=undo("reserve"))
     ctx.step("charge", effect, ctx, "charge", compensate=undo("charge"))
