@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from runs.models import Event, Run, Step, Worker
+from runs.models import Event, Run, Signal, Step, Worker
 
 
 class StepInline(admin.TabularInline):
@@ -21,12 +21,26 @@ class StepInline(admin.TabularInline):
     show_change_link = True
 
 
+class ChildInline(admin.TabularInline):
+    model = Run
+    fk_name = "parent"
+    verbose_name_plural = "child runs"
+    extra = 0
+    can_delete = False
+    fields = ("id", "workflow", "version", "status", "created_at")
+    readonly_fields = fields
+    show_change_link = True
+
+
 @admin.register(Run)
 class RunAdmin(admin.ModelAdmin):
-    list_display = ("id", "workflow", "version", "status", "attempt", "key", "created_at")
+    list_display = ("id", "workflow", "version", "status", "attempt", "key", "parent", "created_at")
     list_filter = ("status", "workflow")
     search_fields = ("=id", "key")
-    inlines = [StepInline]
+    inlines = [StepInline, ChildInline]
+
+    def has_add_permission(self, request):
+        return False
 
     def get_readonly_fields(self, request, obj=None):
         return [f.name for f in Run._meta.fields]
@@ -64,3 +78,11 @@ class WorkerAdmin(admin.ModelAdmin):
 
     def get_readonly_fields(self, request, obj=None):
         return [f.name for f in Worker._meta.fields]
+
+
+@admin.register(Signal)
+class SignalAdmin(admin.ModelAdmin):
+    list_display = ("id", "run", "name", "sent_by", "created_at", "consumed_by")
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in Signal._meta.fields]

@@ -141,3 +141,12 @@ def test_runs_stay_on_their_version_and_a_worker_without_it_leaves_them_waiting(
     spawn_worker("--import", "tests.versioned_v1")
     assert wait_status(old, RunStatus.COMPLETED).output == "v1-b"
     assert effects("v1-a") == effects("v1-b") == 1
+
+
+def test_a_timer_fires_within_a_second_of_its_due_time_even_with_a_slow_poll(spawn_worker):
+    run = start_run("sleeper", {"seconds": 1.5})
+    spawn_worker("--poll-interval", "30")
+    run = wait_status(run, RunStatus.COMPLETED, timeout=20)
+    nap = Step.objects.get(run=run, key="nap")
+    fired = run.events.get(type="timer.fired")
+    assert 0 <= (fired.created_at - nap.wake_at).total_seconds() < 1.0
