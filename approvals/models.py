@@ -32,7 +32,10 @@ class Resolution(models.TextChoices):
 
 
 class ApprovalRequest(models.Model):
-    run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="approvals")
+    # Indexed by the unique (run, step_key) constraint, which leads with run.
+    run = models.ForeignKey(
+        "runs.Run", on_delete=models.CASCADE, related_name="approvals", db_index=False
+    )
     step_key = models.CharField(max_length=255)
     kind = models.CharField(max_length=20, choices=ApprovalKind, default=ApprovalKind.ACTION)
     action = models.CharField(max_length=200)

@@ -160,7 +160,8 @@ class Run(models.Model):
 class Step(models.Model):
     """A checkpoint: one row per step of a run, written ahead (`started`) and then finished."""
 
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps")
+    # No index of its own: the unique (run, key) and (run, seq) constraints lead with run.
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps", db_index=False)
     seq = models.PositiveIntegerField(help_text="position in the run's call sequence, from 0")
     key = models.CharField(max_length=255)
     kind = models.CharField(max_length=20, choices=StepKind, default=StepKind.CALL)
@@ -207,7 +208,8 @@ class Step(models.Model):
 class Event(models.Model):
     """Append-only history: the timeline, the audit log and the source of live updates."""
 
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    # No index of its own: the unique (run, seq) constraint leads with run.
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events", db_index=False)
     seq = models.BigIntegerField()
     type = models.CharField(max_length=64)
     step_key = models.CharField(max_length=255, blank=True, default="")

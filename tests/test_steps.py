@@ -289,3 +289,23 @@ def test_progress_resets_the_lost_worker_count(drive, expire_lease, settings):
         expire_lease(run.id)
     assert drive() == ["completed"]
     assert Run.objects.get(pk=run.pk).output == sum(range(4))
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_on_postgresql_each_checkpoint_write_is_one_statement():
+    run = start_run("many", {"steps": 1})
+    Run.objects.filter(pk=run.pk).update(
+        status=RunStatus.RUNNING, lease_until=run.created_at + timedelta(hours=1)
+    )
+    ctx = RunContext(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch))
+    with CaptureQueriesContext(connection) as queries:
+        assert ctx.step("one", int, 1) == 1
+    # fence + step + event as data-modifying CTEs: one round trip and one commit per write.
+    assert business_statements(queries) == ["WITH", "WITH"]
+    assert Step.objects.get(run=run).status == "completed"
+    assert list(Event.objects.filter(run=run).values_list("type", flat=True)) == [
+        "run.created",
+        "step.started",
+        "step.completed",
+    ]

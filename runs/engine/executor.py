@@ -30,7 +30,7 @@ from django.utils import timezone
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs.engine import registry
 from runs.engine.serialization import describe_input, to_json
-from runs.engine.store import Lease, append_event, create_run, fence, run_event
+from runs.engine.store import Lease, append_event, create_run, fence, fenced_write, run_event
 from runs.errors import (
     REPLAYED,
     ApprovalExpired,
@@ -57,6 +57,18 @@ __all__ = ["NOT_FOUND", "Decision", "Lease", "RetryPolicy", "RunContext", "execu
 log = logging.getLogger("stepguard.executor")
 
 MAX_KEY_LENGTH = 200
+#: What replay reads of each checkpoint; the rest (input, timestamps) loads only if needed.
+REPLAY_FIELDS = (
+    "id",
+    "seq",
+    "key",
+    "status",
+    "output",
+    "error",
+    "attempt",
+    "run_attempt",
+    "wake_at",
+)
 
 
 class _NotFound:
@@ -244,34 +256,53 @@ class RunContext:
             )
             if found is not NOT_FOUND:
                 return self._remember(key, compensate, found)
+        if record is None:
+            attempt, payload = 1, {"attempt": 1}
+            fields: dict[str, Any] = {
+                "seq": seq,
+                "key": key,
+                "kind": kind,
+                "status": StepStatus.STARTED,
+                "input": describe_input(args, kwargs),
+                "idempotency_key": idem,
+                "run_attempt": self.attempt,
+                "started_at": timezone.now(),
+            }
+        else:
+            attempt = record.attempt + 1
+            payload = {"attempt": attempt}
+            fields = {
+                "status": StepStatus.STARTED,
+                "attempt": attempt,
+                "run_attempt": self.attempt,
+                "error": None,
+                "finished_at": None,
+            }
+            if ambiguous:
+                fields["recovered"] = payload["recovered"] = Recovery.RESENT
         try:
-            with transaction.atomic():
-                event_seq = fence(self._lease, starting=self._starting)
-                self._check_approval(approval)
-                if record is None:
-                    attempt = 1
-                    record = self._new_step(
-                        seq, key, kind, StepStatus.STARTED, input=describe_input(args, kwargs)
-                    )
-                    payload: dict[str, Any] = {"attempt": 1}
-                else:
-                    attempt = record.attempt + 1
-                    fields: dict[str, Any] = {
-                        "status": StepStatus.STARTED,
-                        "attempt": attempt,
-                        "run_attempt": self.attempt,
-                        "error": None,
-                        "finished_at": None,
-                    }
-                    payload = {"attempt": attempt}
-                    if ambiguous:
-                        fields["recovered"] = payload["recovered"] = Recovery.RESENT
-                    Step.objects.filter(pk=record.pk).update(**fields)
-                append_event(self._lease.run_id, event_seq, "step.started", key, **payload)
+            if approval is None:
+                step_pk = fenced_write(
+                    self._lease,
+                    ("step.started", key, payload),
+                    insert_step=fields if record is None else None,
+                    update_step=None if record is None else (record.pk, fields),
+                    starting=self._starting,
+                )
+            else:
+                with transaction.atomic():
+                    event_seq = fence(self._lease, starting=self._starting)
+                    self._check_approval(approval)
+                    if record is None:
+                        step_pk = Step.objects.create(run_id=self._lease.run_id, **fields).pk
+                    else:
+                        step_pk = record.pk
+                        Step.objects.filter(pk=step_pk).update(**fields)
+                    append_event(self._lease.run_id, event_seq, "step.started", key, **payload)
         except ApprovalRevoked as exc:
             step_pk = record.pk if record is not None else None
             self._record_failure(step_pk, seq, key, idem, kind, 1, exc)
-        output = self._call(record.pk, key, idem, fn, args, kwargs, retry or DEFAULT_RETRY, attempt)
+        output = self._call(step_pk, key, idem, fn, args, kwargs, retry or DEFAULT_RETRY, attempt)
         return self._remember(key, compensate, output)
 
     def transaction(
@@ -698,10 +729,9 @@ class RunContext:
     def _write(
         self, step_pk: int, key: str, event: str, payload: dict, *, progress=False, **fields
     ):
-        with transaction.atomic():
-            event_seq = fence(self._lease, progress=progress)
-            Step.objects.filter(pk=step_pk).update(**fields)
-            append_event(self._lease.run_id, event_seq, event, key, **payload)
+        fenced_write(
+            self._lease, (event, key, payload), update_step=(step_pk, fields), progress=progress
+        )
 
     def _call(self, step_pk, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt: int):
         tries = 0
@@ -752,18 +782,11 @@ class RunContext:
         if step_pk is not None:
             self._write(step_pk, key, "step.failed", payload, **fields)
         else:
-            with transaction.atomic():
-                event_seq = fence(self._lease)
-                Step.objects.create(
-                    run_id=self._lease.run_id,
-                    seq=seq,
-                    key=key,
-                    kind=kind,
-                    idempotency_key=idem,
-                    started_at=fields["finished_at"],
-                    **fields,
-                )
-                append_event(self._lease.run_id, event_seq, "step.failed", key, **payload)
+            insert = {"seq": seq, "key": key, "kind": kind, "idempotency_key": idem}
+            insert["started_at"] = fields["finished_at"]
+            fenced_write(
+                self._lease, ("step.failed", key, payload), insert_step={**insert, **fields}
+            )
         if isinstance(exc, StepguardError) and exc.code in REPLAYED:
             raise exc
         raise StepFailed(key, error, retryable=error["retryable"]) from exc
@@ -986,7 +1009,8 @@ def execute(run: Run, lease: Lease) -> str:
     abandoned. Costs one query to load every checkpoint, then at most two transactions per
     new step.
     """
-    history = {s.seq: s for s in Step.objects.filter(run_id=run.id).order_by("seq")}
+    checkpoints = Step.objects.filter(run_id=run.id).order_by("seq").only(*REPLAY_FIELDS)
+    history = {s.seq: s for s in checkpoints}
     ctx = RunContext(run, history, lease)
     try:
         definition = registry.get(run.workflow, run.version)

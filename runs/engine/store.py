@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 from uuid import UUID
 
 from django.db import connection, transaction
 from django.utils import timezone
 
 from runs.errors import Cancelled, LeaseLost
-from runs.models import Event, Run, RunStatus
+from runs.models import Event, Run, RunStatus, Step
 
 
 @dataclass
@@ -65,8 +65,13 @@ def fence(lease: Lease, events: int = 1, *, progress: bool = False, starting: bo
             [events, db_id(lease.run_id), lease.epoch, RunStatus.RUNNING],
         )
         row = cursor.fetchone()
-    if row is not None:
-        return row[0] - events + 1
+    if row is None:
+        refused(lease)
+    return row[0] - events + 1
+
+
+def refused(lease: Lease) -> NoReturn:
+    """Raise the reason a fenced write was refused: the run is no longer ours, or it must stop."""
     current = Run.objects.filter(pk=lease.run_id).values("lease_epoch", "status").first()
     if current and current["lease_epoch"] == lease.epoch and current["status"] == RunStatus.RUNNING:
         raise Cancelled("cancel requested")
@@ -139,3 +144,89 @@ def create_run(
 
     transaction.on_commit(notify_runnable)
     return run
+
+
+def _prep(model, values: dict) -> tuple[list[str], list[Any]]:
+    columns, params = [], []
+    for name, value in values.items():
+        field = model._meta.get_field(name)
+        columns.append(connection.ops.quote_name(field.column))
+        params.append(field.get_db_prep_save(value, connection))
+    return columns, params
+
+
+def _step_defaults() -> dict[str, Any]:
+    return {
+        f.name: f.get_default()
+        for f in Step._meta.concrete_fields
+        if not f.primary_key and f.name != "run"
+    }
+
+
+def fenced_write(
+    lease: Lease,
+    event: tuple[str, str, dict],
+    *,
+    insert_step: dict | None = None,
+    update_step: tuple[int, dict] | None = None,
+    starting: bool = False,
+    progress: bool = False,
+) -> int | None:
+    """One fenced checkpoint write: insert or update a step and append its event, atomically.
+
+    On PostgreSQL this is a single statement (data-modifying CTEs: fence, step, event), one
+    round trip and one commit; elsewhere the same three statements in a transaction. Returns
+    the step's id. Raises like `fence` when the run is no longer ours to write.
+    """
+    type_, key, payload = event
+    now = timezone.now()
+    if connection.vendor != "postgresql" or connection.in_atomic_block:
+        with transaction.atomic():
+            seq = fence(lease, progress=progress, starting=starting)
+            step_id = None
+            if insert_step is not None:
+                step_id = Step.objects.create(run_id=lease.run_id, **insert_step).pk
+            elif update_step is not None:
+                step_id = update_step[0]
+                Step.objects.filter(pk=step_id).update(**update_step[1])
+            append_event(lease.run_id, seq, type_, key, **payload)
+        return step_id
+    run_id = db_id(lease.run_id)
+    params: list[Any] = [1, run_id, lease.epoch, RunStatus.RUNNING]
+    sql = ["WITH f AS (" + _FENCES[(progress, starting)] + ")"]
+    step_table = connection.ops.quote_name(Step._meta.db_table)
+    if insert_step is not None:
+        values = {**_step_defaults(), **insert_step}
+        columns, values_params = _prep(Step, values)
+        sql.append(
+            f", s AS (INSERT INTO {step_table} (run_id, {', '.join(columns)}) "
+            f"SELECT %s, {', '.join(['%s'] * len(columns))} FROM f RETURNING id)"
+        )
+        params += [run_id, *values_params]
+    elif update_step is not None:
+        columns, values_params = _prep(Step, update_step[1])
+        sets = ", ".join(f"{column} = %s" for column in columns)
+        sql.append(
+            f", s AS (UPDATE {step_table} SET {sets} "
+            "WHERE id = %s AND EXISTS (SELECT 1 FROM f) RETURNING id)"
+        )
+        params += [*values_params, update_step[0]]
+    else:
+        sql.append(", s AS (SELECT NULL::bigint AS id)")
+    event_columns, event_params = _prep(
+        Event,
+        {"step_key": key, "type": type_, "actor": "system", "payload": payload, "created_at": now},
+    )
+    sql.append(
+        f", e AS (INSERT INTO {connection.ops.quote_name(Event._meta.db_table)} "
+        f"(run_id, seq, {', '.join(event_columns)}) "
+        f"SELECT %s, f.event_seq, {', '.join(['%s'] * len(event_columns))} FROM f)"
+    )
+    params += [run_id, *event_params]
+    sql.append(" SELECT (SELECT event_seq FROM f), (SELECT id FROM s)")
+    with connection.cursor() as cursor:
+        cursor.execute("".join(sql), params)
+        seq, step_id = cursor.fetchone()
+    if seq is None:
+        refused(lease)
+    return step_id

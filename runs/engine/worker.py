@@ -17,7 +17,7 @@ from functools import reduce
 from operator import or_
 
 from django.conf import settings
-from django.db import close_old_connections, connection, transaction
+from django.db import close_old_connections, transaction
 from django.db.models import F, Min, Q
 from django.utils import timezone
 
@@ -224,7 +224,6 @@ class WorkerProcess:
         finally:
             with self._lock:
                 self.active.pop(run.id, None)
-            connection.close()
             self.bell.set()
 
     # -- heartbeats ----------------------------------------------------------------------------
