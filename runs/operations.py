@@ -13,7 +13,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 
-from runs.engine.store import append_event, run_event
+from runs.engine.store import append_event, run_event, wake_parent
 from runs.errors import OperationError
 from runs.models import Run, RunStatus, Step
 
@@ -72,6 +72,7 @@ def cancel_run(run_id, user, reason: str) -> Run:
                 status=RunStatus.CANCELLED, finished_at=now, event_seq=run.event_seq + 1, **fields
             )
             append_event(run.pk, run.event_seq + 1, "run.cancelled", actor=actor, reason=reason)
+            wake_parent(run.pk, RunStatus.CANCELLED)
         else:
             Run.objects.filter(pk=run.pk).update(**fields)
             run_event(run.pk, "run.cancel_requested", wake=True, actor=actor, reason=reason)

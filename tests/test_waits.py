@@ -321,3 +321,44 @@ def test_the_cli_signals_decides_and_cancels(drive, alice):
     assert Run.objects.get(pk=waiting.pk).output == {"x": 1}
     assert Run.objects.get(pk=asking.pk).status == RunStatus.COMPLETED
     assert Run.objects.get(pk=saga.pk).status == RunStatus.CANCELLED
+
+
+def test_compensations_run_for_repeated_keys_too(drive, alice):
+    run = start_run("undo-loop")
+    drive()
+    cancel_run(run.id, alice, "stop")
+    assert drive() == ["cancelled"]
+    keys = Step.objects.filter(run=run, key__startswith="undo:").order_by("seq")
+    assert list(keys.values_list("key", flat=True)) == ["undo:hold#3", "undo:hold#2", "undo:hold"]
+    assert [effects(f"undo-hold-{i}") for i in range(3)] == [1, 1, 1]
+
+
+def test_cancelling_a_child_that_never_ran_wakes_its_parent(drive, alice):
+    parent = start_run("parent", {"n": 1})
+    assert drive(limit=1) == ["waiting"]  # the parent started its child and waits
+    child = Run.objects.get(parent=parent)
+    cancel_run(child.id, alice, "not needed")
+    assert status(parent) == RunStatus.PENDING
+    drive()
+    assert Run.objects.get(pk=parent.pk).output.startswith("child failed: child run ")
+
+
+def test_a_caught_child_failure_replays_in_step(drive):
+    run = start_run("fan-then-nap")
+    drive()
+    wait_until(lambda: status(run) == RunStatus.WAITING and drive() == ["completed"], what="nap")
+    assert Run.objects.get(pk=run.pk).output == "napped"
+
+
+def test_a_retried_run_replays_caught_failures_and_retries_only_the_last_one(drive):
+    run = start_run("fallback")
+    drive()
+    run.refresh_from_db()
+    assert (run.status, run.output, run.attempt) == (RunStatus.COMPLETED, "done", 2)
+    assert workflows.calls == {"primary": 1, "last": 2}
+
+
+def test_patched_twice_with_one_id_gives_the_same_answer(drive):
+    run = start_run("double-patch")
+    assert drive() == ["completed"]
+    assert Run.objects.get(pk=run.pk).output == [True, True, 1]

@@ -4,6 +4,7 @@ Side effects go to examples.models.Effect (one row per call, keyed by idempotenc
 test can count how often each step's function really ran.
 """
 
+import contextlib
 import os
 import time
 from datetime import timedelta
@@ -244,3 +245,48 @@ def patchy(ctx: RunContext, input):
     else:
         second = ctx.step("b", effect, ctx, "b")
     return [first, second]
+
+
+@workflow("undo-loop")
+def undo_loop(ctx: RunContext, input):
+    for i in range(3):
+        ctx.step(
+            "hold", effect, ctx, f"hold-{i}", compensate=lambda out: effect(ctx, f"undo-{out}")
+        )
+    return ctx.wait_for_event("wait", "never")
+
+
+@workflow("fan-then-nap")
+def fan_then_nap(ctx: RunContext, input):
+    from runs.sdk import ChildFailed
+
+    with contextlib.suppress(ChildFailed):
+        ctx.children([("bad", "bad-output", None), ("good", "ledger", {"steps": 1})])
+    ctx.sleep("nap", 0.2)
+    return "napped"
+
+
+@workflow("fallback")
+def fallback(ctx: RunContext, input):
+    def primary():
+        calls["primary"] = calls.get("primary", 0) + 1
+        raise ConnectionError("primary down")
+
+    def last():
+        calls["last"] = calls.get("last", 0) + 1
+        if calls["last"] == 1:
+            raise ConnectionError("transient")
+        return "done"
+
+    try:
+        ctx.step("primary", primary, retry=NO_RETRY)
+    except Exception:
+        ctx.step("fallback", lambda: "fallback used")
+    return ctx.step("last", last, retry=NO_RETRY)
+
+
+@workflow("double-patch")
+def double_patch(ctx: RunContext, input):
+    first = ctx.patched("p")
+    second = ctx.patched("p")
+    return [first, second, ctx.step("after", lambda: 1)]

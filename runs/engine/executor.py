@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -50,7 +51,16 @@ from runs.errors import (
     Suspended,
     WaitTimeout,
 )
-from runs.models import Recovery, Run, RunStatus, Signal, Step, StepKind, StepStatus
+from runs.models import (
+    TERMINAL_STATUSES,
+    Recovery,
+    Run,
+    RunStatus,
+    Signal,
+    Step,
+    StepKind,
+    StepStatus,
+)
 
 __all__ = ["NOT_FOUND", "Decision", "Lease", "RetryPolicy", "RunContext", "execute", "release"]
 
@@ -202,6 +212,8 @@ class RunContext:
         self._cancel_requested = run.cancel_requested_at is not None
         self._compensations: list[tuple[str, Callable, Any]] = []
         self._compensating = False
+        self._patches: dict[str, bool] = {}
+        self._last_seq = max(history, default=-1)
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -243,7 +255,27 @@ class RunContext:
         """
         if on_ambiguous not in ("resend", "ask"):
             raise StepMisuse("on_ambiguous must be 'resend' or 'ask'")
-        key, seq, record = self._enter(key)
+        return self._run_step(
+            key, fn, args, kwargs, retry=retry, reconcile=reconcile, on_ambiguous=on_ambiguous,
+            compensate=compensate, approval=approval, kind=kind,
+        )  # fmt: skip
+
+    def _run_step(
+        self,
+        key: str,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        *,
+        retry: RetryPolicy | None = None,
+        reconcile: Callable[[str], Any] | None = None,
+        on_ambiguous: str = "resend",
+        compensate: Callable[[Any], Any] | None = None,
+        approval: Decision | None = None,
+        kind: str = StepKind.CALL,
+        internal: bool = False,
+    ) -> Any:
+        key, seq, record = self._enter(key, internal=internal)
         if record is not None and record.status == StepStatus.COMPLETED:
             return self._remember(key, compensate, record.output)
         idem = f"{self.run_id}:{key}"
@@ -383,19 +415,23 @@ class RunContext:
         old()`. A run whose history already holds a different step at this position replays
         the old path; any other run records a marker and takes the new path from here on.
         """
+        if change_id in self._patches:
+            return self._patches[change_id]
         key = f"patch:{change_id}"
-        record = self._history.get(self._seq)
-        if record is not None:
-            if record.key != key:
-                return False
-            self._seq += 1
-            return True
-        with transaction.atomic():
-            event_seq = fence(self._lease, starting=self._starting)
-            now = timezone.now()
-            self._new_step(self._seq, key, StepKind.CALL, StepStatus.COMPLETED, finished_at=now)
-            append_event(self._lease.run_id, event_seq, "step.completed", key, patch=change_id)
+        seq = self._seq
+        record = self._history.get(seq)
+        if record is not None and record.key != key:
+            self._patches[change_id] = False
+            return False
         self._seq += 1
+        if record is None:
+            with transaction.atomic():
+                event_seq = fence(self._lease, starting=self._starting)
+                self._new_step(
+                    seq, key, StepKind.CALL, StepStatus.COMPLETED, finished_at=timezone.now()
+                )
+                append_event(self._lease.run_id, event_seq, "step.completed", key, patch=change_id)
+        self._patches[change_id] = True
         return True
 
     # -- waits --------------------------------------------------------------------------------
@@ -559,9 +595,11 @@ class RunContext:
         failed child (in that order) raises ChildFailed.
         """
         entries = []
-        for key, workflow, child_input in specs:
-            key, seq, record = self._enter(key)
+        for key, workflow, child_input in specs:  # every position first, as on replay
+            key, seq, record = self._position(key)
             entries.append(_Child(key, seq, record, workflow, child_input))
+        for e in entries:
+            self._admit(e.key, e.seq, e.record)
         if all(e.record is not None and e.record.status == StepStatus.COMPLETED for e in entries):
             return [e.record.output for e in entries]
         plans = {}
@@ -641,12 +679,19 @@ class RunContext:
         # Compensations run after a cancel was requested; every other step is refused then.
         return not self._compensating
 
-    def _enter(self, key: str) -> tuple[str, int, Step | None]:
+    def _enter(self, key: str, *, internal: bool = False) -> tuple[str, int, Step | None]:
+        key, seq, record = self._position(key, internal=internal)
+        self._admit(key, seq, record)
+        return key, seq, record
+
+    def _position(self, key: str, *, internal: bool = False) -> tuple[str, int, Step | None]:
+        """Take the next position in the call sequence for `key` (with its repeat suffix)."""
         if self._in_step is not None:
             raise StepMisuse(
                 f"step {key!r} was called inside step {self._in_step!r}; steps do not nest"
             )
-        if not isinstance(key, str) or not key or "#" in key or len(key) > MAX_KEY_LENGTH:
+        limit = 255 if internal else MAX_KEY_LENGTH
+        if not isinstance(key, str) or not key or len(key) > limit or ("#" in key and not internal):
             raise StepMisuse(
                 f"invalid step key {key!r}: use a non-empty string of at most {MAX_KEY_LENGTH} "
                 "characters without '#' ('#' marks repeats: search, search#2, ...)"
@@ -657,21 +702,28 @@ class RunContext:
             key = f"{key}#{count}"
         seq = self._seq
         self._seq += 1
-        record = self._history.get(seq)
+        return key, seq, self._history.get(seq)
+
+    def _admit(self, key: str, seq: int, record: Step | None) -> None:
+        """Decide whether the step at this position may go on; raise what replay must raise."""
         if record is not None and record.key == key and record.status == StepStatus.COMPLETED:
-            return key, seq, record
+            return
         if self._cancel_requested and not self._compensating:
             raise Cancelled("cancel requested")
         if record is not None:
             if record.key != key:
                 raise NonDeterminismError(seq=seq, recorded=record.key, requested=key)
-            if record.status == StepStatus.FAILED and record.run_attempt == self.attempt:
+            # A failure replays as itself, so code that caught it takes the same branch again.
+            # Only the failure that ended an earlier run attempt (the last recorded step) is
+            # attempted afresh when the run is retried.
+            if record.status == StepStatus.FAILED and (
+                record.run_attempt == self.attempt or seq != self._last_seq
+            ):
                 self._raise_recorded(key, record.error or {})
         if self._lease.lost.is_set():
             raise LeaseLost(f"run {self.run_id}: lease lost")
         if self._lease.stopping.is_set():
             raise Released("worker shutting down")
-        return key, seq, record
 
     @staticmethod
     def _raise_recorded(key: str, error: dict) -> NoReturn:
@@ -703,7 +755,7 @@ class RunContext:
         self._compensating = True
         done = []
         for key, undo, output in reversed(self._compensations):
-            self.step(f"undo:{key}", undo, output)
+            self._run_step(f"undo:{key}", undo, (output,), {}, internal=True)
             done.append(key)
         return done
 
@@ -958,8 +1010,13 @@ class RunContext:
         raise Suspended(f"sleeping until {record.wake_at.isoformat()}")
 
     def _sleep(self, seconds: float) -> None:
-        if self._lease.lost.wait(seconds):
-            raise LeaseLost(f"run {self.run_id}: lease lost during a retry delay")
+        """A retry delay that a lost lease or a shutdown cuts short."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self._lease.lost.wait(min(left, 0.1)):
+                raise LeaseLost(f"run {self.run_id}: lease lost during a retry delay")
+            if self._lease.stopping.is_set():
+                raise Released("worker shutting down during a retry delay")
 
 
 def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields) -> None:
@@ -967,11 +1024,7 @@ def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields
         event_seq = fence(lease, progress=True)
         Run.objects.filter(pk=lease.run_id).update(**fields)
         append_event(lease.run_id, event_seq, event, **payload)
-        if parent_id is not None and fields.get("status") in (
-            RunStatus.COMPLETED,
-            RunStatus.FAILED,
-            RunStatus.CANCELLED,
-        ):
+        if parent_id is not None and fields.get("status") in TERMINAL_STATUSES:
             run_event(
                 parent_id,
                 "child.finished",
@@ -1121,7 +1174,12 @@ def _fail(run: Run, ctx: RunContext, lease: Lease, exc: Exception) -> str:
             )
             return "retrying"
         reason = "not retryable" if not retryable else f"{run.max_attempts} attempts used"
-        undone, failure = _run_compensations(ctx)
+        # After a non-determinism error the recorded positions no longer match the code, so
+        # compensating would itself misfire: leave that to a person.
+        if isinstance(exc, NonDeterminismError):
+            undone, failure = [], None
+        else:
+            undone, failure = _run_compensations(ctx)
         if failure is not None:
             error["compensation_error"] = failure
         _finish(

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 from uuid import UUID
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
@@ -129,6 +130,7 @@ def create_run(
     *, workflow: str, version: str, input: Any, key: str | None, parent_id=None, **fields
 ) -> Run:
     """Insert a runnable run and its first event. Call inside a transaction."""
+    fields.setdefault("max_attempts", settings.STEPGUARD_RUN_MAX_ATTEMPTS)
     run = Run.objects.create(
         workflow=workflow,
         version=version,
@@ -230,3 +232,11 @@ def fenced_write(
     if seq is None:
         refused(lease)
     return step_id
+
+
+def wake_parent(run_id, status: str) -> None:
+    """Tell a child's parent (if any) that the child ended. Inside the child's transaction:
+    the lock order is child row, then parent row, as everywhere else."""
+    parent_id = Run.objects.filter(pk=run_id).values_list("parent_id", flat=True).first()
+    if parent_id is not None:
+        run_event(parent_id, "child.finished", wake=True, child=str(run_id), status=status)

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -23,7 +24,7 @@ from django.utils import timezone
 
 from runs.engine import registry
 from runs.engine.executor import execute, release
-from runs.engine.store import Lease, append_event
+from runs.engine.store import Lease, append_event, wake_parent
 from runs.engine.wakeup import Listener, is_postgres
 from runs.models import Run, RunStatus, Step, StepStatus, Worker
 
@@ -97,14 +98,20 @@ class WorkerProcess:
         self._report_unknown()
         while not self.stopping.is_set():
             self.bell.clear()
-            claimed = self.tick()
-            if not claimed:
-                self.bell.wait(self.idle_wait())
+            try:
+                if not self.tick():
+                    self.bell.wait(self.idle_wait())
+            except Exception:
+                # A database restart or a locked SQLite file: log, reconnect, poll again.
+                log.exception("worker loop error; retrying after a poll interval")
+                close_old_connections()
+                self.stopping.wait(self.poll_interval)
         self.shutdown()
 
     def shutdown(self) -> None:
-        deadline = timezone.now() + timedelta(seconds=self.grace)
-        while self.active and timezone.now() < deadline:
+        started = time.monotonic()
+        # `self.grace` is re-read each turn: a second SIGTERM sets it to 0.
+        while self.active and time.monotonic() - started < self.grace:
             self.bell.clear()
             self.bell.wait(0.05)
         with self._lock:
@@ -113,9 +120,15 @@ class WorkerProcess:
             # The step outlived the grace period: give the run back now, epoch bumped, so the
             # thread still inside the step can never write; the next owner re-sends that step.
             lease.lost.set()
-            if release(lease, "worker shutting down; grace period expired mid-step"):
-                log.warning("run %s released mid-step after the grace period", lease.run_id)
-        Worker.objects.filter(pk=self.id).update(stopped_at=timezone.now())
+            try:
+                if release(lease, "worker shutting down; grace period expired mid-step"):
+                    log.warning("run %s released mid-step after the grace period", lease.run_id)
+            except Exception:
+                log.exception("run %s: could not release; its lease will expire", lease.run_id)
+        try:
+            Worker.objects.filter(pk=self.id).update(stopped_at=timezone.now())
+        except Exception:
+            log.exception("could not mark the worker stopped")
         self.stopped.set()
         self.pool.shutdown(wait=not leftovers, cancel_futures=True)
 
@@ -138,6 +151,8 @@ class WorkerProcess:
             return 0
         claimed = self.claim(free)
         for run in claimed:
+            # The epoch is the one our compare-and-swap wrote, never one read back later:
+            # a stalled worker must not pick up the epoch of whoever claimed the run after it.
             lease = Lease(run.id, run.lease_epoch, stopping=self.stopping)
             with self._lock:
                 self.active[run.id] = lease
@@ -156,10 +171,13 @@ class WorkerProcess:
             )
             for run_id, status, epoch, event_seq, recoveries in candidates:
                 if self._claim_one(run_id, status, epoch, event_seq, recoveries, now):
-                    claimed_ids.append(run_id)
+                    claimed_ids.append((run_id, epoch + 1))
         if not claimed_ids:
             return []
-        return list(Run.objects.filter(id__in=claimed_ids))
+        epochs = dict(claimed_ids)
+        runs = Run.objects.filter(id__in=epochs, worker=self.id)
+        # Whatever was taken over between our commit and this read is dropped, not adopted.
+        return [run for run in runs if run.lease_epoch == epochs[run.id]]
 
     def _claim_one(self, run_id, status, epoch, event_seq, recoveries, now) -> bool:
         # Compare-and-swap on (epoch, event_seq): on SQLite there is no row lock, so this is
@@ -190,6 +208,7 @@ class WorkerProcess:
             )
             if updated:
                 append_event(run_id, event_seq + 1, "run.failed", reason=reason)
+                wake_parent(run_id, RunStatus.FAILED)
                 log.error("run %s failed: %s", run_id, reason)
             return False
         updated = current.update(
@@ -223,7 +242,10 @@ class WorkerProcess:
             log.exception("run %s: unexpected error in the executor", run.id)
         finally:
             with self._lock:
-                self.active.pop(run.id, None)
+                # The run may have been claimed again (woken while this thread unwound): only
+                # our own lease leaves the table.
+                if self.active.get(run.id) is lease:
+                    del self.active[run.id]
             self.bell.set()
 
     # -- heartbeats ----------------------------------------------------------------------------
