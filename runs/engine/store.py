@@ -225,10 +225,17 @@ def fenced_write(
         f"SELECT %s, f.event_seq, {', '.join(['%s'] * len(event_columns))} FROM f)"
     )
     params += [run_id, *event_params]
-    sql.append(" SELECT (SELECT event_seq FROM f), (SELECT id FROM s)")
+    if starting and not settings.STEPGUARD_DURABLE_START:
+        # The write-ahead row only marks a step in flight; losing it takes a crash of the
+        # database server itself (not of a worker) in the next ~0.2 s, and then the step is
+        # just re-sent with its same idempotency key. Completions always commit durably.
+        sql.append(", c AS (SELECT set_config('synchronous_commit', 'off', true) AS v)")
+        sql.append(" SELECT (SELECT event_seq FROM f), (SELECT id FROM s), (SELECT v FROM c)")
+    else:
+        sql.append(" SELECT (SELECT event_seq FROM f), (SELECT id FROM s), NULL")
     with connection.cursor() as cursor:
         cursor.execute("".join(sql), params)
-        seq, step_id = cursor.fetchone()
+        seq, step_id, _ = cursor.fetchone()
     if seq is None:
         refused(lease)
     return step_id
