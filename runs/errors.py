@@ -141,3 +141,21 @@ REPLAYED = {
         OperatorFailed,
     )
 }
+
+
+class Halted(ControlFlow):
+    """A person halted this run, its workflow, or everything: stop at this step boundary."""
+
+    def __init__(self, scope: str, by: str, reason: str):
+        self.scope, self.by, self.reason = scope, by, reason
+        super().__init__(f"halted ({scope}) by {by}: {reason}")
+
+
+class OverBudget(ControlFlow):
+    """The next step would exceed a budget: the run pauses until a person raises it."""
+
+    def __init__(self, budget: str, unit: str, limit: int, spent: int, estimate: int):
+        self.budget, self.unit, self.limit, self.spent, self.estimate = (
+            budget, unit, limit, spent, estimate,
+        )  # fmt: skip
+        super().__init__(f"{budget} budget: {spent} of {limit} {unit} spent, step needs {estimate}")

@@ -103,9 +103,26 @@ class Run(models.Model):
     )
     event_seq = models.BigIntegerField(default=0, help_text="seq of the last event written")
 
+    # Spend and budgets. USD is kept in integer micro-dollars so SQLite compares it exactly.
     tokens_in = models.BigIntegerField(default=0)
     tokens_out = models.BigIntegerField(default=0)
-    cost_usd = models.DecimalField(max_digits=14, decimal_places=6, default=0)
+    cost_micros = models.BigIntegerField(default=0, help_text="USD spent, in 1e-6 USD")
+    budget_micros = models.BigIntegerField(null=True, blank=True, help_text="USD limit, 1e-6")
+    budget_tokens = models.BigIntegerField(null=True, blank=True)
+    reserved_micros = models.BigIntegerField(default=0, help_text="estimates of steps in flight")
+    reserved_tokens = models.BigIntegerField(default=0)
+    budget_warned = models.BooleanField(default=False)
+
+    # The authority flag: written by a person through runs.operations.halt, cleared only by
+    # runs.operations.unhalt. No recovery, retry or restart path touches it.
+    halted_at = models.DateTimeField(null=True, blank=True)
+    halted_by = models.CharField(max_length=150, blank=True, default="")
+    halt_reason = models.TextField(blank=True, default="")
+
+    forked_from = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="forks"
+    )
+    forked_at_seq = models.PositiveIntegerField(null=True, blank=True)
 
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     cancel_requested_by = models.CharField(max_length=150, blank=True, default="")
@@ -117,7 +134,14 @@ class Run(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
-        permissions = [("cancel_run", "Can cancel runs (their compensations run)")]
+        permissions = [
+            ("cancel_run", "Can cancel runs (their compensations run)"),
+            ("halt_run", "Can halt runs, workflows and everything (the kill switch)"),
+            ("unhalt_run", "Can lift halts"),
+            ("retry_run", "Can retry failed runs"),
+            ("fork_run", "Can fork a run from a step"),
+            ("set_budget", "Can set budgets of runs, workflows and the global daily budget"),
+        ]
         constraints = [
             models.UniqueConstraint(fields=["key"], name="runs_run_key_unique"),
             models.CheckConstraint(
@@ -130,6 +154,14 @@ class Run(models.Model):
             models.CheckConstraint(
                 condition=Q(attempt__gte=1) & Q(attempt__lte=models.F("max_attempts")),
                 name="runs_run_attempt_bounded",
+            ),
+            models.CheckConstraint(
+                condition=Q(reserved_micros__gte=0) & Q(reserved_tokens__gte=0),
+                name="runs_run_reserved_not_negative",
+            ),
+            models.CheckConstraint(
+                condition=~Q(status="halted") | Q(worker__isnull=True, lease_until__isnull=True),
+                name="runs_run_halted_holds_no_worker",
             ),
         ]
         indexes = [
@@ -175,7 +207,9 @@ class Step(models.Model):
     recovered = models.CharField(max_length=20, choices=Recovery, default="", blank=True)
     tokens_in = models.BigIntegerField(default=0)
     tokens_out = models.BigIntegerField(default=0)
-    cost_usd = models.DecimalField(max_digits=14, decimal_places=6, default=0)
+    cost_micros = models.BigIntegerField(default=0)
+    reserved_micros = models.BigIntegerField(default=0, help_text="estimate held while running")
+    reserved_tokens = models.BigIntegerField(default=0)
     wake_at = models.DateTimeField(null=True, blank=True, help_text="timer or wait deadline")
     started_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -208,8 +242,11 @@ class Step(models.Model):
 class Event(models.Model):
     """Append-only history: the timeline, the audit log and the source of live updates."""
 
-    # No index of its own: the unique (run, seq) constraint leads with run.
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events", db_index=False)
+    # No index of its own: the unique (run, seq) constraint leads with run. NULL for actions
+    # on a whole workflow or on everything (halts, budgets): those are audit-only events.
+    run = models.ForeignKey(
+        Run, null=True, blank=True, on_delete=models.CASCADE, related_name="events", db_index=False
+    )
     seq = models.BigIntegerField()
     type = models.CharField(max_length=64)
     step_key = models.CharField(max_length=255, blank=True, default="")
@@ -222,6 +259,12 @@ class Event(models.Model):
         constraints = [
             # Also the index for tailing a run's history after a given seq.
             models.UniqueConstraint(fields=["run", "seq"], name="runs_event_run_seq_unique"),
+        ]
+        indexes = [
+            # The audit page: operator actions (actor other than "system"), newest first.
+            models.Index(
+                fields=["-created_at"], condition=~Q(actor="system"), name="runs_event_audit_idx"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -265,3 +308,56 @@ class Signal(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} -> {self.run_id}"
+
+
+GLOBAL = "*"
+
+
+class Policy(models.Model):
+    """Rules for one workflow (`scope` = its name) or for everything (`scope` = "*")."""
+
+    scope = models.CharField(max_length=200, unique=True)
+    halted_at = models.DateTimeField(null=True, blank=True)
+    halted_by = models.CharField(max_length=150, blank=True, default="")
+    halt_reason = models.TextField(blank=True, default="")
+    daily_budget_micros = models.BigIntegerField(null=True, blank=True)
+    daily_budget_tokens = models.BigIntegerField(null=True, blank=True)
+    run_budget_micros = models.BigIntegerField(
+        null=True, blank=True, help_text="default budget of each new run"
+    )
+    run_budget_tokens = models.BigIntegerField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "policies"
+
+    def __str__(self) -> str:
+        return "global" if self.scope == GLOBAL else f"workflow {self.scope}"
+
+
+class BudgetLedger(models.Model):
+    """Spend against a shared (workflow or global) budget for one UTC day.
+
+    Steps reserve their estimate here and settle their actual spend, each under the row lock,
+    so concurrent runs sharing the budget cannot overspend it by racing.
+    """
+
+    scope = models.CharField(max_length=200)
+    day = models.DateField()
+    spent_micros = models.BigIntegerField(default=0)
+    spent_tokens = models.BigIntegerField(default=0)
+    reserved_micros = models.BigIntegerField(default=0)
+    reserved_tokens = models.BigIntegerField(default=0)
+    warned = models.BooleanField(default=False)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["scope", "day"], name="runs_ledger_scope_day_unique"),
+            models.CheckConstraint(
+                condition=Q(reserved_micros__gte=0) & Q(reserved_tokens__gte=0),
+                name="runs_ledger_reserved_not_negative",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.scope} {self.day}"

@@ -7,15 +7,22 @@ the same check and the same audit entry.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
-from runs.engine.store import append_event, run_event, wake_parent
+from runs.engine.budget import forget_cached_scopes, to_micros
+from runs.engine.store import append_event, create_run, run_event, wake_parent
+from runs.engine.wakeup import notify_runnable
 from runs.errors import OperationError
-from runs.models import Run, RunStatus, Step
+from runs.models import GLOBAL, Event, Policy, Run, RunStatus, Step, StepStatus
 
 
 def resolve_user(user: AbstractBaseUser | str):
@@ -100,3 +107,332 @@ def unserved_reason(run: Run) -> str | None:
     others = sorted(r for r in served if r.startswith(f"{run.workflow}@"))
     note = f" (live workers serve {', '.join(others)})" if others else ""
     return f"no live worker serves {ref}{note}"
+
+
+# -- halts, budgets, retry, fork ---------------------------------------------------------------
+
+PARKABLE = (RunStatus.PENDING, RunStatus.WAITING, RunStatus.OVER_BUDGET)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What an operator action applies to: one run, one workflow, or everything."""
+
+    kind: str  # "run" | "workflow" | "all"
+    value: str = ""
+
+    @property
+    def label(self) -> str:
+        return {"run": f"run {self.value}", "workflow": f"workflow {self.value}"}.get(
+            self.kind, "everything"
+        )
+
+    @property
+    def scope(self) -> str:
+        return GLOBAL if self.kind == "all" else self.value
+
+
+def parse_target(target) -> Target:
+    """A Target from `Target`, a Run, a run id, "run:<id>", "workflow:<name>" or "all"."""
+    if isinstance(target, Target):
+        return target
+    if isinstance(target, Run):
+        return Target("run", str(target.pk))
+    text = str(target)
+    if text in ("all", GLOBAL):
+        return Target("all")
+    if text.startswith("workflow:") and len(text) > len("workflow:"):
+        return Target("workflow", text.removeprefix("workflow:"))
+    return Target("run", text.removeprefix("run:"))
+
+
+def _needs_reason(reason: str, action: str) -> str:
+    if not reason or not reason.strip():
+        raise OperationError(f"{action} needs a reason")
+    return reason.strip()
+
+
+def audit(actor: str, type: str, **payload) -> None:
+    """An operator action on a workflow or on everything: an event of no single run."""
+    Event.objects.create(
+        run=None, seq=0, type=type, actor=actor, payload=payload, created_at=timezone.now()
+    )
+
+
+def _tree(run: Run) -> list[Run]:
+    """The run and its descendants (child runs, grandchildren...)."""
+    found, frontier = [run], [run.pk]
+    while frontier:
+        children = list(Run.objects.select_for_update().filter(parent_id__in=frontier))
+        found += children
+        frontier = [c.pk for c in children]
+    return found
+
+
+def _halted_scopes() -> set[str]:
+    return set(Policy.objects.filter(halted_at__isnull=False).values_list("scope", flat=True))
+
+
+def _in_scope(target: Target) -> Q:
+    return Q() if target.kind == "all" else Q(workflow=target.value)
+
+
+def halt(target, user, reason: str) -> Target:
+    """Halt a run (and its children), a workflow, or everything (the kill switch).
+
+    Waiting and pending runs stop at once; running ones at their next step boundary (a step
+    already executing finishes and is checkpointed). Only `unhalt` clears it.
+    """
+    user = require(user, "runs.halt_run", "halt runs")
+    reason = _needs_reason(reason, "a halt")
+    target, actor, now = parse_target(target), user.get_username(), timezone.now()
+    with transaction.atomic():
+        if target.kind == "run":
+            run = lock_run(target.value)
+            if run.is_terminal:
+                raise OperationError(f"run {run.pk} is already {run.status}")
+            if run.halted_at is not None:
+                raise OperationError(f"run {run.pk} is already halted by {run.halted_by}")
+            for member in _tree(run):
+                if member.is_terminal or member.halted_at is not None:
+                    continue
+                why = reason if member.pk == run.pk else f"parent run {run.pk} halted: {reason}"
+                Run.objects.filter(pk=member.pk).update(
+                    halted_at=now, halted_by=actor, halt_reason=why
+                )
+                _park(member.pk, actor, why)
+            return target
+        policy, _ = Policy.objects.select_for_update().get_or_create(scope=target.scope)
+        if policy.halted_at is not None:
+            raise OperationError(f"{target.label} is already halted by {policy.halted_by}")
+        Policy.objects.filter(pk=policy.pk).update(
+            halted_at=now, halted_by=actor, halt_reason=reason
+        )
+        audit(actor, "halt", target=target.label, reason=reason)
+        for run_id in Run.objects.filter(_in_scope(target), status__in=PARKABLE).values_list(
+            "id", flat=True
+        ):
+            _park(run_id, actor, reason, scope=target.label)
+    return target
+
+
+def _park(run_id, actor: str, reason: str, scope: str = "run") -> None:
+    parked = Run.objects.filter(pk=run_id, status__in=PARKABLE).update(status=RunStatus.HALTED)
+    run_event(
+        run_id, "run.halt" if not parked else "run.halted", actor=actor, reason=reason, scope=scope
+    )
+
+
+def unhalt(target, user, reason: str) -> Target:
+    """Lift a halt. A person's act with a reason: no worker, retry or restart path does this."""
+    user = require(user, "runs.unhalt_run", "lift halts")
+    reason = _needs_reason(reason, "an unhalt")
+    target, actor = parse_target(target), user.get_username()
+    with transaction.atomic():
+        if target.kind == "run":
+            run = lock_run(target.value)
+            if run.halted_at is None:
+                raise OperationError(f"run {run.pk} is not halted")
+            members = [m for m in _tree(run) if m.halted_at is not None]
+            Run.objects.filter(pk__in=[m.pk for m in members]).update(
+                halted_at=None, halted_by="", halt_reason=""
+            )
+            still = _halted_scopes()
+            for member in members:
+                _resume(member.pk, member.workflow, still, actor, reason)
+            return target
+        policy = Policy.objects.select_for_update().filter(scope=target.scope).first()
+        if policy is None or policy.halted_at is None:
+            raise OperationError(f"{target.label} is not halted")
+        Policy.objects.filter(pk=policy.pk).update(halted_at=None, halted_by="", halt_reason="")
+        audit(actor, "unhalt", target=target.label, reason=reason)
+        still = _halted_scopes()
+        for run_id, workflow in Run.objects.filter(
+            _in_scope(target), status=RunStatus.HALTED, halted_at__isnull=True
+        ).values_list("id", "workflow"):
+            _resume(run_id, workflow, still, actor, reason)
+    return target
+
+
+def _resume(run_id, workflow: str, still_halted: set[str], actor: str, reason: str) -> None:
+    if GLOBAL in still_halted or workflow in still_halted:
+        return
+    resumed = Run.objects.filter(pk=run_id, status=RunStatus.HALTED, halted_at__isnull=True)
+    if resumed.update(status=RunStatus.PENDING, wake_at=timezone.now()):
+        run_event(run_id, "run.unhalted", actor=actor, reason=reason)
+        transaction.on_commit(notify_runnable)
+
+
+KEEP: Any = object()
+
+
+def set_budget(
+    target,
+    user,
+    reason: str,
+    *,
+    usd: Decimal | None = KEEP,
+    tokens: int | None = KEEP,
+    run_usd: Decimal | None = KEEP,
+    run_tokens: int | None = KEEP,
+) -> dict:
+    """Set budgets. A run's `usd`/`tokens` are its own limits; a workflow's or everything's
+    are shared daily limits, and `run_usd`/`run_tokens` the default budget of each new run.
+    None removes a limit. Runs paused over budget in the target resume and re-check."""
+    user = require(user, "runs.set_budget", "set budgets")
+    reason = _needs_reason(reason, "a budget change")
+    target, actor = parse_target(target), user.get_username()
+
+    def micros(value):
+        return value if value in (KEEP, None) else to_micros(value)
+
+    def count(value):
+        if value in (KEEP, None):
+            return value
+        if not isinstance(value, int) or value < 0:
+            raise OperationError("a token budget is a non-negative integer")
+        return value
+
+    with transaction.atomic():
+        if target.kind == "run":
+            if run_usd is not KEEP or run_tokens is not KEEP:
+                raise OperationError("run defaults are set on a workflow or on everything")
+            run = lock_run(target.value)
+            changes = {"budget_micros": micros(usd), "budget_tokens": count(tokens)}
+            changes = {k: v for k, v in changes.items() if v is not KEEP}
+            before = {k: getattr(run, k) for k in changes}
+            Run.objects.filter(pk=run.pk).update(**changes, budget_warned=False)
+            run_event(
+                run.pk, "budget.set", actor=actor, reason=reason, before=before, after=changes
+            )
+            affected = Run.objects.filter(pk=run.pk)
+        else:
+            policy, _ = Policy.objects.select_for_update().get_or_create(scope=target.scope)
+            changes = {
+                "daily_budget_micros": micros(usd),
+                "daily_budget_tokens": count(tokens),
+                "run_budget_micros": micros(run_usd),
+                "run_budget_tokens": count(run_tokens),
+            }
+            changes = {k: v for k, v in changes.items() if v is not KEEP}
+            before = {k: getattr(policy, k) for k in changes}
+            Policy.objects.filter(pk=policy.pk).update(**changes)
+            audit(
+                actor,
+                "budget.set",
+                target=target.label,
+                reason=reason,
+                before=before,
+                after=changes,
+            )
+            affected = Run.objects.filter(_in_scope(target))
+        for run_id in affected.filter(status=RunStatus.OVER_BUDGET).values_list("id", flat=True):
+            Run.objects.filter(pk=run_id, status=RunStatus.OVER_BUDGET).update(
+                status=RunStatus.PENDING, wake_at=timezone.now()
+            )
+            run_event(run_id, "run.resumed", actor=actor, reason="budget raised")
+            transaction.on_commit(notify_runnable)
+    forget_cached_scopes()
+    return changes
+
+
+def retry_run(run_id, user, reason: str) -> Run:
+    """Run a failed run again from the top: completed steps stay memoized, the failed one runs."""
+    user = require(user, "runs.retry_run", "retry runs")
+    reason = _needs_reason(reason, "a retry")
+    with transaction.atomic():
+        run = lock_run(run_id)
+        if run.status != RunStatus.FAILED:
+            raise OperationError(f"run {run.pk} is {run.status}; only failed runs are retried")
+        if run.steps.filter(key__startswith="undo:").exists():
+            raise OperationError(f"run {run.pk} was compensated; fork it from a step instead")
+        Run.objects.filter(pk=run.pk).update(
+            status=RunStatus.PENDING,
+            attempt=run.attempt + 1,
+            max_attempts=max(run.max_attempts, run.attempt + 1),
+            recoveries=0,
+            finished_at=None,
+            wake_at=timezone.now(),
+        )
+        run_event(run.pk, "run.retry_requested", actor=user.get_username(), reason=reason)
+        transaction.on_commit(notify_runnable)
+    run.refresh_from_db()
+    return run
+
+
+def _fork_point(run: Run, step) -> int:
+    if isinstance(step, int):
+        seq = step
+    else:
+        seq = run.steps.filter(key=step).values_list("seq", flat=True).first()
+        if seq is None:
+            raise OperationError(f"run {run.pk} has no step {step!r}")
+    if seq < 0 or not run.steps.filter(seq=seq).exists():
+        raise OperationError(f"run {run.pk} has no step at position {seq}")
+    return seq
+
+
+def fork_preview(run_id, step) -> list[dict]:
+    """The recorded steps from the fork point on: what the fork will run again (if the code
+    takes the same path), so a person sees the side effects before confirming."""
+    run = Run.objects.filter(pk=run_id).first()
+    if run is None:
+        raise OperationError(f"no run with id {run_id}")
+    seq = _fork_point(run, step)
+    return list(run.steps.filter(seq__gte=seq).order_by("seq").values("seq", "key", "kind"))
+
+
+def fork_run(run_id, step, user, reason: str) -> Run:
+    """A new run of the same workflow, version and input that reuses the recorded outputs of
+    the steps before `step` (a key or a position) and runs the rest anew."""
+    user = require(user, "runs.fork_run", "fork runs")
+    reason = _needs_reason(reason, "a fork")
+    actor = user.get_username()
+    with transaction.atomic():
+        origin = lock_run(run_id)
+        seq = _fork_point(origin, step)
+        kept = list(origin.steps.filter(seq__lt=seq).order_by("seq"))
+        unfinished = [s.key for s in kept if s.status != StepStatus.COMPLETED]
+        if unfinished:
+            raise OperationError(f"steps before the fork point are not completed: {unfinished}")
+        fork = create_run(
+            workflow=origin.workflow,
+            version=origin.version,
+            input=origin.input,
+            key=None,
+            forked_from=origin,
+            forked_at_seq=seq,
+            budget_micros=origin.budget_micros,
+            budget_tokens=origin.budget_tokens,
+        )
+        Step.objects.bulk_create([_copy_step(s, fork) for s in kept])
+        at = kept[-1].key if kept else None
+        run_event(
+            fork.pk, "run.forked_from", actor=actor, origin=str(origin.pk), seq=seq, reason=reason
+        )
+        run_event(
+            origin.pk,
+            "run.forked",
+            actor=actor,
+            fork=str(fork.pk),
+            seq=seq,
+            after_step=at,
+            reason=reason,
+        )
+    return fork
+
+
+def _copy_step(step: Step, fork: Run) -> Step:
+    return Step(
+        run=fork,
+        seq=step.seq,
+        key=step.key,
+        kind=step.kind,
+        status=StepStatus.COMPLETED,
+        input=step.input,
+        output=step.output,
+        idempotency_key=f"{fork.pk}:{step.key}",
+        attempt=step.attempt,
+        started_at=step.started_at,
+        finished_at=step.finished_at,
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
@@ -19,6 +20,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from runs.engine import registry
+from runs.engine.budget import Metered, Usage, to_micros
 from runs.engine.executor import NOT_FOUND, Decision, RetryPolicy, RunContext
 from runs.engine.serialization import to_json
 from runs.engine.store import create_run, run_event
@@ -38,7 +40,7 @@ from runs.errors import (
     UnknownWorkflow,
     WaitTimeout,
 )
-from runs.models import Run, Signal
+from runs.models import GLOBAL, Policy, Run, Signal
 from runs.operations import cancel_run, lock_run
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "ChildFailed",
     "Decision",
     "DecisionError",
+    "Metered",
     "NonDeterminismError",
     "OperationError",
     "OperatorFailed",
@@ -59,6 +62,7 @@ __all__ = [
     "StepMisuse",
     "StepguardError",
     "UnknownWorkflow",
+    "Usage",
     "WaitTimeout",
     "cancel_run",
     "get_run",
@@ -90,6 +94,8 @@ def start_run(
     key: str | None = None,
     version: str | None = None,
     max_attempts: int | None = None,
+    budget_usd: Decimal | None = None,
+    budget_tokens: int | None = None,
 ) -> Run:
     """Start a run of workflow `name` (its newest registered version unless `version` is given).
 
@@ -105,6 +111,7 @@ def start_run(
     if max_attempts is not None and not 1 <= max_attempts <= 100:
         raise ValueError("max_attempts must be between 1 and 100")
     fields: dict[str, Any] = {"max_attempts": max_attempts} if max_attempts else {}
+    fields |= _run_budget(definition.name, budget_usd, budget_tokens)
     try:
         with transaction.atomic():
             run = create_run(
@@ -127,6 +134,23 @@ def start_run(
         return existing
     run.was_created = True
     return run
+
+
+def _run_budget(workflow: str, usd, tokens) -> dict:
+    """The run's own budget: as given, else the workflow's default, else the global one."""
+    if tokens is not None and (not isinstance(tokens, int) or tokens < 0):
+        raise ValueError("budget_tokens is a non-negative integer")
+    budget = {
+        "budget_micros": None if usd is None else to_micros(usd),
+        "budget_tokens": tokens,
+    }
+    defaults = {p.scope: p for p in Policy.objects.filter(scope__in=[workflow, GLOBAL])}
+    for scope in (workflow, GLOBAL):
+        policy = defaults.get(scope)
+        if policy is not None:
+            budget["budget_micros"] = budget["budget_micros"] or policy.run_budget_micros
+            budget["budget_tokens"] = budget["budget_tokens"] or policy.run_budget_tokens
+    return budget
 
 
 def send_signal(run_id: str | UUID, name: str, payload: Any = None, *, sent_by: str = "system"):

@@ -18,20 +18,29 @@ import random
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, NoReturn
 from uuid import UUID
 
 from django.conf import settings
 from django.db import DatabaseError, transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs.engine import registry
+from runs.engine.budget import Metered, Usage, reserve_shared, scopes_for, settle_shared
 from runs.engine.serialization import describe_input, to_json
-from runs.engine.store import Lease, append_event, create_run, fence, fenced_write, run_event
+from runs.engine.store import (
+    Lease,
+    Spend,
+    append_event,
+    create_run,
+    fence,
+    fenced_write,
+    run_event,
+)
 from runs.errors import (
     REPLAYED,
     ApprovalExpired,
@@ -40,10 +49,12 @@ from runs.errors import (
     Cancelled,
     ChildFailed,
     ControlFlow,
+    Halted,
     LeaseLost,
     NonDeterminismError,
     OperatorFailed,
     OutputNotSerializable,
+    OverBudget,
     Released,
     StepFailed,
     StepguardError,
@@ -78,6 +89,8 @@ REPLAY_FIELDS = (
     "attempt",
     "run_attempt",
     "wake_at",
+    "reserved_micros",
+    "reserved_tokens",
 )
 
 
@@ -181,6 +194,14 @@ def _as_timedelta(value: float | timedelta, what: str) -> timedelta:
     return delta
 
 
+@dataclass(frozen=True)
+class _Held:
+    """What a running step holds against budgets: its reservation and the shared scopes."""
+
+    reserved: tuple[int, int] = (0, 0)
+    shared: list[str] = field(default_factory=list)
+
+
 @dataclass
 class _Child:
     key: str
@@ -213,6 +234,7 @@ class RunContext:
         self._compensations: list[tuple[str, Callable, Any]] = []
         self._compensating = False
         self._patches: dict[str, bool] = {}
+        lease.workflow = run.workflow
         self._last_seq = max(history, default=-1)
 
     # -- steps --------------------------------------------------------------------------------
@@ -239,6 +261,7 @@ class RunContext:
         on_ambiguous: str = "resend",
         compensate: Callable[[Any], Any] | None = None,
         approval: Decision | None = None,
+        estimate: Usage | None = None,
         kind: str = StepKind.CALL,
         **kwargs: Any,
     ) -> Any:
@@ -257,7 +280,7 @@ class RunContext:
             raise StepMisuse("on_ambiguous must be 'resend' or 'ask'")
         return self._run_step(
             key, fn, args, kwargs, retry=retry, reconcile=reconcile, on_ambiguous=on_ambiguous,
-            compensate=compensate, approval=approval, kind=kind,
+            compensate=compensate, approval=approval, estimate=estimate, kind=kind,
         )  # fmt: skip
 
     def _run_step(
@@ -272,6 +295,7 @@ class RunContext:
         on_ambiguous: str = "resend",
         compensate: Callable[[Any], Any] | None = None,
         approval: Decision | None = None,
+        estimate: Usage | None = None,
         kind: str = StepKind.CALL,
         internal: bool = False,
     ) -> Any:
@@ -312,18 +336,30 @@ class RunContext:
             }
             if ambiguous:
                 fields["recovered"] = payload["recovered"] = Recovery.RESENT
+        # An estimate is held against the budgets while the step runs; a step re-sent after a
+        # crash still holds what its first attempt reserved.
+        want = (estimate.micros, estimate.tokens) if estimate else (0, 0)
+        held = (record.reserved_micros, record.reserved_tokens) if record else (0, 0)
+        delta = (max(want[0] - held[0], 0), max(want[1] - held[1], 0))
+        reserved = (held[0] + delta[0], held[1] + delta[1])
+        if any(delta):
+            fields["reserved_micros"], fields["reserved_tokens"] = reserved
+        shared = scopes_for(self.workflow)
         try:
-            if approval is None:
+            if approval is None and not shared:
                 step_pk = fenced_write(
                     self._lease,
                     ("step.started", key, payload),
                     insert_step=fields if record is None else None,
                     update_step=None if record is None else (record.pk, fields),
-                    starting=self._starting,
+                    estimate=delta,
+                    **self._start,
                 )
             else:
                 with transaction.atomic():
-                    event_seq = fence(self._lease, starting=self._starting)
+                    event_seq = fence(self._lease, estimate=delta, **self._start)
+                    if shared:
+                        reserve_shared(shared, *delta)
                     self._check_approval(approval)
                     if record is None:
                         step_pk = Step.objects.create(run_id=self._lease.run_id, **fields).pk
@@ -334,7 +370,9 @@ class RunContext:
         except ApprovalRevoked as exc:
             step_pk = record.pk if record is not None else None
             self._record_failure(step_pk, seq, key, idem, kind, 1, exc)
-        output = self._call(step_pk, key, idem, fn, args, kwargs, retry or DEFAULT_RETRY, attempt)
+        policy = retry or DEFAULT_RETRY
+        held_now = _Held(reserved, shared)
+        output = self._call(step_pk, key, idem, fn, args, kwargs, policy, attempt, held_now)
         return self._remember(key, compensate, output)
 
     def transaction(
@@ -356,7 +394,7 @@ class RunContext:
             tries += 1
             try:
                 with transaction.atomic():
-                    event_seq = fence(self._lease, progress=True, starting=self._starting)
+                    event_seq = fence(self._lease, progress=True, **self._start)
                     value = self._invoke(key, idem, fn, args, kwargs)
                     output = to_json(value, what=f"the output of step {key!r}")
                     now = timezone.now()
@@ -426,7 +464,7 @@ class RunContext:
         self._seq += 1
         if record is None:
             with transaction.atomic():
-                event_seq = fence(self._lease, starting=self._starting)
+                event_seq = fence(self._lease, **self._start)
                 self._new_step(
                     seq, key, StepKind.CALL, StepStatus.COMPLETED, finished_at=timezone.now()
                 )
@@ -675,9 +713,10 @@ class RunContext:
     # -- internals ----------------------------------------------------------------------------
 
     @property
-    def _starting(self) -> bool:
+    def _start(self) -> dict:
         # Compensations run after a cancel was requested; every other step is refused then.
-        return not self._compensating
+        # Halts and budgets stop both.
+        return {"starting": True, "compensating": self._compensating}
 
     def _enter(self, key: str, *, internal: bool = False) -> tuple[str, int, Step | None]:
         key, seq, record = self._position(key, internal=internal)
@@ -785,12 +824,15 @@ class RunContext:
             self._lease, (event, key, payload), update_step=(step_pk, fields), progress=progress
         )
 
-    def _call(self, step_pk, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt: int):
+    def _call(self, step_pk, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt, held):
         tries = 0
         while True:
             tries += 1
             try:
                 value = self._invoke(key, idem, fn, args, kwargs)
+                usage = None
+                if isinstance(value, Metered):
+                    value, usage = value.value, value.usage
                 output = to_json(value, what=f"the output of step {key!r}")
             except ControlFlow:
                 raise
@@ -807,35 +849,72 @@ class RunContext:
                     )
                     self._sleep(delay)
                     continue
-                self._record_failure(step_pk, None, key, idem, None, attempt, exc)
+                self._record_failure(step_pk, None, key, idem, None, attempt, exc, held)
             else:
-                self._write(
-                    step_pk,
-                    key,
-                    "step.completed",
-                    {"attempt": attempt},
-                    progress=True,
-                    status=StepStatus.COMPLETED,
-                    output=output,
-                    finished_at=timezone.now(),
-                )
+                fields = {"status": StepStatus.COMPLETED, "output": output}
+                self._settle_step(step_pk, key, {"attempt": attempt}, fields, usage, held)
                 return output
 
-    def _record_failure(self, step_pk, seq, key, idem, kind, attempt, exc: Exception) -> NoReturn:
+    def _settle_step(self, step_pk, key, payload, fields, usage: Usage | None, held) -> None:
+        """Finish a step: its row, its event and, if it spent or held anything, the budgets."""
+        fields["finished_at"] = timezone.now()
+        event = "step.completed" if fields["status"] == StepStatus.COMPLETED else "step.failed"
+        if usage is None and not any(held.reserved):
+            fenced_write(
+                self._lease, (event, key, payload), update_step=(step_pk, fields), progress=True
+            )
+            return
+        usage = usage or Usage()
+        spend = Spend(usage.micros, usage.tokens_in, usage.tokens_out, *held.reserved)
+        fields |= {
+            "tokens_in": usage.tokens_in,
+            "tokens_out": usage.tokens_out,
+            "cost_micros": usage.micros,
+            "reserved_micros": 0,
+            "reserved_tokens": 0,
+        }
+        if usage.tokens or usage.micros:
+            payload = {**payload, "tokens": usage.tokens, "usd": str(usage.usd)}
+        with transaction.atomic():
+            fenced_write(
+                self._lease, (event, key, payload), update_step=(step_pk, fields),
+                progress=True, spend=spend,
+            )  # fmt: skip
+            warnings = settle_shared(held.shared, usage, *held.reserved) if held.shared else []
+            ratio = settings.STEPGUARD_BUDGET_WARN_AT
+            near = Q(budget_micros__isnull=False, cost_micros__gte=F("budget_micros") * ratio) | Q(
+                budget_tokens__isnull=False,
+                tokens_in__gte=F("budget_tokens") * ratio - F("tokens_out"),
+            )
+            if Run.objects.filter(near, pk=self._lease.run_id, budget_warned=False).update(
+                budget_warned=True
+            ):
+                warnings.append("run")
+            if warnings:
+                first = fence(self._lease, len(warnings))
+                for offset, label in enumerate(warnings):
+                    append_event(
+                        self._lease.run_id, first + offset, "budget.warning", key,
+                        budget=label, threshold=ratio,
+                    )  # fmt: skip
+
+    def _record_failure(
+        self, step_pk, seq, key, idem, kind, attempt, exc: Exception, held=None
+    ) -> NoReturn:
         error = {**error_record(exc), "retryable": _retryable(exc)}
         fields = {
             "status": StepStatus.FAILED,
             "error": error,
             "attempt": attempt,
             "run_attempt": self.attempt,
-            "finished_at": timezone.now(),
         }
         payload = {"attempt": attempt, "error": _brief(exc)}
         if step_pk is not None:
-            self._write(step_pk, key, "step.failed", payload, **fields)
+            self._settle_step(step_pk, key, payload, fields, None, held or _Held())
         else:
+            now = timezone.now()
             insert = {"seq": seq, "key": key, "kind": kind, "idempotency_key": idem}
-            insert["started_at"] = fields["finished_at"]
+            insert |= {"started_at": now, "finished_at": now}
             fenced_write(
                 self._lease, ("step.failed", key, payload), insert_step={**insert, **fields}
             )
@@ -952,7 +1031,7 @@ class RunContext:
             append_event(self._lease.run_id, seq, type, key, **payload)
 
     def _wait_fence(self) -> tuple[int, datetime]:
-        return fence(self._lease, progress=True, starting=self._starting), timezone.now()
+        return fence(self._lease, progress=True, **self._start), timezone.now()
 
     def _settle(self, record: Step, event_seq: int, now, *, output=None, error=None, **payload):
         """Finish a waiting step (inside the caller's transaction)."""
@@ -1078,6 +1157,8 @@ def execute(run: Run, lease: Lease) -> str:
         return "released" if release(lease, "worker shutting down") else "lost"
     except Cancelled:
         return _cancelled(run, ctx, lease)
+    except (Halted, OverBudget) as stop:
+        return _pause(run, lease, stop)
     except DatabaseError:
         # Our own checkpoint write failed (database down?): nothing is recorded, the lease will
         # expire and any live worker resumes the run through the normal claim path.
@@ -1109,6 +1190,30 @@ def _run_compensations(ctx: RunContext) -> tuple[list[str], dict | None]:
         return ctx._compensate(), None
     except Exception as exc:
         return [], error_record(exc)
+
+
+def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> str:
+    """Park a run that must not take its next step: halted by a person, or over budget.
+
+    It holds no worker; only `unhalt` or a raised budget makes it runnable again."""
+    fields = {"worker": None, "lease_until": None}
+    try:
+        if isinstance(stop, Halted):
+            payload = {"scope": stop.scope, "by": stop.by, "reason": stop.reason}
+            _finish(lease, "run.halted", payload, status=RunStatus.HALTED, **fields)
+            return "halted"
+        payload = {
+            "budget": stop.budget,
+            "unit": stop.unit,
+            "limit": stop.limit,
+            "spent": stop.spent,
+            "estimate": stop.estimate,
+        }
+        _finish(lease, "budget.exceeded", payload, status=RunStatus.OVER_BUDGET, **fields)
+        log.warning("run %s paused: %s", run.id, stop)
+        return "over_budget"
+    except LeaseLost:
+        return "lost"
 
 
 def _cancelled(run: Run, ctx: RunContext, lease: Lease) -> str:
@@ -1147,6 +1252,8 @@ def _cancelled(run: Run, ctx: RunContext, lease: Lease) -> str:
         return "lost"
     except Released:
         return "released" if release(lease, "worker shutting down") else "lost"
+    except (Halted, OverBudget) as stop:
+        return _pause(run, lease, stop)
     return "cancelled"
 
 
@@ -1199,5 +1306,7 @@ def _fail(run: Run, ctx: RunContext, lease: Lease, exc: Exception) -> str:
         return "released" if release(lease, "worker shutting down") else "lost"
     except Cancelled:
         return _cancelled(run, ctx, lease)
+    except (Halted, OverBudget) as stop:
+        return _pause(run, lease, stop)
     log.warning("run %s failed (%s): %s", run.id, reason, exc)
     return "failed"

@@ -15,8 +15,8 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from runs.errors import Cancelled, LeaseLost
-from runs.models import Event, Run, RunStatus, Step
+from runs.errors import Cancelled, Halted, LeaseLost, OverBudget
+from runs.models import GLOBAL, Event, Policy, Run, RunStatus, Step
 
 
 @dataclass
@@ -25,59 +25,144 @@ class Lease:
 
     run_id: UUID
     epoch: int
+    workflow: str = ""
     stopping: threading.Event = field(default_factory=threading.Event)
     lost: threading.Event = field(default_factory=threading.Event)
 
 
 _TABLE = Run._meta.db_table
+_POLICY = Policy._meta.db_table
+
+# A step may start only if the run is ours, not cancelled (compensations excepted), not halted
+# (itself, its workflow or everything), and its estimate fits the run's budget, which must not
+# be spent already.
+_NOT_CANCELLED = " AND cancel_requested_at IS NULL"
+_STARTING = (
+    " AND halted_at IS NULL"
+    f" AND NOT EXISTS (SELECT 1 FROM {_POLICY} p WHERE p.halted_at IS NOT NULL"
+    f" AND (p.scope = '*' OR p.scope = {_TABLE}.workflow))"
+    " AND (budget_micros IS NULL OR (cost_micros + reserved_micros + %s <= budget_micros"
+    " AND cost_micros + reserved_micros < budget_micros))"
+    " AND (budget_tokens IS NULL OR (tokens_in + tokens_out + reserved_tokens + %s <= budget_tokens"
+    " AND tokens_in + tokens_out + reserved_tokens < budget_tokens))"
+)
+_SETTLE = (
+    ", cost_micros = cost_micros + %s, tokens_in = tokens_in + %s, tokens_out = tokens_out + %s"
+    ", reserved_micros = CASE WHEN reserved_micros > %s THEN reserved_micros - %s ELSE 0 END"
+    ", reserved_tokens = CASE WHEN reserved_tokens > %s THEN reserved_tokens - %s ELSE 0 END"
+)
 
 
-def _fence_sql(*, progress: bool, starting: bool) -> str:
-    sets = "event_seq = event_seq + %s" + (", recoveries = 0" if progress else "")
-    guard = " AND cancel_requested_at IS NULL" if starting else ""
-    return (
-        f"UPDATE {_TABLE} SET {sets} WHERE id = %s AND lease_epoch = %s AND status = %s{guard} "
-        "RETURNING event_seq"
-    )
+@dataclass(frozen=True)
+class Spend:
+    """What a finishing step adds to its run: usage, and the estimate it held, given back."""
+
+    micros: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    reserved_micros: int = 0
+    reserved_tokens: int = 0
 
 
-_FENCES = {
-    (progress, starting): _fence_sql(progress=progress, starting=starting)
-    for progress in (False, True)
-    for starting in (False, True)
-}
+def fence_statement(
+    lease: Lease,
+    events: int = 1,
+    *,
+    progress: bool = False,
+    starting: bool = False,
+    compensating: bool = False,
+    estimate: tuple[int, int] = (0, 0),
+    spend: Spend | None = None,
+) -> tuple[str, list[Any]]:
+    sets, params = "event_seq = event_seq + %s", [events]
+    if starting:
+        sets += ", reserved_micros = reserved_micros + %s, reserved_tokens = reserved_tokens + %s"
+        params += list(estimate)
+    if spend is not None:
+        sets += _SETTLE
+        params += [
+            spend.micros, spend.tokens_in, spend.tokens_out,
+            spend.reserved_micros, spend.reserved_micros,
+            spend.reserved_tokens, spend.reserved_tokens,
+        ]  # fmt: skip
+    if progress:
+        sets += ", recoveries = 0"
+    sql = f"UPDATE {_TABLE} SET {sets} WHERE id = %s AND lease_epoch = %s AND status = %s"
+    params += [db_id(lease.run_id), lease.epoch, RunStatus.RUNNING]
+    if starting:
+        sql += ("" if compensating else _NOT_CANCELLED) + _STARTING
+        params += list(estimate)
+    return sql + " RETURNING event_seq", params
 
 
 def db_id(run_id) -> Any:
     return Run._meta.pk.get_db_prep_value(run_id, connection)
 
 
-def fence(lease: Lease, events: int = 1, *, progress: bool = False, starting: bool = False) -> int:
+def fence(
+    lease: Lease,
+    events: int = 1,
+    *,
+    progress: bool = False,
+    starting: bool = False,
+    compensating: bool = False,
+    estimate: tuple[int, int] = (0, 0),
+    spend: Spend | None = None,
+) -> int:
     """Check we still own the run and reserve `events` event seqs; return the first.
 
     Must run inside a transaction: the UPDATE row-locks the run until commit, so a concurrent
     claim (which bumps the epoch) or operator action is ordered before or after this whole
-    write, never inside it. `starting` writes (a step about to run) are also refused once a
-    cancel was requested; writes that finish work already done are not.
+    write, never inside it. `starting` writes (a step about to run) are also refused once the
+    run is cancelled, halted or over budget, in this same statement; writes that finish work
+    already done are not.
     """
+    sql, params = fence_statement(
+        lease, events, progress=progress, starting=starting, compensating=compensating,
+        estimate=estimate, spend=spend,
+    )  # fmt: skip
     with connection.cursor() as cursor:
-        cursor.execute(
-            _FENCES[(progress, starting)],
-            [events, db_id(lease.run_id), lease.epoch, RunStatus.RUNNING],
-        )
+        cursor.execute(sql, params)
         row = cursor.fetchone()
     if row is None:
-        refused(lease)
+        refused(lease, estimate, compensating)
     return row[0] - events + 1
 
 
-def refused(lease: Lease) -> NoReturn:
+def refused(
+    lease: Lease, estimate: tuple[int, int] = (0, 0), compensating: bool = False
+) -> NoReturn:
     """Raise the reason a fenced write was refused: the run is no longer ours, or it must stop."""
-    current = Run.objects.filter(pk=lease.run_id).values("lease_epoch", "status").first()
-    if current and current["lease_epoch"] == lease.epoch and current["status"] == RunStatus.RUNNING:
+    run = Run.objects.filter(pk=lease.run_id).first()
+    if run is None or run.lease_epoch != lease.epoch or run.status != RunStatus.RUNNING:
+        lease.lost.set()
+        raise LeaseLost(f"run {lease.run_id}: lease epoch {lease.epoch} is no longer current")
+    if run.cancel_requested_at is not None and not compensating:
         raise Cancelled("cancel requested")
+    if run.halted_at is not None:
+        raise Halted("run", run.halted_by, run.halt_reason)
+    policy = (
+        Policy.objects.filter(scope__in=[GLOBAL, run.workflow], halted_at__isnull=False)
+        .order_by("scope")
+        .first()
+    )
+    if policy is not None:
+        scope = "everything" if policy.scope == GLOBAL else f"workflow {policy.scope}"
+        raise Halted(scope, policy.halted_by, policy.halt_reason)
+    checks = (
+        ("micro-USD", run.budget_micros, run.cost_micros + run.reserved_micros, estimate[0]),
+        (
+            "tokens",
+            run.budget_tokens,
+            run.tokens_in + run.tokens_out + run.reserved_tokens,
+            estimate[1],
+        ),
+    )
+    for unit, limit, spent, needed in checks:
+        if limit is not None and (spent + needed > limit or spent >= limit):
+            raise OverBudget("run", unit, limit, spent, needed)
     lease.lost.set()
-    raise LeaseLost(f"run {lease.run_id}: lease epoch {lease.epoch} is no longer current")
+    raise LeaseLost(f"run {lease.run_id}: write refused")
 
 
 def append_event(run_id, seq: int, type: str, step_key: str = "", actor: str = "system", **payload):
@@ -173,6 +258,9 @@ def fenced_write(
     update_step: tuple[int, dict] | None = None,
     starting: bool = False,
     progress: bool = False,
+    compensating: bool = False,
+    estimate: tuple[int, int] = (0, 0),
+    spend: Spend | None = None,
 ) -> int | None:
     """One fenced checkpoint write: insert or update a step and append its event, atomically.
 
@@ -184,7 +272,10 @@ def fenced_write(
     now = timezone.now()
     if connection.vendor != "postgresql" or connection.in_atomic_block:
         with transaction.atomic():
-            seq = fence(lease, progress=progress, starting=starting)
+            seq = fence(
+                lease, progress=progress, starting=starting, compensating=compensating,
+                estimate=estimate, spend=spend,
+            )  # fmt: skip
             step_id = None
             if insert_step is not None:
                 step_id = Step.objects.create(run_id=lease.run_id, **insert_step).pk
@@ -194,8 +285,11 @@ def fenced_write(
             append_event(lease.run_id, seq, type_, key, **payload)
         return step_id
     run_id = db_id(lease.run_id)
-    params: list[Any] = [1, run_id, lease.epoch, RunStatus.RUNNING]
-    sql = ["WITH f AS (" + _FENCES[(progress, starting)] + ")"]
+    fence_sql, params = fence_statement(
+        lease, progress=progress, starting=starting, compensating=compensating,
+        estimate=estimate, spend=spend,
+    )  # fmt: skip
+    sql = ["WITH f AS (" + fence_sql + ")"]
     step_table = connection.ops.quote_name(Step._meta.db_table)
     if insert_step is not None:
         values = {**_step_defaults(), **insert_step}
@@ -237,7 +331,7 @@ def fenced_write(
         cursor.execute("".join(sql), params)
         seq, step_id, _ = cursor.fetchone()
     if seq is None:
-        refused(lease)
+        refused(lease, estimate, compensating)
     return step_id
 
 

@@ -26,7 +26,7 @@ from runs.engine import registry
 from runs.engine.executor import execute, release
 from runs.engine.store import Lease, append_event, wake_parent
 from runs.engine.wakeup import Listener, is_postgres
-from runs.models import Run, RunStatus, Step, StepStatus, Worker
+from runs.models import GLOBAL, Policy, Run, RunStatus, Step, StepStatus, Worker
 
 log = logging.getLogger("stepguard.worker")
 
@@ -162,10 +162,15 @@ class WorkerProcess:
     def claim(self, limit: int) -> list[Run]:
         now = timezone.now()
         claimed_ids = []
+        halted = set(Policy.objects.filter(halted_at__isnull=False).values_list("scope", flat=True))
+        self._park_halted(now, halted)
+        if GLOBAL in halted:
+            return []  # the kill switch: nothing starts
         with transaction.atomic():
             candidates = list(
                 Run.objects.select_for_update(skip_locked=True)
-                .filter(runnable_filter(now) & self._mine)
+                .filter(runnable_filter(now) & self._mine, halted_at__isnull=True)
+                .exclude(workflow__in=halted)
                 .order_by("wake_at")
                 .values_list("id", "status", "lease_epoch", "event_seq", "recoveries")[:limit]
             )
@@ -178,6 +183,27 @@ class WorkerProcess:
         runs = Run.objects.filter(id__in=epochs, worker=self.id)
         # Whatever was taken over between our commit and this read is dropped, not adopted.
         return [run for run in runs if run.lease_epoch == epochs[run.id]]
+
+    def _park_halted(self, now, halted_scopes: set[str]) -> None:
+        """Runs whose worker died after they were halted: mark them halted, never resume them."""
+        stopped = Q(halted_at__isnull=False)
+        if GLOBAL in halted_scopes:
+            stopped = Q()
+        elif halted_scopes:
+            stopped |= Q(workflow__in=halted_scopes)
+        stuck = Run.objects.filter(stopped, status=RunStatus.RUNNING, lease_until__lt=now)
+        for run_id, epoch, event_seq in stuck.values_list("id", "lease_epoch", "event_seq")[:50]:
+            parked = Run.objects.filter(pk=run_id, lease_epoch=epoch, event_seq=event_seq).update(
+                status=RunStatus.HALTED,
+                worker=None,
+                lease_until=None,
+                lease_epoch=F("lease_epoch") + 1,
+                event_seq=F("event_seq") + 1,
+            )
+            if parked:
+                append_event(
+                    run_id, event_seq + 1, "run.halted", reason="halted while its worker was lost"
+                )
 
     def _claim_one(self, run_id, status, epoch, event_seq, recoveries, now) -> bool:
         # Compare-and-swap on (epoch, event_seq): on SQLite there is no row lock, so this is

@@ -1,0 +1,185 @@
+"""Usage, estimates and the shared (workflow and global) daily budgets.
+
+USD is carried in Python as Decimal and stored as integer micro-dollars, so both database
+engines add and compare it exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from decimal import ROUND_CEILING, Decimal
+from typing import Any
+
+from django.conf import settings
+from django.db import connection
+from django.db.models import Q
+from django.utils import timezone
+
+from runs.errors import OverBudget
+from runs.models import GLOBAL, BudgetLedger, Policy
+
+MICROS = Decimal("1000000")
+
+
+def to_micros(usd: Decimal | int | str | float) -> int:
+    """USD to integer micro-dollars, rounding fractions of a micro-dollar up."""
+    value = Decimal(str(usd))
+    if value < 0:
+        raise ValueError("an amount of USD cannot be negative")
+    return int((value * MICROS).to_integral_value(rounding=ROUND_CEILING))
+
+
+def to_usd(micros: int | None) -> Decimal | None:
+    return None if micros is None else (Decimal(micros) / MICROS).quantize(Decimal("0.000001"))
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a step spent (or, as an estimate, may spend): tokens and USD."""
+
+    tokens_in: int = 0
+    tokens_out: int = 0
+    usd: Decimal = Decimal(0)
+
+    def __post_init__(self) -> None:
+        if self.tokens_in < 0 or self.tokens_out < 0:
+            raise ValueError("token counts cannot be negative")
+        object.__setattr__(self, "usd", Decimal(str(self.usd)))
+        to_micros(self.usd)  # validates
+
+    @property
+    def tokens(self) -> int:
+        return self.tokens_in + self.tokens_out
+
+    @property
+    def micros(self) -> int:
+        return to_micros(self.usd)
+
+
+@dataclass(frozen=True)
+class Metered:
+    """Return this from a step's function to report what the call cost.
+
+    The step records `value` as its output and adds `usage` to the run's spend, in the
+    transaction that completes the step.
+    """
+
+    value: Any
+    usage: Usage
+
+
+_scopes: dict[str, Any] = {"at": -1e9, "value": frozenset()}
+
+
+def shared_budget_scopes() -> frozenset[str]:
+    """Scopes with a daily budget; cached for a second, so most steps pay no query for it."""
+    now = time.monotonic()
+    if now - _scopes["at"] > 1.0:
+        with_budget = Q(daily_budget_micros__isnull=False) | Q(daily_budget_tokens__isnull=False)
+        _scopes["value"] = frozenset(
+            Policy.objects.filter(with_budget).values_list("scope", flat=True)
+        )
+        _scopes["at"] = now
+    return _scopes["value"]
+
+
+def forget_cached_scopes() -> None:
+    _scopes["at"] = -1e9
+
+
+def scopes_for(workflow: str) -> list[str]:
+    shared = shared_budget_scopes()
+    return [s for s in (workflow, GLOBAL) if s in shared]
+
+
+def _label(scope: str) -> str:
+    return "global daily" if scope == GLOBAL else f"workflow {scope!r} daily"
+
+
+def reserve_shared(scopes: list[str], estimate_micros: int, estimate_tokens: int) -> None:
+    """Hold a step's estimate against today's shared budgets, or raise OverBudget.
+
+    Inside the step-start transaction: the UPDATE row-locks each ledger row until commit, so
+    two runs sharing a budget check and reserve one after the other, never both at once.
+    """
+    day = timezone.now().date()
+    BudgetLedger.objects.bulk_create(
+        [BudgetLedger(scope=s, day=day) for s in scopes], ignore_conflicts=True
+    )
+    table = BudgetLedger._meta.db_table
+    marks = ", ".join(["%s"] * len(scopes))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {table} SET reserved_micros = reserved_micros + %s, "
+            "reserved_tokens = reserved_tokens + %s "
+            f"WHERE day = %s AND scope IN ({marks}) "
+            "RETURNING scope, spent_micros, reserved_micros, spent_tokens, reserved_tokens",
+            [estimate_micros, estimate_tokens, day, *scopes],
+        )
+        rows = cursor.fetchall()
+    limits = {
+        p["scope"]: p
+        for p in Policy.objects.filter(scope__in=scopes).values(
+            "scope", "daily_budget_micros", "daily_budget_tokens"
+        )
+    }
+    for scope, spent_m, reserved_m, spent_t, reserved_t in rows:
+        policy = limits.get(scope, {})
+        for unit, limit, spent, held, estimate in (
+            ("micro-USD", policy.get("daily_budget_micros"), spent_m, reserved_m, estimate_micros),
+            ("tokens", policy.get("daily_budget_tokens"), spent_t, reserved_t, estimate_tokens),
+        ):
+            if limit is None:
+                continue
+            before = spent + held - estimate
+            if spent + held > limit or before >= limit:
+                raise OverBudget(_label(scope), unit, limit, spent + held - estimate, estimate)
+
+
+def settle_shared(scopes: list[str], usage: Usage, reserved_micros: int, reserved_tokens: int):
+    """Move a finished step from reserved to spent; return the scopes now past the warning
+    threshold for the first time today."""
+    day = timezone.now().date()
+    BudgetLedger.objects.bulk_create(
+        [BudgetLedger(scope=s, day=day) for s in scopes], ignore_conflicts=True
+    )
+    table = BudgetLedger._meta.db_table
+    marks = ", ".join(["%s"] * len(scopes))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {table} SET spent_micros = spent_micros + %s, "
+            "spent_tokens = spent_tokens + %s, "
+            "reserved_micros = CASE WHEN reserved_micros > %s "
+            "THEN reserved_micros - %s ELSE 0 END, "
+            "reserved_tokens = CASE WHEN reserved_tokens > %s "
+            "THEN reserved_tokens - %s ELSE 0 END "
+            f"WHERE day = %s AND scope IN ({marks}) "
+            "RETURNING scope, spent_micros, spent_tokens, warned",
+            [
+                usage.micros, usage.tokens, reserved_micros, reserved_micros,
+                reserved_tokens, reserved_tokens, day, *scopes,
+            ],
+        )  # fmt: skip
+        rows = cursor.fetchall()
+    limits = {
+        p["scope"]: p
+        for p in Policy.objects.filter(scope__in=scopes).values(
+            "scope", "daily_budget_micros", "daily_budget_tokens"
+        )
+    }
+    warned = []
+    threshold = Decimal(str(settings.STEPGUARD_BUDGET_WARN_AT))
+    for scope, spent_m, spent_t, already in rows:
+        policy = limits.get(scope, {})
+        crossed = any(
+            limit is not None and spent >= threshold * limit
+            for limit, spent in (
+                (policy.get("daily_budget_micros"), spent_m),
+                (policy.get("daily_budget_tokens"), spent_t),
+            )
+        )
+        if crossed and not already:
+            BudgetLedger.objects.filter(scope=scope, day=day).update(warned=True)
+            warned.append(_label(scope))
+    return warned
