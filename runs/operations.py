@@ -78,7 +78,7 @@ def cancel_run(run_id, user, reason: str) -> Run:
             Run.objects.filter(pk=run.pk).update(
                 status=RunStatus.CANCELLED, finished_at=now, event_seq=run.event_seq + 1, **fields
             )
-            append_event(run.pk, run.event_seq + 1, "run.cancelled", actor=actor, reason=reason)
+            append_event(run.pk, run.event_seq + 1, "run.cancelled", "", actor, reason=reason)
             wake_parent(run.pk, RunStatus.CANCELLED)
         else:
             Run.objects.filter(pk=run.pk).update(**fields)
@@ -408,7 +408,12 @@ def fork_run(run_id, step, user, reason: str) -> Run:
         Step.objects.bulk_create([_copy_step(s, fork) for s in kept])
         at = kept[-1].key if kept else None
         run_event(
-            fork.pk, "run.forked_from", actor=actor, origin=str(origin.pk), seq=seq, reason=reason
+            fork.pk,
+            "run.forked_from",
+            actor=actor,
+            origin=str(origin.pk),
+            at_seq=seq,
+            reason=reason,
         )
         run_event(
             origin.pk,

@@ -51,6 +51,7 @@ def _reset_workflow_state():
     workflows.calls.clear()
     workflows.crash_at.clear()
     workflows.variant.clear()
+    workflows.hooks.clear()
 
 
 @pytest.fixture
@@ -156,3 +157,19 @@ def spawn_worker(transactional_db, tmp_path):
         if worker.proc.poll() is None:
             worker.signal(signal.SIGCONT)
         worker.kill()
+
+
+@pytest.fixture
+def cast(django_user_model):
+    """The named cast of the permission tests: one user per role, and a superuser."""
+    from django.apps import apps
+    from django.contrib.auth.models import Group
+
+    from runs.roles import ensure_groups
+
+    ensure_groups(apps)  # a flush after a transactional test removes the migration's groups
+    users = {}
+    for name, role in (("vera", "viewer"), ("otto", "operator"), ("ada", "approver")):
+        users[name] = django_user_model.objects.create_user(name, password="x")
+        users[name].groups.add(Group.objects.get(name=role))
+    return users

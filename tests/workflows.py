@@ -21,6 +21,8 @@ calls: dict[str, int] = {}
 crash_at: set[str] = set()
 #: Set by in-process tests to change a workflow's code under a running run.
 variant: dict[str, str] = {}
+#: Set by in-process tests: called inside the step of that label, as if from elsewhere.
+hooks: dict[str, object] = {}
 
 
 class Crash(BaseException):
@@ -32,6 +34,8 @@ def effect(ctx: RunContext, label: str, value=None, sleep: float = 0.0):
     Effect.objects.create(idempotency_key=ctx.idempotency_key, label=label, pid=os.getpid())
     if sleep:
         time.sleep(sleep)
+    if label in hooks:
+        hooks.pop(label)()
     if label in crash_at:
         crash_at.discard(label)
         raise Crash(label)
@@ -290,3 +294,24 @@ def double_patch(ctx: RunContext, input):
     first = ctx.patched("p")
     second = ctx.patched("p")
     return [first, second, ctx.step("after", lambda: 1)]
+
+
+@workflow("metered")
+def metered(ctx: RunContext, input: dict):
+    """`steps` model-like calls costing `usd` each, declared up front when `estimate`."""
+    from decimal import Decimal
+
+    from runs.sdk import Metered, Usage
+
+    cost = Usage(tokens_in=100, tokens_out=50, usd=Decimal(input.get("usd", "1")))
+    total = 0
+    for i in range(input["steps"]):
+        label = f"call-{i}"
+
+        def call(label=label):
+            effect(ctx, label, sleep=input.get("sleep", 0))
+            return Metered(label, cost)
+
+        ctx.step("call", call, estimate=cost if input.get("estimate", True) else None)
+        total += 1
+    return total

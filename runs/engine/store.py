@@ -165,7 +165,9 @@ def refused(
     raise LeaseLost(f"run {lease.run_id}: write refused")
 
 
-def append_event(run_id, seq: int, type: str, step_key: str = "", actor: str = "system", **payload):
+def append_event(
+    run_id, seq: int, type: str, step_key: str = "", actor: str = "system", /, **payload
+):
     return Event.objects.create(
         run_id=run_id,
         seq=seq,
@@ -178,7 +180,14 @@ def append_event(run_id, seq: int, type: str, step_key: str = "", actor: str = "
 
 
 def run_event(
-    run_id, type: str, *, wake: bool = False, actor: str = "system", step_key: str = "", **payload
+    run_id,
+    type: str,
+    /,
+    *,
+    wake: bool = False,
+    actor: str = "system",
+    step_key: str = "",
+    **payload,
 ) -> str:
     """Append an event to a run's history without holding its lease (signals, decisions...).
 

@@ -1,0 +1,53 @@
+from decimal import Decimal, InvalidOperation
+
+from django.core.management.base import BaseCommand, CommandError
+
+from runs.errors import StepguardError
+from runs.management.targets import add_target_arguments, target_from
+from runs.operations import KEEP, set_budget
+
+
+def amount(text: str):
+    if text.lower() == "none":
+        return None
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise CommandError(f"{text!r} is not an amount of USD (or 'none')") from None
+    if value < 0:
+        raise CommandError("a budget cannot be negative")
+    return value
+
+
+def count(text: str):
+    if text.lower() == "none":
+        return None
+    if not text.isdigit():
+        raise CommandError(f"{text!r} is not a number of tokens (or 'none')")
+    return int(text)
+
+
+class Command(BaseCommand):
+    help = (
+        "Set budgets: a run's own (--usd/--tokens), or a workflow's or the global shared daily "
+        "budget (--usd/--tokens) and default per-run budget (--run-usd/--run-tokens). "
+        "'none' removes a limit. Runs paused over budget resume and re-check."
+    )
+
+    def add_arguments(self, parser):
+        add_target_arguments(parser)
+        parser.add_argument("--usd", type=amount, default=KEEP)
+        parser.add_argument("--tokens", type=count, default=KEEP)
+        parser.add_argument("--run-usd", type=amount, default=KEEP)
+        parser.add_argument("--run-tokens", type=count, default=KEEP)
+
+    def handle(self, *args, **options):
+        limits = {k: options[k] for k in ("usd", "tokens", "run_usd", "run_tokens")}
+        if all(v is KEEP for v in limits.values()):
+            raise CommandError("give at least one of --usd, --tokens, --run-usd, --run-tokens")
+        target = target_from(options)
+        try:
+            changes = set_budget(target, options["user"], options["reason"], **limits)
+        except (StepguardError, ValueError) as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(f"{target.label}: budget set {changes}")
