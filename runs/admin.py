@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from runs.models import Event, Run, Signal, Step, Worker
+from runs.models import BudgetLedger, Event, Policy, Run, Signal, Step, Worker
 
 
 class StepInline(admin.TabularInline):
@@ -86,3 +86,24 @@ class SignalAdmin(admin.ModelAdmin):
 
     def get_readonly_fields(self, request, obj=None):
         return [f.name for f in Signal._meta.fields]
+
+
+@admin.register(Policy)
+class PolicyAdmin(admin.ModelAdmin):
+    """Read-only: halts and budgets change through runs.operations (permission + audit)."""
+
+    list_display = ("scope", "halted_at", "halted_by", "daily_budget_micros", "run_budget_micros")
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in Policy._meta.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+
+@admin.register(BudgetLedger)
+class BudgetLedgerAdmin(admin.ModelAdmin):
+    list_display = ("scope", "day", "spent_micros", "reserved_micros", "spent_tokens", "warned")
+
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in BudgetLedger._meta.fields]
