@@ -173,3 +173,16 @@ def cast(django_user_model):
         users[name] = django_user_model.objects.create_user(name, password="x")
         users[name].groups.add(Group.objects.get(name=role))
     return users
+
+
+@pytest.fixture
+def alice(django_user_model):
+    """An approver who may also cancel runs."""
+    from django.contrib.auth.models import Permission
+
+    user = django_user_model.objects.create_user("alice", password="x")
+    user.user_permissions.add(
+        Permission.objects.get(codename="decide_approvalrequest"),
+        Permission.objects.get(codename="cancel_run"),
+    )
+    return user

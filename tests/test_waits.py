@@ -1,7 +1,6 @@
 """Durable waits, approvals, child runs, compensation and versions, executed in-process."""
 
 import pytest
-from django.contrib.auth.models import Permission
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
@@ -16,17 +15,6 @@ from tests.conftest import wait_until
 from tests.workflows import Crash
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def alice(django_user_model):
-    """An approver and operator."""
-    user = django_user_model.objects.create_user("alice", password="x")
-    user.user_permissions.add(
-        Permission.objects.get(codename="decide_approvalrequest"),
-        Permission.objects.get(codename="cancel_run"),
-    )
-    return user
 
 
 def status(run) -> str:

@@ -4,7 +4,6 @@ import signal
 import subprocess
 
 import pytest
-from django.contrib.auth.models import Permission
 
 from approvals.models import ApprovalRequest
 from approvals.services import decide
@@ -27,16 +26,6 @@ def wait_status(run, *statuses, timeout: float = 30.0) -> Run:
 
 def effects(label: str) -> int:
     return Effect.objects.filter(label=label).count()
-
-
-@pytest.fixture
-def alice(django_user_model):
-    user = django_user_model.objects.create_user("alice", password="x")
-    user.user_permissions.add(
-        Permission.objects.get(codename="decide_approvalrequest"),
-        Permission.objects.get(codename="cancel_run"),
-    )
-    return user
 
 
 def test_a_worker_with_one_slot_completes_another_run_while_the_first_sleeps(spawn_worker):

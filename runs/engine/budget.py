@@ -97,16 +97,29 @@ def _label(scope: str) -> str:
     return "global daily" if scope == GLOBAL else f"workflow {scope!r} daily"
 
 
+def _ensure_rows(scopes: list[str]):
+    """Today's ledger rows for these scopes exist afterwards; returns today (UTC)."""
+    day = timezone.now().date()
+    BudgetLedger.objects.bulk_create(
+        [BudgetLedger(scope=s, day=day) for s in scopes], ignore_conflicts=True
+    )
+    return day
+
+
+def _limits(scopes: list[str]) -> dict[str, dict]:
+    rows = Policy.objects.filter(scope__in=scopes).values(
+        "scope", "daily_budget_micros", "daily_budget_tokens"
+    )
+    return {row["scope"]: row for row in rows}
+
+
 def reserve_shared(scopes: list[str], estimate_micros: int, estimate_tokens: int) -> None:
     """Hold a step's estimate against today's shared budgets, or raise OverBudget.
 
     Inside the step-start transaction: the UPDATE row-locks each ledger row until commit, so
     two runs sharing a budget check and reserve one after the other, never both at once.
     """
-    day = timezone.now().date()
-    BudgetLedger.objects.bulk_create(
-        [BudgetLedger(scope=s, day=day) for s in scopes], ignore_conflicts=True
-    )
+    day = _ensure_rows(scopes)
     table = BudgetLedger._meta.db_table
     marks = ", ".join(["%s"] * len(scopes))
     with connection.cursor() as cursor:
@@ -118,12 +131,7 @@ def reserve_shared(scopes: list[str], estimate_micros: int, estimate_tokens: int
             [estimate_micros, estimate_tokens, day, *scopes],
         )
         rows = cursor.fetchall()
-    limits = {
-        p["scope"]: p
-        for p in Policy.objects.filter(scope__in=scopes).values(
-            "scope", "daily_budget_micros", "daily_budget_tokens"
-        )
-    }
+    limits = _limits(scopes)
     for scope, spent_m, reserved_m, spent_t, reserved_t in rows:
         policy = limits.get(scope, {})
         for unit, limit, spent, held, estimate in (
@@ -140,10 +148,7 @@ def reserve_shared(scopes: list[str], estimate_micros: int, estimate_tokens: int
 def settle_shared(scopes: list[str], usage: Usage, reserved_micros: int, reserved_tokens: int):
     """Move a finished step from reserved to spent; return the scopes now past the warning
     threshold for the first time today."""
-    day = timezone.now().date()
-    BudgetLedger.objects.bulk_create(
-        [BudgetLedger(scope=s, day=day) for s in scopes], ignore_conflicts=True
-    )
+    day = _ensure_rows(scopes)
     table = BudgetLedger._meta.db_table
     marks = ", ".join(["%s"] * len(scopes))
     with connection.cursor() as cursor:
@@ -162,12 +167,7 @@ def settle_shared(scopes: list[str], usage: Usage, reserved_micros: int, reserve
             ],
         )  # fmt: skip
         rows = cursor.fetchall()
-    limits = {
-        p["scope"]: p
-        for p in Policy.objects.filter(scope__in=scopes).values(
-            "scope", "daily_budget_micros", "daily_budget_tokens"
-        )
-    }
+    limits = _limits(scopes)
     warned = []
     threshold = Decimal(str(settings.STEPGUARD_BUDGET_WARN_AT))
     for scope, spent_m, spent_t, already in rows:
