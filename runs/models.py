@@ -165,10 +165,10 @@ class Run(models.Model):
             ),
         ]
         indexes = [
-            # Claim query, first half: pending runs and waiting runs whose wake_at has come.
+            # Claim query, first half: pending, waiting and paused runs whose wake_at has come.
             models.Index(
                 fields=["wake_at"],
-                condition=Q(status__in=["pending", "waiting"]),
+                condition=Q(status__in=["pending", "waiting", "over_budget"]),
                 name="runs_run_wake_idx",
             ),
             # Claim query, second half: running runs whose lease expired (crash recovery).
@@ -210,6 +210,7 @@ class Step(models.Model):
     cost_micros = models.BigIntegerField(default=0)
     reserved_micros = models.BigIntegerField(default=0, help_text="estimate held while running")
     reserved_tokens = models.BigIntegerField(default=0)
+    reserved_on = models.DateField(null=True, blank=True, help_text="ledger day of the hold")
     wake_at = models.DateTimeField(null=True, blank=True, help_text="timer or wait deadline")
     started_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True, blank=True)

@@ -22,7 +22,7 @@ from runs.engine.budget import forget_cached_scopes, to_micros
 from runs.engine.store import append_event, create_run, run_event, wake_parent
 from runs.engine.wakeup import notify_runnable
 from runs.errors import OperationError
-from runs.models import GLOBAL, Event, Policy, Run, RunStatus, Step, StepStatus
+from runs.models import GLOBAL, TERMINAL_STATUSES, Event, Policy, Run, RunStatus, Step, StepStatus
 
 
 def resolve_user(user: AbstractBaseUser | str):
@@ -81,6 +81,10 @@ def cancel_run(run_id, user, reason: str) -> Run:
             append_event(run.pk, run.event_seq + 1, "run.cancelled", "", actor, reason=reason)
             wake_parent(run.pk, RunStatus.CANCELLED)
         else:
+            # A run paused over budget wakes too: cancelling is how its compensations run.
+            if run.status == RunStatus.OVER_BUDGET:
+                fields |= {"status": RunStatus.PENDING, "wake_at": now}
+                transaction.on_commit(notify_runnable)
             Run.objects.filter(pk=run.pk).update(**fields)
             run_event(run.pk, "run.cancel_requested", wake=True, actor=actor, reason=reason)
     run.refresh_from_db()
@@ -213,7 +217,27 @@ def halt(target, user, reason: str) -> Target:
             "id", flat=True
         ):
             _park(run_id, actor, reason, scope=target.label)
+        if target.kind == "workflow":
+            # Child runs of other workflows stop with their halted parents.
+            why = f"{_CASCADE.format(target.value)}{reason}"
+            for member in _descendants_outside(target.value):
+                Run.objects.filter(pk=member.pk, halted_at__isnull=True).update(
+                    halted_at=now, halted_by=actor, halt_reason=why
+                )
+                _park(member.pk, actor, why)
     return target
+
+
+_CASCADE = "workflow {} halted: "
+
+
+def _descendants_outside(workflow: str) -> list[Run]:
+    """Unfinished descendants, of other workflows, of the unfinished runs of `workflow`."""
+    roots = Run.objects.filter(workflow=workflow).exclude(status__in=TERMINAL_STATUSES)
+    found = []
+    for root in roots:
+        found += [m for m in _tree(root)[1:] if m.workflow != workflow and not m.is_terminal]
+    return found
 
 
 def _park(run_id, actor: str, reason: str, scope: str = "run") -> None:
@@ -246,9 +270,17 @@ def unhalt(target, user, reason: str) -> Target:
             raise OperationError(f"{target.label} is not halted")
         Policy.objects.filter(pk=policy.pk).update(halted_at=None, halted_by="", halt_reason="")
         audit(actor, "unhalt", target=target.label, reason=reason)
+        if target.kind == "workflow":
+            cascaded = Run.objects.filter(
+                halt_reason__startswith=_CASCADE.format(target.value), halted_at__isnull=False
+            )
+            cascaded.update(halted_at=None, halted_by="", halt_reason="")
         still = _halted_scopes()
+        scope = _in_scope(target)
+        if target.kind == "workflow":
+            scope |= Q(pk__in=[m.pk for m in _descendants_outside(target.value)])
         for run_id, workflow in Run.objects.filter(
-            _in_scope(target), status=RunStatus.HALTED, halted_at__isnull=True
+            scope, status=RunStatus.HALTED, halted_at__isnull=True
         ).values_list("id", "workflow"):
             _resume(run_id, workflow, still, actor, reason)
     return target
@@ -404,6 +436,11 @@ def fork_run(run_id, step, user, reason: str) -> Run:
             forked_at_seq=seq,
             budget_micros=origin.budget_micros,
             budget_tokens=origin.budget_tokens,
+            # A fork of a halted run is halted too: forking is no way around a halt.
+            halted_at=origin.halted_at,
+            halted_by=origin.halted_by,
+            halt_reason=origin.halt_reason,
+            status=RunStatus.HALTED if origin.halted_at else RunStatus.PENDING,
         )
         Step.objects.bulk_create([_copy_step(s, fork) for s in kept])
         at = kept[-1].key if kept else None

@@ -148,8 +148,9 @@ def _run_budget(workflow: str, usd, tokens) -> dict:
     for scope in (workflow, GLOBAL):
         policy = defaults.get(scope)
         if policy is not None:
-            budget["budget_micros"] = budget["budget_micros"] or policy.run_budget_micros
-            budget["budget_tokens"] = budget["budget_tokens"] or policy.run_budget_tokens
+            for field in ("budget_micros", "budget_tokens"):
+                if budget[field] is None:
+                    budget[field] = getattr(policy, field.replace("budget", "run_budget"))
     return budget
 
 

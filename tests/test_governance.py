@@ -276,3 +276,72 @@ def test_the_operator_commands(drive, cast):
         "fork", str(run.pk), "--from-step", "s1", "--user", "otto", "--reason", "r", "--yes"
     )
     assert Run.objects.filter(forked_from=run).count() == 1
+
+
+def test_a_step_retry_is_a_new_start_and_a_halt_stops_it(drive, cast):
+    run = start_run("halt-then-fail")
+    workflows.hooks["call"] = lambda: halt(run, cast["otto"], "stop retrying")
+    assert drive() == ["halted"]
+    assert workflows.calls["call"] == 1
+
+
+def test_a_step_resent_after_a_crash_is_not_blocked_by_its_own_reservation(
+    drive, expire_lease, cast
+):
+    set_budget("workflow:metered", cast["otto"], "cap", usd=Decimal("1"))
+    run = start_run("metered", {"steps": 1}, budget_usd=Decimal("1"))
+    workflows.crash_at.add("call-0")
+    with pytest.raises(workflows.Crash):
+        drive()
+    expire_lease(run.id)
+    assert drive() == ["completed"]
+    run.refresh_from_db()
+    assert (run.cost_micros, run.reserved_micros) == (1_000_000, 0)
+    ledger = BudgetLedger.objects.get(scope="metered")
+    assert (ledger.spent_micros, ledger.reserved_micros) == (1_000_000, 0)
+
+
+def test_a_cancelled_run_gives_back_what_its_interrupted_step_held(drive, expire_lease, cast):
+    set_budget("workflow:metered", cast["otto"], "cap", usd=Decimal("10"))
+    run = start_run("metered", {"steps": 2, "usd": "3"})
+    workflows.crash_at.add("call-0")
+    with pytest.raises(workflows.Crash):
+        drive()
+    assert BudgetLedger.objects.get(scope="metered").reserved_micros == 3_000_000
+    cancel_run(run.pk, cast["otto"], "never mind")
+    expire_lease(run.id)
+    assert drive() == ["cancelled"]
+    assert BudgetLedger.objects.get(scope="metered").reserved_micros == 0
+    assert Run.objects.get(pk=run.pk).reserved_micros == 0
+
+
+def test_cancelling_a_run_paused_over_budget_ends_it(drive, cast):
+    run = start_run("metered", {"steps": 3}, budget_usd=Decimal("1"))
+    assert drive() == ["over_budget"]
+    cancel_run(run.pk, cast["otto"], "too expensive")
+    assert drive() == ["cancelled"]
+
+
+def test_a_workflow_halt_stops_its_runs_children_of_other_workflows(drive, cast):
+    parent = start_run("parent", {"n": 1})
+    assert drive(limit=1) == ["waiting"]
+    halt("workflow:parent", cast["otto"], "freeze")
+    child = Run.objects.get(parent=parent)
+    assert child.status == RunStatus.HALTED and child.halted_by == "otto"
+    assert drive() == []
+    unhalt("workflow:parent", cast["otto"], "thaw")
+    drive()
+    assert status(parent) == RunStatus.COMPLETED
+
+
+def test_an_explicit_zero_budget_is_kept(cast):
+    set_budget("all", cast["otto"], "default", run_usd=Decimal("5"))
+    assert start_run("ledger", {"steps": 1}, budget_usd=Decimal("0")).budget_micros == 0
+
+
+def test_a_fork_of_a_halted_run_is_halted(drive, cast):
+    run = start_run("ledger", {"steps": 3})
+    workflows.hooks["s1"] = lambda: halt(run, cast["otto"], "look first")
+    drive()
+    fork = fork_run(run.pk, "s1", cast["otto"], "try again")
+    assert (fork.status, fork.halted_by) == (RunStatus.HALTED, "otto")

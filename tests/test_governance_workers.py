@@ -22,8 +22,8 @@ def test_a_halted_100_step_run_stays_halted_through_sigkills_until_unhalted(spaw
     run = start_run("ledger", {"steps": 100, "sleep": 0.02})
     worker = spawn_worker(lease=1.0)
     wait_until(lambda: completed(run) >= 10, what="some progress")
-    before = completed(run)
     halt(run, cast["otto"], "spending too fast")
+    before = completed(run)  # counted once the halt is committed
     wait_until(lambda: Run.objects.get(pk=run.pk).status == RunStatus.HALTED, what="the halt")
     stopped_at = completed(run)
     assert stopped_at - before <= 1  # the step in flight finished; none started after

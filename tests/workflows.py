@@ -315,3 +315,14 @@ def metered(ctx: RunContext, input: dict):
         ctx.step("call", call, estimate=cost if input.get("estimate", True) else None)
         total += 1
     return total
+
+
+@workflow("halt-then-fail")
+def halt_then_fail(ctx: RunContext, input):
+    def call():
+        calls["call"] = calls.get("call", 0) + 1
+        if "call" in hooks:
+            hooks.pop("call")()
+        raise ConnectionError("flaky")
+
+    return ctx.step("call", call, retry=RetryPolicy(max_attempts=3, initial_interval=timedelta(0)))

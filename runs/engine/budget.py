@@ -97,9 +97,9 @@ def _label(scope: str) -> str:
     return "global daily" if scope == GLOBAL else f"workflow {scope!r} daily"
 
 
-def _ensure_rows(scopes: list[str]):
-    """Today's ledger rows for these scopes exist afterwards; returns today (UTC)."""
-    day = timezone.now().date()
+def _ensure_rows(scopes: list[str], day=None):
+    """The ledger rows of these scopes for `day` (default today, UTC) exist afterwards."""
+    day = day or timezone.now().date()
     BudgetLedger.objects.bulk_create(
         [BudgetLedger(scope=s, day=day) for s in scopes], ignore_conflicts=True
     )
@@ -113,60 +113,66 @@ def _limits(scopes: list[str]) -> dict[str, dict]:
     return {row["scope"]: row for row in rows}
 
 
-def reserve_shared(scopes: list[str], estimate_micros: int, estimate_tokens: int) -> None:
-    """Hold a step's estimate against today's shared budgets, or raise OverBudget.
+def _update(scopes: list[str], day, sets: str, params: list, returning: str) -> list[tuple]:
+    marks = ", ".join(["%s"] * len(scopes))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {BudgetLedger._meta.db_table} SET {sets} "
+            f"WHERE day = %s AND scope IN ({marks}) RETURNING {returning}",
+            [*params, day, *scopes],
+        )
+        return cursor.fetchall()
+
+
+def reserve_shared(
+    scopes: list[str], estimate: tuple[int, int], held: tuple[int, int] = (0, 0), day=None
+):
+    """Hold a step's estimate against the shared budgets of `day`, or raise OverBudget.
 
     Inside the step-start transaction: the UPDATE row-locks each ledger row until commit, so
     two runs sharing a budget check and reserve one after the other, never both at once.
+    `held` is what this step already holds from an attempt before a crash. Returns the day.
     """
-    day = _ensure_rows(scopes)
-    table = BudgetLedger._meta.db_table
-    marks = ", ".join(["%s"] * len(scopes))
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {table} SET reserved_micros = reserved_micros + %s, "
-            "reserved_tokens = reserved_tokens + %s "
-            f"WHERE day = %s AND scope IN ({marks}) "
-            "RETURNING scope, spent_micros, reserved_micros, spent_tokens, reserved_tokens",
-            [estimate_micros, estimate_tokens, day, *scopes],
-        )
-        rows = cursor.fetchall()
+    day = _ensure_rows(scopes, day)
+    rows = _update(
+        scopes, day,
+        "reserved_micros = reserved_micros + %s, reserved_tokens = reserved_tokens + %s",
+        list(estimate), "scope, spent_micros, reserved_micros, spent_tokens, reserved_tokens",
+    )  # fmt: skip
     limits = _limits(scopes)
     for scope, spent_m, reserved_m, spent_t, reserved_t in rows:
         policy = limits.get(scope, {})
-        for unit, limit, spent, held, estimate in (
-            ("micro-USD", policy.get("daily_budget_micros"), spent_m, reserved_m, estimate_micros),
-            ("tokens", policy.get("daily_budget_tokens"), spent_t, reserved_t, estimate_tokens),
+        for unit, limit, spent, reserved, i in (
+            ("micro-USD", policy.get("daily_budget_micros"), spent_m, reserved_m, 0),
+            ("tokens", policy.get("daily_budget_tokens"), spent_t, reserved_t, 1),
         ):
-            if limit is None:
-                continue
-            before = spent + held - estimate
-            if spent + held > limit or before >= limit:
-                raise OverBudget(_label(scope), unit, limit, spent + held - estimate, estimate)
+            others = spent + reserved - estimate[i] - held[i]
+            if limit is not None and (spent + reserved > limit or others >= limit):
+                raise OverBudget(_label(scope), unit, limit, others, estimate[i] + held[i])
+    return day
 
 
-def settle_shared(scopes: list[str], usage: Usage, reserved_micros: int, reserved_tokens: int):
-    """Move a finished step from reserved to spent; return the scopes now past the warning
-    threshold for the first time today."""
-    day = _ensure_rows(scopes)
-    table = BudgetLedger._meta.db_table
-    marks = ", ".join(["%s"] * len(scopes))
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {table} SET spent_micros = spent_micros + %s, "
-            "spent_tokens = spent_tokens + %s, "
-            "reserved_micros = CASE WHEN reserved_micros > %s "
-            "THEN reserved_micros - %s ELSE 0 END, "
-            "reserved_tokens = CASE WHEN reserved_tokens > %s "
-            "THEN reserved_tokens - %s ELSE 0 END "
-            f"WHERE day = %s AND scope IN ({marks}) "
-            "RETURNING scope, spent_micros, spent_tokens, warned",
-            [
-                usage.micros, usage.tokens, reserved_micros, reserved_micros,
-                reserved_tokens, reserved_tokens, day, *scopes,
-            ],
-        )  # fmt: skip
-        rows = cursor.fetchall()
+_RELEASE = (
+    "reserved_micros = CASE WHEN reserved_micros > %s THEN reserved_micros - %s ELSE 0 END, "
+    "reserved_tokens = CASE WHEN reserved_tokens > %s THEN reserved_tokens - %s ELSE 0 END"
+)
+
+
+def release_shared(scopes: list[str], held: tuple[int, int], day) -> None:
+    """Give back what a step held on `day` (the day it reserved) without spending it."""
+    _update(scopes, day, _RELEASE, [held[0], held[0], held[1], held[1]], "scope")
+
+
+def settle_shared(scopes: list[str], usage: Usage, held: tuple[int, int], day=None) -> list[str]:
+    """Release a finished step's hold (on the day it was made) and book its spend today;
+    return the budgets now past the warning threshold for the first time today."""
+    today = _ensure_rows(scopes)
+    if any(held):
+        release_shared(scopes, held, day or today)
+    rows = _update(
+        scopes, today, "spent_micros = spent_micros + %s, spent_tokens = spent_tokens + %s",
+        [usage.micros, usage.tokens], "scope, spent_micros, spent_tokens, warned",
+    )  # fmt: skip
     limits = _limits(scopes)
     warned = []
     threshold = Decimal(str(settings.STEPGUARD_BUDGET_WARN_AT))
@@ -180,6 +186,32 @@ def settle_shared(scopes: list[str], usage: Usage, reserved_micros: int, reserve
             )
         )
         if crossed and not already:
-            BudgetLedger.objects.filter(scope=scope, day=day).update(warned=True)
+            BudgetLedger.objects.filter(scope=scope, day=today).update(warned=True)
             warned.append(_label(scope))
     return warned
+
+
+def next_day_start():
+    """When a paused run's shared daily budgets reset: the next UTC midnight."""
+    from datetime import UTC, datetime, time, timedelta
+
+    tomorrow = timezone.now().astimezone(UTC).date() + timedelta(days=1)
+    return datetime.combine(tomorrow, time(0), tzinfo=UTC)
+
+
+def release_holds(run_id, workflow: str) -> None:
+    """A run ended: give back what its unfinished steps still hold (a step in flight when its
+    worker died and never re-sent). Inside the transaction that ends the run."""
+    from runs.models import Step, StepStatus
+
+    holding = Step.objects.filter(run_id=run_id, status=StepStatus.STARTED).filter(
+        Q(reserved_micros__gt=0) | Q(reserved_tokens__gt=0)
+    )
+    holds = list(holding.values_list("reserved_micros", "reserved_tokens", "reserved_on"))
+    if not holds:
+        return
+    holding.update(reserved_micros=0, reserved_tokens=0)
+    scopes = scopes_for(workflow)
+    for micros, tokens, day in holds:
+        if scopes and day:
+            release_shared(scopes, (micros, tokens), day)

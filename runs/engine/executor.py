@@ -19,7 +19,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import date, datetime, timedelta
 from typing import Any, NoReturn
 from uuid import UUID
 
@@ -30,7 +30,15 @@ from django.utils import timezone
 
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs.engine import registry
-from runs.engine.budget import Metered, Usage, reserve_shared, scopes_for, settle_shared
+from runs.engine.budget import (
+    Metered,
+    Usage,
+    next_day_start,
+    release_holds,
+    reserve_shared,
+    scopes_for,
+    settle_shared,
+)
 from runs.engine.serialization import describe_input, to_json
 from runs.engine.store import (
     Lease,
@@ -91,6 +99,7 @@ REPLAY_FIELDS = (
     "wake_at",
     "reserved_micros",
     "reserved_tokens",
+    "reserved_on",
 )
 
 
@@ -200,6 +209,7 @@ class _Held:
 
     reserved: tuple[int, int] = (0, 0)
     shared: list[str] = field(default_factory=list)
+    day: date | None = None
 
 
 @dataclass
@@ -342,8 +352,11 @@ class RunContext:
         held = (record.reserved_micros, record.reserved_tokens) if record else (0, 0)
         delta = (max(want[0] - held[0], 0), max(want[1] - held[1], 0))
         reserved = (held[0] + delta[0], held[1] + delta[1])
+        day = record.reserved_on if record is not None and any(held) else None
         if any(delta):
             fields["reserved_micros"], fields["reserved_tokens"] = reserved
+            day = day or timezone.now().date()
+            fields["reserved_on"] = day
         shared = scopes_for(self.workflow)
         try:
             if approval is None and not shared:
@@ -353,13 +366,14 @@ class RunContext:
                     insert_step=fields if record is None else None,
                     update_step=None if record is None else (record.pk, fields),
                     estimate=delta,
+                    held=held,
                     **self._start,
                 )
             else:
                 with transaction.atomic():
-                    event_seq = fence(self._lease, estimate=delta, **self._start)
-                    if shared:
-                        reserve_shared(shared, *delta)
+                    event_seq = fence(self._lease, estimate=delta, held=held, **self._start)
+                    if shared and not self._compensating:
+                        reserve_shared(shared, delta, held, day)
                     self._check_approval(approval)
                     if record is None:
                         step_pk = Step.objects.create(run_id=self._lease.run_id, **fields).pk
@@ -371,8 +385,10 @@ class RunContext:
             step_pk = record.pk if record is not None else None
             self._record_failure(step_pk, seq, key, idem, kind, 1, exc)
         policy = retry or DEFAULT_RETRY
-        held_now = _Held(reserved, shared)
-        output = self._call(step_pk, key, idem, fn, args, kwargs, policy, attempt, held_now)
+        held_now = _Held(reserved, shared, day)
+        output = self._call(
+            step_pk, key, idem, fn, args, kwargs, policy, attempt, held_now, approval
+        )
         return self._remember(key, compensate, output)
 
     def transaction(
@@ -824,7 +840,9 @@ class RunContext:
             self._lease, (event, key, payload), update_step=(step_pk, fields), progress=progress
         )
 
-    def _call(self, step_pk, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt, held):
+    def _call(
+        self, step_pk, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt, held, approval
+    ):
         tries = 0
         while True:
             tries += 1
@@ -840,20 +858,34 @@ class RunContext:
                 if _retryable(exc) and policy.retries(exc) and tries < policy.max_attempts:
                     delay = policy.delay(tries)
                     attempt += 1
-                    self._write(
-                        step_pk,
-                        key,
-                        "step.retrying",
-                        {"attempt": attempt, "delay_s": round(delay, 3), "error": _brief(exc)},
-                        attempt=attempt,
-                    )
+                    payload = {"attempt": attempt, "delay_s": round(delay, 3), "error": _brief(exc)}
                     self._sleep(delay)
+                    try:
+                        # A retry is a new start: the halt, the cancel, the budget and the
+                        # approval are checked again, in the statement that records it.
+                        self._restart(step_pk, key, payload, attempt, held, approval)
+                    except ApprovalRevoked as revoked:
+                        self._record_failure(step_pk, None, key, idem, None, attempt, revoked, held)
                     continue
                 self._record_failure(step_pk, None, key, idem, None, attempt, exc, held)
             else:
                 fields = {"status": StepStatus.COMPLETED, "output": output}
                 self._settle_step(step_pk, key, {"attempt": attempt}, fields, usage, held)
                 return output
+
+    def _restart(self, step_pk, key, payload, attempt: int, held, approval) -> None:
+        fields = {"attempt": attempt}
+        if approval is None:
+            fenced_write(
+                self._lease, ("step.retrying", key, payload), update_step=(step_pk, fields),
+                held=held.reserved, **self._start,
+            )  # fmt: skip
+            return
+        with transaction.atomic():
+            event_seq = fence(self._lease, held=held.reserved, **self._start)
+            self._check_approval(approval)
+            Step.objects.filter(pk=step_pk).update(**fields)
+            append_event(self._lease.run_id, event_seq, "step.retrying", key, **payload)
 
     def _settle_step(self, step_pk, key, payload, fields, usage: Usage | None, held) -> None:
         """Finish a step: its row, its event and, if it spent or held anything, the budgets."""
@@ -880,7 +912,9 @@ class RunContext:
                 self._lease, (event, key, payload), update_step=(step_pk, fields),
                 progress=True, spend=spend,
             )  # fmt: skip
-            warnings = settle_shared(held.shared, usage, *held.reserved) if held.shared else []
+            warnings = (
+                settle_shared(held.shared, usage, held.reserved, held.day) if held.shared else []
+            )
             ratio = settings.STEPGUARD_BUDGET_WARN_AT
             near = Q(budget_micros__isnull=False, cost_micros__gte=F("budget_micros") * ratio) | Q(
                 budget_tokens__isnull=False,
@@ -1100,6 +1134,9 @@ class RunContext:
 
 def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields) -> None:
     with transaction.atomic():
+        if fields.get("status") in TERMINAL_STATUSES:
+            release_holds(lease.run_id, lease.workflow)
+            fields |= {"reserved_micros": 0, "reserved_tokens": 0}
         event_seq = fence(lease, progress=True)
         Run.objects.filter(pk=lease.run_id).update(**fields)
         append_event(lease.run_id, event_seq, event, **payload)
@@ -1209,6 +1246,8 @@ def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> str:
             "spent": stop.spent,
             "estimate": stop.estimate,
         }
+        # A run's own budget waits for a person; a shared daily one also for the next day.
+        fields["wake_at"] = None if stop.budget == "run" else next_day_start()
         _finish(lease, "budget.exceeded", payload, status=RunStatus.OVER_BUDGET, **fields)
         log.warning("run %s paused: %s", run.id, stop)
         return "over_budget"

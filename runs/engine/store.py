@@ -33,18 +33,21 @@ class Lease:
 _TABLE = Run._meta.db_table
 _POLICY = Policy._meta.db_table
 
-# A step may start only if the run is ours, not cancelled (compensations excepted), not halted
-# (itself, its workflow or everything), and its estimate fits the run's budget, which must not
-# be spent already.
+# A step may start only if the run is ours, not cancelled and not halted (itself, its workflow
+# or everything), and its estimate fits the run's budget, which must not be spent already (not
+# counting what the step itself holds from an attempt before a crash). Compensations are
+# exempt from the cancel and from budgets: undoing must stay possible. Halts stop everything.
 _NOT_CANCELLED = " AND cancel_requested_at IS NULL"
-_STARTING = (
+_NOT_HALTED = (
     " AND halted_at IS NULL"
     f" AND NOT EXISTS (SELECT 1 FROM {_POLICY} p WHERE p.halted_at IS NOT NULL"
     f" AND (p.scope = '*' OR p.scope = {_TABLE}.workflow))"
+)
+_IN_BUDGET = (
     " AND (budget_micros IS NULL OR (cost_micros + reserved_micros + %s <= budget_micros"
-    " AND cost_micros + reserved_micros < budget_micros))"
+    " AND cost_micros + reserved_micros - %s < budget_micros))"
     " AND (budget_tokens IS NULL OR (tokens_in + tokens_out + reserved_tokens + %s <= budget_tokens"
-    " AND tokens_in + tokens_out + reserved_tokens < budget_tokens))"
+    " AND tokens_in + tokens_out + reserved_tokens - %s < budget_tokens))"
 )
 _SETTLE = (
     ", cost_micros = cost_micros + %s, tokens_in = tokens_in + %s, tokens_out = tokens_out + %s"
@@ -72,6 +75,7 @@ def fence_statement(
     starting: bool = False,
     compensating: bool = False,
     estimate: tuple[int, int] = (0, 0),
+    held: tuple[int, int] = (0, 0),
     spend: Spend | None = None,
 ) -> tuple[str, list[Any]]:
     sets, params = "event_seq = event_seq + %s", [events]
@@ -89,9 +93,11 @@ def fence_statement(
         sets += ", recoveries = 0"
     sql = f"UPDATE {_TABLE} SET {sets} WHERE id = %s AND lease_epoch = %s AND status = %s"
     params += [db_id(lease.run_id), lease.epoch, RunStatus.RUNNING]
-    if starting:
-        sql += ("" if compensating else _NOT_CANCELLED) + _STARTING
-        params += list(estimate)
+    if starting and compensating:
+        sql += _NOT_HALTED
+    elif starting:
+        sql += _NOT_CANCELLED + _NOT_HALTED + _IN_BUDGET
+        params += [estimate[0], held[0], estimate[1], held[1]]
     return sql + " RETURNING event_seq", params
 
 
@@ -107,6 +113,7 @@ def fence(
     starting: bool = False,
     compensating: bool = False,
     estimate: tuple[int, int] = (0, 0),
+    held: tuple[int, int] = (0, 0),
     spend: Spend | None = None,
 ) -> int:
     """Check we still own the run and reserve `events` event seqs; return the first.
@@ -119,18 +126,21 @@ def fence(
     """
     sql, params = fence_statement(
         lease, events, progress=progress, starting=starting, compensating=compensating,
-        estimate=estimate, spend=spend,
+        estimate=estimate, held=held, spend=spend,
     )  # fmt: skip
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
     if row is None:
-        refused(lease, estimate, compensating)
+        refused(lease, estimate, compensating, held)
     return row[0] - events + 1
 
 
 def refused(
-    lease: Lease, estimate: tuple[int, int] = (0, 0), compensating: bool = False
+    lease: Lease,
+    estimate: tuple[int, int] = (0, 0),
+    compensating: bool = False,
+    held: tuple[int, int] = (0, 0),
 ) -> NoReturn:
     """Raise the reason a fenced write was refused: the run is no longer ours, or it must stop."""
     run = Run.objects.filter(pk=lease.run_id).first()
@@ -149,18 +159,15 @@ def refused(
     if policy is not None:
         scope = "everything" if policy.scope == GLOBAL else f"workflow {policy.scope}"
         raise Halted(scope, policy.halted_by, policy.halt_reason)
+    tokens = run.tokens_in + run.tokens_out
     checks = (
-        ("micro-USD", run.budget_micros, run.cost_micros + run.reserved_micros, estimate[0]),
-        (
-            "tokens",
-            run.budget_tokens,
-            run.tokens_in + run.tokens_out + run.reserved_tokens,
-            estimate[1],
-        ),
+        ("micro-USD", run.budget_micros, run.cost_micros, run.reserved_micros, 0),
+        ("tokens", run.budget_tokens, tokens, run.reserved_tokens, 1),
     )
-    for unit, limit, spent, needed in checks:
-        if limit is not None and (spent + needed > limit or spent >= limit):
-            raise OverBudget("run", unit, limit, spent, needed)
+    for unit, limit, spent, reserved, i in checks:
+        others = spent + reserved - held[i]  # committed by everything but this step
+        if limit is not None and (others + held[i] + estimate[i] > limit or others >= limit):
+            raise OverBudget("run", unit, limit, others, held[i] + estimate[i])
     lease.lost.set()
     raise LeaseLost(f"run {lease.run_id}: write refused")
 
@@ -269,6 +276,7 @@ def fenced_write(
     progress: bool = False,
     compensating: bool = False,
     estimate: tuple[int, int] = (0, 0),
+    held: tuple[int, int] = (0, 0),
     spend: Spend | None = None,
 ) -> int | None:
     """One fenced checkpoint write: insert or update a step and append its event, atomically.
@@ -283,7 +291,7 @@ def fenced_write(
         with transaction.atomic():
             seq = fence(
                 lease, progress=progress, starting=starting, compensating=compensating,
-                estimate=estimate, spend=spend,
+                estimate=estimate, held=held, spend=spend,
             )  # fmt: skip
             step_id = None
             if insert_step is not None:
@@ -296,7 +304,7 @@ def fenced_write(
     run_id = db_id(lease.run_id)
     fence_sql, params = fence_statement(
         lease, progress=progress, starting=starting, compensating=compensating,
-        estimate=estimate, spend=spend,
+        estimate=estimate, held=held, spend=spend,
     )  # fmt: skip
     sql = ["WITH f AS (" + fence_sql + ")"]
     step_table = connection.ops.quote_name(Step._meta.db_table)
@@ -340,7 +348,7 @@ def fenced_write(
         cursor.execute("".join(sql), params)
         seq, step_id, _ = cursor.fetchone()
     if seq is None:
-        refused(lease, estimate, compensating)
+        refused(lease, estimate, compensating, held)
     return step_id
 
 

@@ -23,6 +23,7 @@ from django.db.models import F, Min, Q
 from django.utils import timezone
 
 from runs.engine import registry
+from runs.engine.budget import release_holds
 from runs.engine.executor import execute, release
 from runs.engine.store import Lease, append_event, wake_parent
 from runs.engine.wakeup import Listener, is_postgres
@@ -31,7 +32,7 @@ from runs.models import GLOBAL, Policy, Run, RunStatus, Step, StepStatus, Worker
 log = logging.getLogger("stepguard.worker")
 
 
-WAKEABLE = (RunStatus.PENDING, RunStatus.WAITING)
+WAKEABLE = (RunStatus.PENDING, RunStatus.WAITING, RunStatus.OVER_BUDGET)
 
 
 def runnable_filter(now) -> Q:
@@ -233,6 +234,8 @@ class WorkerProcess:
                 event_seq=F("event_seq") + 1,
             )
             if updated:
+                workflow = Run.objects.filter(pk=run_id).values_list("workflow", flat=True)[0]
+                release_holds(run_id, workflow)
                 append_event(run_id, event_seq + 1, "run.failed", reason=reason)
                 wake_parent(run_id, RunStatus.FAILED)
                 log.error("run %s failed: %s", run_id, reason)
