@@ -14,7 +14,7 @@ from django.utils import timezone
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs.engine.serialization import to_json
 from runs.engine.store import run_event
-from runs.errors import DecisionError, OperationError
+from runs.errors import Conflict, DecisionError, NotFound, OperationError
 from runs.operations import lock_run, require
 
 DECIDE = "approvals.decide_approvalrequest"
@@ -26,19 +26,17 @@ def _request(approval_id) -> ApprovalRequest:
     except (TypeError, ValueError):
         request = None
     if request is None:
-        raise DecisionError(f"no approval request #{approval_id}")
+        raise NotFound(f"no approval request #{approval_id}")
     return request
 
 
-def _already(request: ApprovalRequest) -> DecisionError:
+def _already(request: ApprovalRequest) -> Conflict:
     request.refresh_from_db()
     if request.status == ApprovalStatus.PENDING:
-        return DecisionError(
-            f"approval #{request.pk} expired at {request.expires_at:%Y-%m-%d %H:%M:%S}"
-        )
+        return Conflict(f"approval #{request.pk} expired at {request.expires_at:%Y-%m-%d %H:%M:%S}")
     who = request.decided_by.get_username() if request.decided_by else "nobody"
     when = f" at {request.decided_at:%Y-%m-%d %H:%M:%S}" if request.decided_at else ""
-    return DecisionError(f"approval #{request.pk} was already {request.status} by {who}{when}")
+    return Conflict(f"approval #{request.pk} was already {request.status} by {who}{when}")
 
 
 def _decide(request, user, status: str, comment: str, event: str, **fields) -> ApprovalRequest:
@@ -104,7 +102,7 @@ def revoke(approval_id, user, reason: str) -> ApprovalRequest:
         granted = ApprovalRequest.objects.filter(pk=request.pk, status=ApprovalStatus.APPROVED)
         if not granted.update(status=ApprovalStatus.REVOKED):
             request.refresh_from_db()
-            raise DecisionError(f"approval #{request.pk} is {request.status}, not approved")
+            raise Conflict(f"approval #{request.pk} is {request.status}, not approved")
         run_event(
             request.run_id, "approval.revoked", actor=user.get_username(),
             step_key=request.step_key, approval_id=request.pk, reason=reason,

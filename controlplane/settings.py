@@ -46,12 +46,14 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "ninja",
     "django_htmx",
     "template_partials",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "controlplane.api.BodyLimitMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -164,3 +166,5 @@ STEPGUARD_MAX_RECOVERIES = env_int("STEPGUARD_MAX_RECOVERIES", 5, minimum=1)
 STEPGUARD_MAX_OUTPUT_BYTES = env_int("STEPGUARD_MAX_OUTPUT_BYTES", 1_048_576, minimum=1024)
 STEPGUARD_DURABLE_START = env_bool("STEPGUARD_DURABLE_START", False)
 STEPGUARD_BUDGET_WARN_AT = env_float("STEPGUARD_BUDGET_WARN_AT", 0.8)
+STEPGUARD_API_MAX_BODY = env_int("STEPGUARD_API_MAX_BODY", 1_048_576, minimum=1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = STEPGUARD_API_MAX_BODY

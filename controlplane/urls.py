@@ -2,6 +2,8 @@ from django.contrib import admin
 from django.http import JsonResponse
 from django.urls import path
 
+from controlplane.api import api
+
 
 def health(request):
     """The one anonymous route: load balancers probe it."""
@@ -11,4 +13,5 @@ def health(request):
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("health", health),
+    path("api/", api.urls),
 ]

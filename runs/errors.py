@@ -159,3 +159,17 @@ class OverBudget(ControlFlow):
             budget, unit, limit, spent, estimate,
         )  # fmt: skip
         super().__init__(f"{budget} budget: {spent} of {limit} {unit} spent, step needs {estimate}")
+
+
+class NotFound(OperationError, LookupError):
+    code = "not_found"
+
+
+class Forbidden(OperationError, PermissionError):
+    code = "forbidden"
+
+
+class Conflict(OperationError, DecisionError):
+    """The state changed first: already decided, already halted, not in a state for this."""
+
+    code = "conflict"

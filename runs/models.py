@@ -8,6 +8,7 @@ starts one run, and statuses are checked. Writes that change ownership are compa
 
 import uuid
 
+from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
@@ -362,3 +363,28 @@ class BudgetLedger(models.Model):
 
     def __str__(self) -> str:
         return f"{self.scope} {self.day}"
+
+
+class ApiKey(models.Model):
+    """A key for the REST API, bound to a user so Django permissions apply to it.
+
+    Only a SHA-256 of the secret is stored; the key (`sg_<prefix>_<secret>`) is shown once, at
+    creation. The prefix identifies it in lists and logs.
+    """
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_keys"
+    )
+    name = models.CharField(max_length=100, blank=True, default="")
+    prefix = models.CharField(max_length=12, unique=True)
+    digest = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"sg_{self.prefix}… ({self.user})"

@@ -21,7 +21,7 @@ from django.utils import timezone
 from runs.engine.budget import forget_cached_scopes, to_micros
 from runs.engine.store import append_event, create_run, run_event, wake_parent
 from runs.engine.wakeup import notify_runnable
-from runs.errors import OperationError
+from runs.errors import Conflict, Forbidden, NotFound, OperationError
 from runs.models import GLOBAL, TERMINAL_STATUSES, Event, Policy, Run, RunStatus, Step, StepStatus
 
 
@@ -30,7 +30,7 @@ def resolve_user(user: AbstractBaseUser | str):
     if isinstance(user, str):
         found = get_user_model().objects.filter(username=user).first()
         if found is None:
-            raise OperationError(f"no user named {user!r}")
+            raise NotFound(f"no user named {user!r}")
         user = found
     if not user.is_active:
         raise OperationError(f"user {user.get_username()!r} is inactive")
@@ -40,7 +40,7 @@ def resolve_user(user: AbstractBaseUser | str):
 def require(user, permission: str, action: str):
     user = resolve_user(user)
     if not user.has_perm(permission):
-        raise OperationError(f"{user.get_username()} may not {action} (needs {permission})")
+        raise Forbidden(f"{user.get_username()} may not {action} (needs {permission})")
     return user
 
 
@@ -51,7 +51,7 @@ def lock_run(run_id) -> Run:
     except (ValidationError, ValueError):
         run = None
     if run is None:
-        raise OperationError(f"no run with id {run_id}")
+        raise NotFound(f"no run with id {run_id}")
     return run
 
 
@@ -65,9 +65,9 @@ def cancel_run(run_id, user, reason: str) -> Run:
     with transaction.atomic():
         run = lock_run(run_id)
         if run.is_terminal:
-            raise OperationError(f"run {run.pk} is already {run.status}")
+            raise Conflict(f"run {run.pk} is already {run.status}")
         if run.cancel_requested_at is not None:
-            raise OperationError(
+            raise Conflict(
                 f"run {run.pk} is already being cancelled (by {run.cancel_requested_by})"
             )
         now = timezone.now()
@@ -194,9 +194,9 @@ def halt(target, user, reason: str) -> Target:
         if target.kind == "run":
             run = lock_run(target.value)
             if run.is_terminal:
-                raise OperationError(f"run {run.pk} is already {run.status}")
+                raise Conflict(f"run {run.pk} is already {run.status}")
             if run.halted_at is not None:
-                raise OperationError(f"run {run.pk} is already halted by {run.halted_by}")
+                raise Conflict(f"run {run.pk} is already halted by {run.halted_by}")
             for member in _tree(run):
                 if member.is_terminal or member.halted_at is not None:
                     continue
@@ -208,7 +208,7 @@ def halt(target, user, reason: str) -> Target:
             return target
         policy, _ = Policy.objects.select_for_update().get_or_create(scope=target.scope)
         if policy.halted_at is not None:
-            raise OperationError(f"{target.label} is already halted by {policy.halted_by}")
+            raise Conflict(f"{target.label} is already halted by {policy.halted_by}")
         Policy.objects.filter(pk=policy.pk).update(
             halted_at=now, halted_by=actor, halt_reason=reason
         )
@@ -256,7 +256,7 @@ def unhalt(target, user, reason: str) -> Target:
         if target.kind == "run":
             run = lock_run(target.value)
             if run.halted_at is None:
-                raise OperationError(f"run {run.pk} is not halted")
+                raise Conflict(f"run {run.pk} is not halted")
             members = [m for m in _tree(run) if m.halted_at is not None]
             Run.objects.filter(pk__in=[m.pk for m in members]).update(
                 halted_at=None, halted_by="", halt_reason=""
@@ -267,7 +267,7 @@ def unhalt(target, user, reason: str) -> Target:
             return target
         policy = Policy.objects.select_for_update().filter(scope=target.scope).first()
         if policy is None or policy.halted_at is None:
-            raise OperationError(f"{target.label} is not halted")
+            raise Conflict(f"{target.label} is not halted")
         Policy.objects.filter(pk=policy.pk).update(halted_at=None, halted_by="", halt_reason="")
         audit(actor, "unhalt", target=target.label, reason=reason)
         if target.kind == "workflow":
@@ -375,7 +375,7 @@ def retry_run(run_id, user, reason: str) -> Run:
     with transaction.atomic():
         run = lock_run(run_id)
         if run.status != RunStatus.FAILED:
-            raise OperationError(f"run {run.pk} is {run.status}; only failed runs are retried")
+            raise Conflict(f"run {run.pk} is {run.status}; only failed runs are retried")
         if run.steps.filter(key__startswith="undo:").exists():
             raise OperationError(f"run {run.pk} was compensated; fork it from a step instead")
         Run.objects.filter(pk=run.pk).update(
@@ -409,7 +409,7 @@ def fork_preview(run_id, step) -> list[dict]:
     takes the same path), so a person sees the side effects before confirming."""
     run = Run.objects.filter(pk=run_id).first()
     if run is None:
-        raise OperationError(f"no run with id {run_id}")
+        raise NotFound(f"no run with id {run_id}")
     seq = _fork_point(run, step)
     return list(run.steps.filter(seq__gte=seq).order_by("seq").values("seq", "key", "kind"))
 

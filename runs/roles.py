@@ -25,6 +25,8 @@ ROLES = {
         ("runs", "retry_run"),
         ("runs", "fork_run"),
         ("runs", "set_budget"),
+        ("runs", "add_run"),
+        ("runs", "add_signal"),
     ],
     "approver": [*VIEW, ("approvals", "decide_approvalrequest")],
 }

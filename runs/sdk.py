@@ -29,6 +29,7 @@ from runs.errors import (
     ApprovalRejected,
     ApprovalRevoked,
     ChildFailed,
+    Conflict,
     DecisionError,
     NonDeterminismError,
     OperationError,
@@ -166,7 +167,7 @@ def send_signal(run_id: str | UUID, name: str, payload: Any = None, *, sent_by: 
     with transaction.atomic():
         run = lock_run(run_id)
         if run.is_terminal:
-            raise OperationError(f"run {run_id} is {run.status}; a signal would never be consumed")
+            raise Conflict(f"run {run_id} is {run.status}; a signal would never be consumed")
         signal = Signal.objects.create(
             run_id=run.pk, name=name, payload=data, sent_by=sent_by, created_at=timezone.now()
         )

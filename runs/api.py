@@ -1,0 +1,504 @@
+"""Runs, signals, halts, budgets and workers over REST. Each route calls the same operation the
+CLI calls (runs.operations, runs.sdk), so permissions and audit events are the same."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+from uuid import UUID
+
+from django.db.models import Q
+from django.http import HttpRequest
+from ninja import Field, Query, Router, Schema, Status
+from pydantic import ConfigDict
+
+from runs import operations
+from runs.engine import registry
+from runs.engine.budget import to_usd
+from runs.errors import Forbidden, NotFound, OperationError
+from runs.models import GLOBAL, Event, Policy, Run, Worker
+from runs.operations import KEEP, Target
+from runs.sdk import send_signal, start_run
+
+router = Router(tags=["runs"])
+
+TEXT = r"^[^\x00]*$"  # PostgreSQL text cannot hold NUL
+
+
+class In(Schema):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorBody(Schema):
+    code: str
+    message: str
+    details: list[Any] | None = None
+
+
+class ErrorOut(Schema):
+    error: ErrorBody
+
+
+ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut}
+ERRORS_422 = {**ERRORS, 413: ErrorOut, 422: ErrorOut}
+
+
+class Spend(Schema):
+    tokens_in: int
+    tokens_out: int
+    usd: Decimal
+
+
+class Budget(Schema):
+    usd: Decimal | None
+    tokens: int | None
+
+
+class HaltState(Schema):
+    at: datetime
+    by: str
+    reason: str
+
+
+class RunOut(Schema):
+    id: UUID
+    workflow: str
+    version: str
+    status: str
+    key: str | None
+    parent_id: UUID | None
+    forked_from_id: UUID | None
+    attempt: int
+    max_attempts: int
+    input: Any
+    output: Any
+    error: Any
+    spend: Spend
+    budget: Budget
+    halted: HaltState | None
+    cancel_requested_by: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    @staticmethod
+    def of(run: Run) -> dict:
+        return {
+            **{f: getattr(run, f) for f in ("id", "workflow", "version", "status", "key")},
+            **{f: getattr(run, f) for f in ("parent_id", "forked_from_id", "attempt")},
+            **{f: getattr(run, f) for f in ("max_attempts", "input", "output", "error")},
+            **{f: getattr(run, f) for f in ("created_at", "started_at", "finished_at")},
+            "spend": {
+                "tokens_in": run.tokens_in,
+                "tokens_out": run.tokens_out,
+                "usd": to_usd(run.cost_micros),
+            },
+            "budget": {"usd": to_usd(run.budget_micros), "tokens": run.budget_tokens},
+            "halted": (
+                {"at": run.halted_at, "by": run.halted_by, "reason": run.halt_reason}
+                if run.halted_at
+                else None
+            ),
+            "cancel_requested_by": run.cancel_requested_by or None,
+        }
+
+
+class RunPage(Schema):
+    items: list[RunOut]
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page")
+
+
+class StartIn(In):
+    workflow: str = Field(min_length=1, max_length=200, pattern=TEXT, examples=["flight-booking"])
+    input: Any = Field(None, examples=[{"from": "LIS", "to": "BER", "passenger": "Ada"}])
+    key: str | None = Field(None, min_length=1, max_length=255, pattern=TEXT, examples=["o-42"])
+    version: str | None = Field(None, min_length=1, max_length=50, pattern=TEXT)
+    budget_usd: Decimal | None = Field(None, ge=0, max_digits=14, decimal_places=6)
+    budget_tokens: int | None = Field(None, ge=0, le=10**15)
+
+
+class StepOut(Schema):
+    seq: int
+    key: str
+    kind: str
+    status: str
+    attempt: int
+    recovered: str
+    idempotency_key: str
+    input: Any
+    output: Any
+    error: Any
+    tokens_in: int
+    tokens_out: int
+    started_at: datetime
+    finished_at: datetime | None
+    wake_at: datetime | None
+
+
+class EventOut(Schema):
+    seq: int
+    type: str
+    step_key: str
+    actor: str
+    payload: Any
+    created_at: datetime
+
+
+class ReasonIn(In):
+    reason: str = Field(min_length=1, max_length=2000, pattern=TEXT, examples=["runaway loop"])
+
+
+class ForkIn(ReasonIn):
+    step: str | int = Field(description="the key of the first step to run again, or its position")
+
+
+class StepPreview(Schema):
+    seq: int
+    key: str
+    kind: str
+
+
+class SignalIn(In):
+    name: str = Field(min_length=1, max_length=200, pattern=TEXT, examples=["go"])
+    payload: Any = None
+
+
+class SignalOut(Schema):
+    id: int
+    run_id: UUID
+    name: str
+
+
+class BudgetIn(ReasonIn):
+    usd: Decimal | None = Field(None, ge=0, max_digits=14, decimal_places=6)
+    tokens: int | None = Field(None, ge=0, le=10**15)
+    run_usd: Decimal | None = Field(None, ge=0, max_digits=14, decimal_places=6)
+    run_tokens: int | None = Field(None, ge=0, le=10**15)
+
+
+class PolicyOut(Schema):
+    scope: str
+    halted: HaltState | None
+    daily_usd: Decimal | None
+    daily_tokens: int | None
+    run_usd: Decimal | None
+    run_tokens: int | None
+
+    @staticmethod
+    def of(policy: Policy) -> dict:
+        return {
+            "scope": policy.scope,
+            "halted": (
+                {"at": policy.halted_at, "by": policy.halted_by, "reason": policy.halt_reason}
+                if policy.halted_at
+                else None
+            ),
+            "daily_usd": to_usd(policy.daily_budget_micros),
+            "daily_tokens": policy.daily_budget_tokens,
+            "run_usd": to_usd(policy.run_budget_micros),
+            "run_tokens": policy.run_budget_tokens,
+        }
+
+
+class WorkerOut(Schema):
+    id: UUID
+    host: str
+    pid: int
+    concurrency: int
+    workflows: list[str]
+    started_at: datetime
+    heartbeat_at: datetime
+    stopped_at: datetime | None
+    runs: list[UUID]
+
+
+class Filters(Schema):
+    status: str | None = Field(None, max_length=20, pattern=TEXT)
+    workflow: str | None = Field(None, max_length=200, pattern=TEXT)
+    parent: UUID | None = None
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+    q: str | None = Field(None, max_length=255, pattern=TEXT, description="id or key contains")
+    cursor: str | None = Field(None, max_length=200, pattern=TEXT)
+    limit: int = Field(50, ge=1, le=200)
+
+
+def viewer(request: HttpRequest):
+    if not request.user.has_perm("runs.view_run"):
+        raise Forbidden(f"{request.user.get_username()} may not view runs (needs runs.view_run)")
+    return request.user
+
+
+def run_or_404(run_id: UUID) -> Run:
+    run = Run.objects.filter(pk=run_id).first()
+    if run is None:
+        raise NotFound(f"no run with id {run_id}")
+    return run
+
+
+def _cursor(run: Run) -> str:
+    return base64.urlsafe_b64encode(f"{run.created_at.isoformat()}|{run.pk}".encode()).decode()
+
+
+def _after(cursor: str) -> Q:
+    try:
+        when, pk = base64.urlsafe_b64decode(cursor.encode()).decode().split("|")
+        when, pk = datetime.fromisoformat(when), UUID(pk)
+    except (ValueError, UnicodeDecodeError):
+        raise OperationError("cursor is not one this API returned") from None
+    return Q(created_at__lt=when) | Q(created_at=when, pk__lt=pk)
+
+
+# -- runs --------------------------------------------------------------------------------------
+
+
+@router.post("/runs", response={200: RunOut, 201: RunOut, **ERRORS_422}, tags=["runs"])
+def create_run(request, body: StartIn):
+    """Start a run. Idempotent by `key`: a repeat returns the existing run with 200."""
+    if not request.user.has_perm("runs.add_run"):
+        raise Forbidden(f"{request.user.get_username()} may not start runs (needs runs.add_run)")
+    registry.load_configured()
+    run = start_run(
+        body.workflow,
+        body.input,
+        key=body.key,
+        version=body.version,
+        budget_usd=body.budget_usd,
+        budget_tokens=body.budget_tokens,
+    )
+    return Status(201 if run.was_created else 200, RunOut.of(run))
+
+
+@router.get("/runs", response={200: RunPage, **ERRORS_422})
+def list_runs(request, filters: Query[Filters]):
+    """Runs, newest first, with cursor pagination."""
+    viewer(request)
+    runs = Run.objects.order_by("-created_at", "-pk")
+    if filters.status:
+        runs = runs.filter(status=filters.status)
+    if filters.workflow:
+        runs = runs.filter(workflow=filters.workflow)
+    if filters.parent:
+        runs = runs.filter(parent_id=filters.parent)
+    if filters.created_after:
+        runs = runs.filter(created_at__gte=filters.created_after)
+    if filters.created_before:
+        runs = runs.filter(created_at__lt=filters.created_before)
+    if filters.q:
+        match = Q(key__icontains=filters.q)
+        with contextlib.suppress(ValueError):
+            match |= Q(pk=UUID(filters.q))
+        runs = runs.filter(match)
+    if filters.cursor:
+        runs = runs.filter(_after(filters.cursor))
+    page = list(runs[: filters.limit + 1])
+    more = len(page) > filters.limit
+    page = page[: filters.limit]
+    return {
+        "items": [RunOut.of(r) for r in page],
+        "next_cursor": _cursor(page[-1]) if more else None,
+    }
+
+
+@router.get("/runs/{run_id}", response={200: RunOut, **ERRORS_422})
+def get_run(request, run_id: UUID):
+    viewer(request)
+    return RunOut.of(run_or_404(run_id))
+
+
+@router.get("/runs/{run_id}/steps", response={200: list[StepOut], **ERRORS_422})
+def list_steps(request, run_id: UUID):
+    viewer(request)
+    return list(run_or_404(run_id).steps.order_by("seq"))
+
+
+@router.get("/runs/{run_id}/events", response={200: list[EventOut], **ERRORS_422})
+def list_events(
+    request,
+    run_id: UUID,
+    after: int = Query(0, ge=0, le=2**62),
+    limit: int = Query(500, ge=1, le=1000),
+):
+    """The run's history after `after` (a seq), in order: poll with the last seq to tail it."""
+    viewer(request)
+    run = run_or_404(run_id)
+    return list(Event.objects.filter(run=run, seq__gt=after).order_by("seq")[:limit])
+
+
+def _action(request, run_id: UUID, action, *args):
+    run_or_404(run_id)
+    action(str(run_id), request.user, *args)
+    return RunOut.of(Run.objects.get(pk=run_id))
+
+
+@router.post("/runs/{run_id}/halt", response={200: RunOut, **ERRORS_422}, tags=["halts"])
+def halt_run(request, run_id: UUID, body: ReasonIn):
+    """Halt the run and its children: they stop at their next step. Only unhalt clears it."""
+    return _action(request, run_id, operations.halt, body.reason)
+
+
+def person_only(request, action: str) -> None:
+    if getattr(request, "api_key", None) is not None:
+        raise Forbidden(f"{action} needs a person's browser session, not an API key")
+
+
+@router.post("/runs/{run_id}/unhalt", response={200: RunOut, **ERRORS_422}, tags=["halts"])
+def unhalt_run(request, run_id: UUID, body: ReasonIn):
+    """Lift a halt. A person's act: refused for API keys (automation may halt, never unhalt)."""
+    person_only(request, "unhalt")
+    return _action(request, run_id, operations.unhalt, body.reason)
+
+
+@router.post("/runs/{run_id}/cancel", response={200: RunOut, **ERRORS_422})
+def cancel_run(request, run_id: UUID, body: ReasonIn):
+    """Cancel: the run stops at its next step, its compensations run, it ends cancelled."""
+    run_or_404(run_id)
+    operations.cancel_run(str(run_id), request.user, body.reason)
+    return RunOut.of(Run.objects.get(pk=run_id))
+
+
+@router.post("/runs/{run_id}/retry", response={200: RunOut, **ERRORS_422})
+def retry_run(request, run_id: UUID, body: ReasonIn):
+    """Retry a failed run from the top; completed steps are reused."""
+    run_or_404(run_id)
+    operations.retry_run(str(run_id), request.user, body.reason)
+    return RunOut.of(Run.objects.get(pk=run_id))
+
+
+@router.get("/runs/{run_id}/fork-preview", response={200: list[StepPreview], **ERRORS_422})
+def fork_preview(request, run_id: UUID, step: str = Query(..., max_length=255, pattern=TEXT)):
+    """The recorded steps a fork from `step` would run again (side effects to expect)."""
+    viewer(request)
+    return operations.fork_preview(run_id, int(step) if step.isdigit() else step)
+
+
+@router.post("/runs/{run_id}/fork", response={201: RunOut, **ERRORS_422})
+def fork_run(request, run_id: UUID, body: ForkIn):
+    """A new run reusing the recorded outputs before `step`; the rest runs again."""
+    run_or_404(run_id)
+    step = int(body.step) if isinstance(body.step, str) and body.step.isdigit() else body.step
+    fork = operations.fork_run(str(run_id), step, request.user, body.reason)
+    return Status(201, RunOut.of(fork))
+
+
+@router.post("/runs/{run_id}/signals", response={201: SignalOut, **ERRORS_422}, tags=["signals"])
+def signal_run(request, run_id: UUID, body: SignalIn):
+    """Send a signal; the run's next wait_for_event for `name` consumes it."""
+    if not request.user.has_perm("runs.add_signal"):
+        raise Forbidden(
+            f"{request.user.get_username()} may not send signals (needs runs.add_signal)"
+        )
+    signal = send_signal(run_id, body.name, body.payload, sent_by=request.user.get_username())
+    return Status(201, {"id": signal.pk, "run_id": signal.run_id, "name": signal.name})
+
+
+# -- budgets and halts on workflows and everything ---------------------------------------------
+
+
+def workflow_name(name: str) -> str:
+    if not 0 < len(name) <= 200 or "\x00" in name:
+        raise OperationError("a workflow name is 1 to 200 characters, without NUL")
+    return name
+
+
+def _policy(scope: str) -> dict:
+    return PolicyOut.of(Policy.objects.filter(scope=scope).first() or Policy(scope=scope))
+
+
+def _set_budget(request, target: Target, body: BudgetIn) -> None:
+    given = body.model_fields_set - {"reason"}
+    limits = {k: getattr(body, k) if k in given else KEEP for k in BUDGET_FIELDS}
+    if all(v is KEEP for v in limits.values()):
+        raise OperationError("give at least one of usd, tokens, run_usd, run_tokens")
+    operations.set_budget(target, request.user, body.reason, **limits)
+
+
+BUDGET_FIELDS = ("usd", "tokens", "run_usd", "run_tokens")
+
+
+@router.put("/runs/{run_id}/budget", response={200: RunOut, **ERRORS_422}, tags=["budgets"])
+def set_run_budget(request, run_id: UUID, body: BudgetIn):
+    """Set the run's own budget (usd, tokens; null removes). A run over budget resumes."""
+    run_or_404(run_id)
+    _set_budget(request, Target("run", str(run_id)), body)
+    return RunOut.of(Run.objects.get(pk=run_id))
+
+
+@router.get("/workflows/{name}/policy", response={200: PolicyOut, **ERRORS_422}, tags=["budgets"])
+def workflow_policy(request, name: str):
+    viewer(request)
+    return _policy(workflow_name(name))
+
+
+@router.put("/workflows/{name}/budget", response={200: PolicyOut, **ERRORS_422}, tags=["budgets"])
+def set_workflow_budget(request, name: str, body: BudgetIn):
+    """The workflow's shared daily budget (usd, tokens) and default per-run budget."""
+    _set_budget(request, Target("workflow", workflow_name(name)), body)
+    return _policy(name)
+
+
+@router.post("/workflows/{name}/halt", response={200: PolicyOut, **ERRORS_422}, tags=["halts"])
+def halt_workflow(request, name: str, body: ReasonIn):
+    operations.halt(Target("workflow", workflow_name(name)), request.user, body.reason)
+    return _policy(name)
+
+
+@router.post("/workflows/{name}/unhalt", response={200: PolicyOut, **ERRORS_422}, tags=["halts"])
+def unhalt_workflow(request, name: str, body: ReasonIn):
+    person_only(request, "unhalt")
+    operations.unhalt(Target("workflow", workflow_name(name)), request.user, body.reason)
+    return _policy(name)
+
+
+@router.get("/global/policy", response={200: PolicyOut, **ERRORS_422}, tags=["budgets"])
+def global_policy(request):
+    viewer(request)
+    return _policy(GLOBAL)
+
+
+@router.put("/global/budget", response={200: PolicyOut, **ERRORS_422}, tags=["budgets"])
+def set_global_budget(request, body: BudgetIn):
+    """The global daily budget (usd, tokens) and default per-run budget."""
+    _set_budget(request, Target("all"), body)
+    return _policy(GLOBAL)
+
+
+@router.post("/global/halt", response={200: PolicyOut, **ERRORS_422}, tags=["halts"])
+def halt_everything(request, body: ReasonIn):
+    """The kill switch: nothing starts a step until it is lifted."""
+    operations.halt(Target("all"), request.user, body.reason)
+    return _policy(GLOBAL)
+
+
+@router.post("/global/unhalt", response={200: PolicyOut, **ERRORS_422}, tags=["halts"])
+def unhalt_everything(request, body: ReasonIn):
+    person_only(request, "unhalt")
+    operations.unhalt(Target("all"), request.user, body.reason)
+    return _policy(GLOBAL)
+
+
+@router.get("/halts", response={200: list[PolicyOut], **ERRORS_422}, tags=["halts"])
+def list_halts(request):
+    """Workflow-wide and global halts in force."""
+    viewer(request)
+    return [PolicyOut.of(p) for p in Policy.objects.filter(halted_at__isnull=False)]
+
+
+# -- workers -------------------------------------------------------------------------------------
+
+
+@router.get("/workers", response={200: list[WorkerOut], **ERRORS_422}, tags=["workers"])
+def list_workers(request, include_stopped: bool = False):
+    """Workers with their last heartbeat and the runs they hold now."""
+    viewer(request)
+    workers = Worker.objects.all() if include_stopped else Worker.objects.filter(stopped_at=None)
+    held: dict = {}
+    for run_id, worker_id in Run.objects.filter(worker__in=workers).values_list("id", "worker_id"):
+        held.setdefault(worker_id, []).append(run_id)
+    return [
+        {**{f.name: getattr(w, f.name) for f in Worker._meta.fields}, "runs": held.get(w.pk, [])}
+        for w in workers[:500]
+    ]

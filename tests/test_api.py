@@ -1,0 +1,250 @@
+"""The REST API: every route, its permission and its errors (in-process, both engines)."""
+
+import json
+from decimal import Decimal
+
+import pytest
+from django.core.management import call_command
+from django.test import Client
+
+from approvals.models import ApprovalRequest
+from runs.apikeys import create_key
+from runs.models import ApiKey, Event, Run, RunStatus
+from runs.sdk import start_run
+
+pytestmark = pytest.mark.django_db
+
+
+class Api:
+    def __init__(self, client: Client, key: str | None):
+        self.client, self.key = client, key
+
+    def __call__(self, method: str, path: str, body=None, **params):
+        headers = {"HTTP_AUTHORIZATION": f"Bearer {self.key}"} if self.key else {}
+        url = f"/api{path}"
+        if method == "get":
+            return self.client.get(url, params, **headers)
+        data = json.dumps(body) if body is not None else ""
+        return getattr(self.client, method)(url, data, content_type="application/json", **headers)
+
+
+@pytest.fixture
+def as_(cast, client):
+    """as_("otto") calls the API with an API key of that user."""
+    keys = {}
+
+    def _as(name: str) -> Api:
+        if name not in keys:
+            keys[name] = create_key(cast[name])[1]
+        return Api(client, keys[name])
+
+    return _as
+
+
+def error(response) -> dict:
+    return response.json()["error"]
+
+
+def test_no_route_but_health_is_reachable_anonymously(client):
+    assert client.get("/api/health").json() == {"status": "ok"}
+    for path in ("/api/runs", "/api/approvals", "/api/workers", "/api/openapi.json", "/api/docs"):
+        response = client.get(path)
+        assert response.status_code == 401, path
+        assert error(response)["code"] == "not_authenticated"
+
+
+def test_a_bad_or_revoked_key_is_refused(as_, client):
+    assert Api(client, "sg_nope_nope")("get", "/runs").status_code == 401
+    otto = as_("otto")
+    assert otto("get", "/runs").status_code == 200
+    key = ApiKey.objects.get()
+    assert key.last_used_at is not None
+    call_command("apikey", "revoke", key.prefix)
+    assert otto("get", "/runs").status_code == 401
+
+
+def test_starting_a_run_is_idempotent_by_key(as_):
+    otto = as_("otto")
+    body = {"workflow": "ledger", "input": {"steps": 2}, "key": "order-9"}
+    first = otto("post", "/runs", body)
+    again = otto("post", "/runs", {**body, "input": {"steps": 5}})
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json()["id"] == again.json()["id"] and again.json()["input"] == {"steps": 2}
+    assert first.json()["status"] == "pending"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "text"),
+    [
+        ({"workflow": "ghost"}, 404, "unknown_workflow", "unknown workflow 'ghost'"),
+        ({"workflow": ""}, 422, "validation_error", "body.workflow"),
+        ({"workflow": "ledger", "surprise": 1}, 422, "validation_error", "surprise"),
+        ({"workflow": "ledger", "budget_usd": "-1"}, 422, "validation_error", "budget_usd"),
+        ({"workflow": "a\x00b"}, 422, "validation_error", "body.workflow"),
+    ],
+)
+def test_bad_starts_get_a_clear_4xx(as_, body, status, code, text):
+    response = as_("otto")("post", "/runs", body)
+    assert response.status_code == status, response.content
+    assert error(response)["code"] == code and text in error(response)["message"]
+    assert not Run.objects.exists()
+
+
+def test_an_unparsable_or_oversized_body_is_refused_before_parsing(as_, client, settings):
+    otto = as_("otto")
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {otto.key}"}
+    response = client.post("/api/runs", "{not json", content_type="application/json", **headers)
+    assert 400 <= response.status_code < 500
+    huge = json.dumps({"workflow": "ledger", "input": "x" * (settings.STEPGUARD_API_MAX_BODY)})
+    response = client.post("/api/runs", huge, content_type="application/json", **headers)
+    assert response.status_code == 413 and error(response)["code"] == "payload_too_large"
+
+
+def test_listing_runs_filters_and_pages_with_a_cursor(as_):
+    for i in range(5):
+        start_run("ledger", {"steps": 1}, key=f"batch-{i}")
+    start_run("loop", {"queries": []})
+    vera = as_("vera")
+    page = vera("get", "/runs", workflow="ledger", limit=2).json()
+    assert [r["key"] for r in page["items"]] == ["batch-4", "batch-3"]
+    seen = [r["key"] for r in page["items"]]
+    while page["next_cursor"]:
+        page = vera("get", "/runs", workflow="ledger", limit=2, cursor=page["next_cursor"]).json()
+        seen += [r["key"] for r in page["items"]]
+    assert seen == [f"batch-{i}" for i in range(4, -1, -1)]
+    assert [r["key"] for r in vera("get", "/runs", q="batch-2").json()["items"]] == ["batch-2"]
+    assert vera("get", "/runs", status="completed").json()["items"] == []
+    bad = vera("get", "/runs", cursor="garbage")
+    assert bad.status_code == 400 and "cursor" in error(bad)["message"]
+
+
+def test_a_run_its_steps_and_its_events_after_a_seq(as_, drive):
+    run = start_run("ledger", {"steps": 2})
+    drive()
+    vera = as_("vera")
+    assert vera("get", f"/runs/{run.pk}").json()["status"] == "completed"
+    steps = vera("get", f"/runs/{run.pk}/steps").json()
+    assert [(s["key"], s["status"]) for s in steps] == [("s0", "completed"), ("s1", "completed")]
+    events = vera("get", f"/runs/{run.pk}/events", after=3).json()
+    assert [e["seq"] for e in events] == list(range(4, 4 + len(events)))
+    assert vera("get", "/runs/00000000-0000-0000-0000-000000000000").status_code == 404
+    assert vera("get", "/runs/not-a-uuid").status_code == 422
+
+
+def test_halt_by_api_key_but_unhalt_only_from_a_persons_session(as_, cast, client):
+    run = start_run("ledger", {"steps": 1})
+    otto = as_("otto")
+    assert (
+        otto("post", f"/runs/{run.pk}/halt", {"reason": "check"}).json()["halted"]["by"] == "otto"
+    )
+    refused = otto("post", f"/runs/{run.pk}/unhalt", {"reason": "ok"})
+    assert refused.status_code == 403 and "browser session" in error(refused)["message"]
+    browser = Client(enforce_csrf_checks=True)
+    browser.force_login(cast["otto"])
+    no_csrf = browser.post(f"/api/runs/{run.pk}/unhalt", {"reason": "ok"}, "application/json")
+    assert no_csrf.status_code == 403
+    browser.get("/admin/login/")  # sets the CSRF cookie
+    token = browser.cookies["csrftoken"].value
+    done = browser.post(
+        f"/api/runs/{run.pk}/unhalt", {"reason": "ok"}, "application/json", HTTP_X_CSRFTOKEN=token
+    )
+    assert done.status_code == 200 and done.json()["halted"] is None
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("post", "/runs", {"workflow": "ledger"}),
+        ("post", "/runs/{run}/halt", {"reason": "x"}),
+        ("post", "/runs/{run}/cancel", {"reason": "x"}),
+        ("post", "/runs/{run}/retry", {"reason": "x"}),
+        ("post", "/runs/{run}/fork", {"step": "s0", "reason": "x"}),
+        ("post", "/runs/{run}/signals", {"name": "go"}),
+        ("put", "/runs/{run}/budget", {"usd": "1", "reason": "x"}),
+        ("put", "/workflows/ledger/budget", {"usd": "1", "reason": "x"}),
+        ("post", "/workflows/ledger/halt", {"reason": "x"}),
+        ("put", "/global/budget", {"usd": "1", "reason": "x"}),
+        ("post", "/global/halt", {"reason": "x"}),
+        ("post", "/approvals/{approval}/decide", {"decision": "approve"}),
+    ],
+)
+def test_a_viewer_can_read_but_every_action_is_refused(as_, drive, method, path, body):
+    run = start_run("approver", {"amount": 1})
+    drive()
+    approval = ApprovalRequest.objects.get()
+    vera = as_("vera")
+    assert vera("get", f"/runs/{run.pk}").status_code == 200
+    response = vera(method, path.format(run=run.pk, approval=approval.pk), body)
+    assert response.status_code == 403, response.content
+    assert "vera may not" in error(response)["message"]
+
+
+def test_approvals_inbox_decide_and_a_second_decision_is_a_conflict(as_, drive):
+    run = start_run("approver", {"amount": 40})
+    drive()
+    vera, ada = as_("vera"), as_("ada")
+    inbox = vera("get", "/approvals").json()
+    assert [(a["action"], a["status"], a["payload"]) for a in inbox] == [
+        ("charge card", "pending", {"amount": 40})
+    ]
+    approval_id = inbox[0]["id"]
+    decided = ada(
+        "post", f"/approvals/{approval_id}/decide", {"decision": "approve", "comment": "ok"}
+    )
+    assert decided.status_code == 200 and decided.json()["decided_by"] == "ada"
+    again = ada("post", f"/approvals/{approval_id}/decide", {"decision": "reject"})
+    assert again.status_code == 409 and "already approved by ada" in error(again)["message"]
+    assert vera("get", "/approvals/999999").status_code == 404
+    drive()
+    assert Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED
+
+
+def test_signals_budgets_halts_retry_fork_and_workers(as_, drive):
+    otto = as_("otto")
+    waiting = start_run("waiter", {})
+    paused = start_run("metered", {"steps": 2}, budget_usd=Decimal("1"))
+    drive()
+    sent = otto("post", f"/runs/{waiting.pk}/signals", {"name": "go", "payload": [1, 2]})
+    assert sent.status_code == 201
+    raised = otto("put", f"/runs/{paused.pk}/budget", {"usd": "5", "reason": "worth it"})
+    assert raised.json()["budget"]["usd"] == "5.000000" and raised.json()["status"] == "pending"
+    policy = otto("put", "/workflows/metered/budget", {"usd": "10", "run_usd": "2", "reason": "c"})
+    assert (policy.json()["daily_usd"], policy.json()["run_usd"]) == ("10.000000", "2.000000")
+    assert otto("post", "/global/halt", {"reason": "drill"}).json()["halted"]["by"] == "otto"
+    assert [p["scope"] for p in otto("get", "/halts").json()] == ["*"]
+    halt_again = otto("post", "/global/halt", {"reason": "drill"})
+    assert halt_again.status_code == 409
+    assert otto("post", "/global/unhalt", {"reason": "over"}).status_code == 403  # API key
+    from runs.operations import unhalt
+
+    unhalt("all", "otto", "drill over")
+    drive()
+    assert Run.objects.get(pk=waiting.pk).output == [1, 2]
+    done = start_run("ledger", {"steps": 3})
+    drive()
+    preview = otto("get", f"/runs/{done.pk}/fork-preview", step="s1").json()
+    assert [p["key"] for p in preview] == ["s1", "s2"]
+    fork = otto("post", f"/runs/{done.pk}/fork", {"step": "s1", "reason": "again"})
+    assert fork.status_code == 201 and fork.json()["forked_from_id"] == str(done.pk)
+    retry = otto("post", f"/runs/{done.pk}/retry", {"reason": "x"})
+    assert retry.status_code == 409 and "only failed runs" in error(retry)["message"]
+    workers = otto("get", "/workers").json()
+    assert workers and set(workers[0]) >= {"host", "pid", "heartbeat_at", "runs"}
+
+
+def test_the_openapi_schema_documents_the_routes_with_examples(as_):
+    schema = as_("vera")("get", "/openapi.json").json()
+    assert {"/api/runs", "/api/approvals/{approval_id}/decide", "/api/global/halt"} <= set(
+        schema["paths"]
+    )
+    start = schema["components"]["schemas"]["StartIn"]["properties"]
+    assert start["workflow"]["examples"] == ["flight-booking"]
+
+
+def test_the_apikey_command_creates_lists_and_revokes(cast, capsys):
+    call_command("apikey", "create", "--user", "otto", "--name", "ci")
+    text = capsys.readouterr().out.strip()
+    assert text.startswith("sg_") and ApiKey.objects.get().digest not in text
+    call_command("apikey", "list")
+    assert "otto" in capsys.readouterr().out
+    assert Event.objects.count() == 0  # creating keys touches no run history
