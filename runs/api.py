@@ -26,6 +26,8 @@ from runs.sdk import send_signal, start_run
 router = Router(tags=["runs"])
 
 TEXT = r"^[^\x00]*$"  # PostgreSQL text cannot hold NUL
+# USD travels as a decimal string (no float rounding), at most 8 + 6 digits.
+USD = r"^\d{1,8}(\.\d{1,6})?$"
 
 
 class In(Schema):
@@ -116,7 +118,7 @@ class StartIn(In):
     input: Any = Field(None, examples=[{"from": "LIS", "to": "BER", "passenger": "Ada"}])
     key: str | None = Field(None, min_length=1, max_length=255, pattern=TEXT, examples=["o-42"])
     version: str | None = Field(None, min_length=1, max_length=50, pattern=TEXT)
-    budget_usd: Decimal | None = Field(None, ge=0, max_digits=14, decimal_places=6)
+    budget_usd: str | None = Field(None, pattern=USD, examples=["2.50"])
     budget_tokens: int | None = Field(None, ge=0, le=10**15)
 
 
@@ -173,9 +175,9 @@ class SignalOut(Schema):
 
 
 class BudgetIn(ReasonIn):
-    usd: Decimal | None = Field(None, ge=0, max_digits=14, decimal_places=6)
+    usd: str | None = Field(None, pattern=USD, examples=["50"])
     tokens: int | None = Field(None, ge=0, le=10**15)
-    run_usd: Decimal | None = Field(None, ge=0, max_digits=14, decimal_places=6)
+    run_usd: str | None = Field(None, pattern=USD, examples=["2.50"])
     run_tokens: int | None = Field(None, ge=0, le=10**15)
 
 
@@ -266,7 +268,7 @@ def create_run(request, body: StartIn):
         body.input,
         key=body.key,
         version=body.version,
-        budget_usd=body.budget_usd,
+        budget_usd=None if body.budget_usd is None else Decimal(body.budget_usd),
         budget_tokens=body.budget_tokens,
     )
     return Status(201 if run.was_created else 200, RunOut.of(run))
@@ -411,6 +413,9 @@ def _policy(scope: str) -> dict:
 def _set_budget(request, target: Target, body: BudgetIn) -> None:
     given = body.model_fields_set - {"reason"}
     limits = {k: getattr(body, k) if k in given else KEEP for k in BUDGET_FIELDS}
+    for k in ("usd", "run_usd"):
+        if isinstance(limits[k], str):
+            limits[k] = Decimal(limits[k])
     if all(v is KEEP for v in limits.values()):
         raise OperationError("give at least one of usd, tokens, run_usd, run_tokens")
     operations.set_budget(target, request.user, body.reason, **limits)

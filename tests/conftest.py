@@ -1,4 +1,5 @@
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,3 +187,46 @@ def alice(django_user_model):
         Permission.objects.get(codename="cancel_run"),
     )
     return user
+
+
+@pytest.fixture
+def server(transactional_db, tmp_path):
+    """daphne on a port the OS picks, on the test database, serving static files."""
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(),
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "SERVE_STATIC": "1",
+        "ALLOWED_HOSTS": "127.0.0.1,localhost",
+    }
+    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+    log = tmp_path / "daphne.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "daphne",
+                "-b",
+                "127.0.0.1",
+                "-p",
+                "0",
+                "controlplane.asgi:application",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        match = wait_until(
+            lambda: re.search(r"Listening on TCP address 127\.0\.0\.1:(\d+)", log.read_text()),
+            what="daphne to listen",
+        )
+        yield f"http://127.0.0.1:{match.group(1)}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -80,6 +80,7 @@ def test_starting_a_run_is_idempotent_by_key(as_):
         ({"workflow": ""}, 422, "validation_error", "body.workflow"),
         ({"workflow": "ledger", "surprise": 1}, 422, "validation_error", "surprise"),
         ({"workflow": "ledger", "budget_usd": "-1"}, 422, "validation_error", "budget_usd"),
+        ({"workflow": "ledger", "budget_usd": 1.5}, 422, "validation_error", "budget_usd"),
         ({"workflow": "a\x00b"}, 422, "validation_error", "body.workflow"),
     ],
 )

@@ -3,13 +3,10 @@
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from runs.sdk import start_run
-from tests.conftest import ROOT, database_url, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -40,49 +37,6 @@ def browser():
         )
         yield browser
         browser.close()
-
-
-@pytest.fixture
-def server(transactional_db, tmp_path):
-    """daphne on a port the OS picks, on the test database, serving static files."""
-    env = {
-        **os.environ,
-        "DATABASE_URL": database_url(),
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "SERVE_STATIC": "1",
-        "ALLOWED_HOSTS": "127.0.0.1",
-    }
-    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-    log = tmp_path / "daphne.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "daphne",
-                "-b",
-                "127.0.0.1",
-                "-p",
-                "0",
-                "controlplane.asgi:application",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        match = wait_until(
-            lambda: re.search(r"Listening on TCP address 127\.0\.0\.1:(\d+)", log.read_text()),
-            what="daphne to listen",
-        )
-        yield f"http://127.0.0.1:{match.group(1)}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture
