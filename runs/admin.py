@@ -1,6 +1,7 @@
-from django.contrib import admin
+from django.contrib import admin, messages
 
-from runs.models import BudgetLedger, Event, Policy, Run, Signal, Step, Worker
+from runs.apikeys import create_key
+from runs.models import ApiKey, BudgetLedger, Event, Policy, Run, Signal, Step, Worker
 
 
 class StepInline(admin.TabularInline):
@@ -107,3 +108,26 @@ class BudgetLedgerAdmin(admin.ModelAdmin):
 
     def get_readonly_fields(self, request, obj=None):
         return [f.name for f in BudgetLedger._meta.fields]
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    """Create a key here (it is shown once, in the confirmation), revoke it with the action."""
+
+    list_display = ("prefix", "name", "user", "created_at", "last_used_at", "revoked_at")
+    fields = ("user", "name")
+    actions = ["revoke"]
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def save_model(self, request, obj, form, change):
+        key, text = create_key(obj.user, obj.name)
+        obj.pk = key.pk
+        messages.warning(request, f"New API key for {key.user} (shown only now): {text}")
+
+    @admin.action(description="Revoke the selected API keys")
+    def revoke(self, request, queryset):
+        from django.utils import timezone
+
+        queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())

@@ -249,3 +249,44 @@ def test_the_apikey_command_creates_lists_and_revokes(cast, capsys):
     call_command("apikey", "list")
     assert "otto" in capsys.readouterr().out
     assert Event.objects.count() == 0  # creating keys touches no run history
+
+
+def test_resolve_and_revoke_routes_and_policy_reads(as_, drive, expire_lease, cast):
+    from tests import workflows
+
+    asking = start_run("asker")
+    workflows.crash_at.add("book")
+    with pytest.raises(workflows.Crash):
+        drive()
+    expire_lease(asking.id)
+    drive()
+    ada, otto = as_("ada"), as_("otto")
+    ambiguous = ApprovalRequest.objects.get(run=asking)
+    wrong = ada("post", f"/approvals/{ambiguous.pk}/decide", {"decision": "approve"})
+    assert wrong.status_code == 400 and "use resolve" in error(wrong)["message"]
+    resolved = ada(
+        "post", f"/approvals/{ambiguous.pk}/resolve", {"choice": "happened", "output": {"ok": 1}}
+    )
+    assert resolved.json()["resolution"] == "happened"
+    charging = start_run("approver", {"amount": 3, "cooling_off": 60})
+    drive()
+    action = ApprovalRequest.objects.get(run=charging)
+    ada("post", f"/approvals/{action.pk}/decide", {"decision": "approve"})
+    revoked = ada("post", f"/approvals/{action.pk}/revoke", {"reason": "changed my mind"})
+    assert revoked.json()["status"] == "revoked"
+    assert ada("get", f"/approvals/{action.pk}").json()["status"] == "revoked"
+    otto("put", "/global/budget", {"tokens": 1000, "reason": "cap"})
+    assert otto("get", "/global/policy").json()["daily_tokens"] == 1000
+    assert otto("get", "/workflows/nothing-here/policy").json()["halted"] is None
+
+
+def test_api_keys_are_created_in_the_admin_and_shown_once(client, django_user_model):
+    admin = django_user_model.objects.create_superuser("root", "r@example.com", "pw")
+    client.force_login(admin)
+    response = client.post(
+        "/admin/runs/apikey/add/", {"user": admin.pk, "name": "deploy"}, follow=True
+    )
+    text = next(str(m) for m in response.context["messages"] if "New API key" in str(m))
+    key = text.rsplit(" ", 1)[-1]
+    assert Api(Client(), key)("get", "/runs").status_code == 200  # no session: the key alone
+    assert ApiKey.objects.get().name == "deploy"
