@@ -55,3 +55,15 @@ def env_list(name: str, default: list[str] | None = None) -> list[str]:
     if raw is None:
         return list(default or [])
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def env_json(name: str, default):
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        import json
+
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} is not valid JSON: {exc}") from None

@@ -7,7 +7,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.env import env_bool, env_float, env_int, env_list
+from controlplane.env import env_bool, env_float, env_int, env_json, env_list
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("STEPGUARD_VAR_DIR", BASE_DIR / "var"))
@@ -166,5 +166,6 @@ STEPGUARD_MAX_RECOVERIES = env_int("STEPGUARD_MAX_RECOVERIES", 5, minimum=1)
 STEPGUARD_MAX_OUTPUT_BYTES = env_int("STEPGUARD_MAX_OUTPUT_BYTES", 1_048_576, minimum=1024)
 STEPGUARD_DURABLE_START = env_bool("STEPGUARD_DURABLE_START", False)
 STEPGUARD_BUDGET_WARN_AT = env_float("STEPGUARD_BUDGET_WARN_AT", 0.8)
+STEPGUARD_MODEL_PRICES = env_json("STEPGUARD_MODEL_PRICES", {})
 STEPGUARD_API_MAX_BODY = env_int("STEPGUARD_API_MAX_BODY", 1_048_576, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = STEPGUARD_API_MAX_BODY

@@ -20,6 +20,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from runs.engine import registry
+from runs.engine.agent import AgentLoopExhausted, Tool
 from runs.engine.budget import Metered, Usage, to_micros
 from runs.engine.executor import NOT_FOUND, Decision, RetryPolicy, RunContext
 from runs.engine.serialization import to_json
@@ -46,6 +47,7 @@ from runs.operations import cancel_run, lock_run
 
 __all__ = [
     "NOT_FOUND",
+    "AgentLoopExhausted",
     "ApprovalExpired",
     "ApprovalRejected",
     "ApprovalRevoked",
@@ -62,6 +64,7 @@ __all__ = [
     "StepFailed",
     "StepMisuse",
     "StepguardError",
+    "Tool",
     "UnknownWorkflow",
     "Usage",
     "WaitTimeout",

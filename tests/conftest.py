@@ -230,3 +230,14 @@ def server(transactional_db, tmp_path):
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture
+def demo_model(monkeypatch):
+    """The scripted demo model on 127.0.0.1 (workers started afterwards inherit its URL)."""
+    from examples.model_server import serve
+
+    server, model = serve()
+    monkeypatch.setenv("STEPGUARD_MODEL_BASE_URL", f"http://127.0.0.1:{server.server_port}/v1")
+    yield model
+    server.shutdown()

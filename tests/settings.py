@@ -9,7 +9,12 @@ from controlplane.settings import *  # noqa: F403
 # The test servers speak plain HTTP on 127.0.0.1.
 SECURE_SSL_REDIRECT = False
 SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = False
-STEPGUARD_WORKFLOW_MODULES = ["tests.workflows", "examples.flight_booking"]
+STEPGUARD_WORKFLOW_MODULES = [
+    "tests.workflows",
+    "examples.flight_booking",
+    "examples.research",
+    "examples.outreach",
+]
 STEPGUARD_POLL_INTERVAL = 0.1
 STEPGUARD_RUN_RETRY_BASE_SECONDS = 0.0
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast test logins

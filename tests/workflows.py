@@ -326,3 +326,71 @@ def halt_then_fail(ctx: RunContext, input):
         raise ConnectionError("flaky")
 
     return ctx.step("call", call, retry=RetryPolicy(max_attempts=3, initial_interval=timedelta(0)))
+
+
+# -- model calls --------------------------------------------------------------------------------
+
+
+def _openai():
+    from openai import OpenAI
+
+    return OpenAI(base_url=os.environ["STEPGUARD_MODEL_BASE_URL"], api_key="k", max_retries=0)
+
+
+@workflow("llm-chat")
+def llm_chat(ctx: RunContext, input):
+    response = ctx.llm(
+        "ask",
+        _openai().chat.completions.create,
+        model=input.get("model", "gpt-4o-mini"),
+        messages=[{"role": "user", "content": input["prompt"]}],
+        max_tokens=50,
+    )
+    return response["choices"][0]["message"]["content"]
+
+
+@workflow("llm-responses")
+def llm_responses(ctx: RunContext, input):
+    response = ctx.llm(
+        "ask", _openai().responses.create, model="gpt-4.1-mini", input=input["prompt"]
+    )
+    return response["output"][0]["content"][0]["text"]
+
+
+@workflow("llm-anthropic")
+def llm_anthropic(ctx: RunContext, input):
+    from anthropic import Anthropic
+
+    base = os.environ["STEPGUARD_MODEL_BASE_URL"].removesuffix("/v1")
+    client = Anthropic(base_url=base, api_key="k", max_retries=0)
+    response = ctx.llm(
+        "ask",
+        client.messages.create,
+        model="claude-3-5-haiku-20241022",
+        max_tokens=64,
+        messages=[{"role": "user", "content": input["prompt"]}],
+    )
+    return response["content"][0]["text"]
+
+
+@workflow("llm-async")
+async def llm_async(ctx, input):
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(
+        base_url=os.environ["STEPGUARD_MODEL_BASE_URL"], api_key="k", max_retries=0
+    )
+
+    async def fetch(n):
+        calls["async-tool"] = calls.get("async-tool", 0) + 1
+        return n * 2
+
+    doubled = await ctx.step("fetch", fetch, 21)
+    response = await ctx.llm(
+        "ask",
+        client.chat.completions.create,
+        model="gpt-4o",
+        messages=[{"role": "user", "content": f"the number is {doubled}"}],
+    )
+    await ctx.step("after", effect, ctx, "after-async")
+    return [doubled, response["choices"][0]["message"]["content"]]

@@ -13,22 +13,27 @@ raised to unwind the workflow. Whatever satisfies the wait wakes the run through
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import logging
 import random
 import time
 import traceback
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
 from typing import Any, NoReturn
 from uuid import UUID
 
 from django.conf import settings
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
+from runs.engine import llm as llm_engine
 from runs.engine import registry
 from runs.engine.budget import (
     Metered,
@@ -186,6 +191,21 @@ def error_record(exc: BaseException) -> dict:
     return record
 
 
+def _signature_names(fn: Callable) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+
+
 def _brief(exc: BaseException) -> dict:
     return {"type": type(exc).__name__, "message": str(exc)[:500]}
 
@@ -244,6 +264,7 @@ class RunContext:
         self._compensations: list[tuple[str, Callable, Any]] = []
         self._compensating = False
         self._patches: dict[str, bool] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
         lease.workflow = run.workflow
         self._last_seq = max(history, default=-1)
 
@@ -487,6 +508,96 @@ class RunContext:
                 append_event(self._lease.run_id, event_seq, "step.completed", key, patch=change_id)
         self._patches[change_id] = True
         return True
+
+    # -- agents ---------------------------------------------------------------------------------
+
+    def llm(
+        self,
+        key: str,
+        call: Callable,
+        /,
+        *,
+        estimate: Usage | bool = True,
+        retry: RetryPolicy | None = None,
+        **request: Any,
+    ) -> dict:
+        """Call a model once for this run: `call(**request)`, e.g.
+        `ctx.llm("think-0", client.chat.completions.create, model=..., messages=...)`.
+
+        Works with the official openai (chat completions, responses) and anthropic clients,
+        sync or async. Returns the response as JSON (a dict, the same on replay). Records the
+        request on the step and the tokens and USD of `usage` on the step and the run. The
+        call carries the step's idempotency key as an `Idempotency-Key` header. By default
+        the prompt plus `max_tokens` is reserved against the budgets first (`estimate=False`
+        to skip, or a Usage of your own).
+        """
+        model = str(request.get("model", ""))
+        guess = llm_engine.estimate(model, request) if estimate is True else (estimate or None)
+
+        def invoke(recorded):
+            kwargs = request
+            if _accepts(call, "extra_headers"):  # the SDKs' create() methods do
+                headers = {"Idempotency-Key": self.idempotency_key}
+                headers |= request.get("extra_headers") or {}
+                kwargs = {**request, "extra_headers": headers}
+            response = self._await(call(**kwargs))
+            data = llm_engine.as_json(response)
+            return Metered(data, llm_engine.usage_of(data, model))
+
+        recorded = llm_engine.recorded_request(request)
+        return self._run_step(
+            key, invoke, (recorded,), {}, retry=retry, estimate=guess, kind=StepKind.LLM
+        )
+
+    def tool(
+        self,
+        key: str,
+        fn: Callable,
+        args: dict | None = None,
+        *,
+        requires_approval: bool | Callable[[dict], bool] = False,
+        action: str | None = None,
+        summary: str = "",
+        approval_timeout: float | timedelta | None = None,
+        retry: RetryPolicy | None = None,
+        compensate: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """Call a tool once for this run: `fn(**args)`, with its approval policy.
+
+        `requires_approval` is True, False, or a predicate on the arguments (e.g. amount over
+        100); when it holds, a person approves first (`<key>.approval`) and the tool starts
+        only if that approval still stands. A tool whose function takes `idempotency_key`
+        receives the step's. Raises ApprovalRejected when refused.
+        """
+        args = dict(args or {})
+        name = getattr(fn, "__name__", "tool")
+        needed = requires_approval(args) if callable(requires_approval) else requires_approval
+        decision = None
+        if needed:
+            decision = self.approval(
+                f"{key}.approval",
+                action=(action or f"call {name}")[:200],
+                summary=summary,
+                payload={"tool": name, "args": args},
+                timeout=approval_timeout,
+            )
+        if "idempotency_key" in _signature_names(fn):
+
+            def call(**kwargs):
+                return fn(**kwargs, idempotency_key=self.idempotency_key)
+
+        else:
+            call = fn
+        return self._run_step(
+            key, call, (), args, retry=retry, approval=decision, compensate=compensate,
+            kind=StepKind.TOOL,
+        )  # fmt: skip
+
+    def agent_loop(self, **options: Any) -> dict:
+        """A durable tool-calling loop; see runs.engine.agent.agent_loop."""
+        from runs.engine.agent import agent_loop
+
+        return agent_loop(self, **options)
 
     # -- waits --------------------------------------------------------------------------------
 
@@ -829,9 +940,22 @@ class RunContext:
     def _invoke(self, key: str, idem: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
         self._in_step, self._idempotency_key = key, idem
         try:
-            return fn(*args, **kwargs)
+            return self._await(fn(*args, **kwargs))
         finally:
             self._in_step = self._idempotency_key = None
+
+    def _await(self, value: Any) -> Any:
+        """Run an `async def` step (or an async client's call) to completion: on the
+        workflow's event loop for an async workflow, on a fresh one otherwise."""
+        if not inspect.isawaitable(value):
+            return value
+
+        async def wait():
+            return await value
+
+        if self._loop is None:
+            return asyncio.run(wait())
+        return asyncio.run_coroutine_threadsafe(wait(), self._loop).result()
 
     def _write(
         self, step_pk: int, key: str, event: str, payload: dict, *, progress=False, **fields
@@ -1183,7 +1307,10 @@ def execute(run: Run, lease: Lease) -> str:
     ctx = RunContext(run, history, lease)
     try:
         definition = registry.get(run.workflow, run.version)
-        result = definition.fn(ctx, run.input)
+        if inspect.iscoroutinefunction(definition.fn):
+            result = _run_async(definition.fn, ctx, run.input)
+        else:
+            result = definition.fn(ctx, run.input)
         output = to_json(result, what=f"the result of workflow {run.workflow!r}")
     except Suspended:
         return "waiting"
@@ -1219,6 +1346,56 @@ def execute(run: Run, lease: Lease) -> str:
     except LeaseLost:
         return "lost"
     return "completed"
+
+
+class AsyncRunContext:
+    """What an `async def` workflow receives: the same calls as RunContext, awaited.
+
+    The checkpoint writes run on one database thread of their own while the workflow's event
+    loop stays free for async steps (AsyncOpenAI, AsyncAnthropic, async tools), so both kinds
+    of workflow share one engine and one set of semantics.
+    """
+
+    def __init__(self, ctx: RunContext, loop: asyncio.AbstractEventLoop, db: ThreadPoolExecutor):
+        self._ctx, self._loop, self._db = ctx, loop, db
+        self.run_id, self.workflow, self.version = ctx.run_id, ctx.workflow, ctx.version
+        self.input, self.attempt = ctx.input, ctx.attempt
+
+    @property
+    def idempotency_key(self) -> str:
+        return self._ctx.idempotency_key
+
+
+def _bridge(name: str):
+    async def method(self, *args, **kwargs):
+        call = functools.partial(getattr(self._ctx, name), *args, **kwargs)
+        return await self._loop.run_in_executor(self._db, call)
+
+    method.__name__ = name
+    method.__doc__ = getattr(RunContext, name).__doc__
+    return method
+
+
+for _name in (
+    "step", "transaction", "now", "random", "uuid", "patched", "sleep", "sleep_until",
+    "wait_for_event", "approval", "child", "children", "llm", "tool", "agent_loop",
+):  # fmt: skip
+    setattr(AsyncRunContext, _name, _bridge(_name))
+
+
+def _run_async(fn: Callable, ctx: RunContext, input: Any) -> Any:
+    db = ThreadPoolExecutor(1, thread_name_prefix="stepguard-db")
+
+    async def main():
+        ctx._loop = asyncio.get_running_loop()
+        return await fn(AsyncRunContext(ctx, ctx._loop, db), input)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        ctx._loop = None
+        db.submit(lambda: connection.close()).result()  # the database thread's own connection
+        db.shutdown()
 
 
 def _run_compensations(ctx: RunContext) -> tuple[list[str], dict | None]:

@@ -1,0 +1,3 @@
+"""Every demo agent, for the worker `make run` starts (`--import examples.demo`)."""
+
+from examples import flight_agent, flight_booking, outreach, research  # noqa: F401

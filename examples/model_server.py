@@ -1,0 +1,223 @@
+"""A scripted DEMO model on 127.0.0.1, speaking the OpenAI chat completions and responses
+protocols and Anthropic's messages protocol, with usage and tool calls.
+
+Not a language model: it answers from a script so the demo and the tests run with no network.
+With tools offered, it calls them in the order a `SCRIPT: tool_a, tool_b` line in the system
+message names (arguments from `ARGS tool_a: {...}` lines, or the last tool result's "next"),
+then answers with a summary of what the tools returned. Without tools it writes a
+deterministic paragraph about the last user message. It counts every call, by the request's
+Idempotency-Key header, so tests can tell which calls were paid twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+MODEL = "stepguard-demo"
+
+
+def _tokens(text: str) -> int:
+    return len(text) // 4 + 1
+
+
+def _text_of(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return ""
+
+
+def write(prompt: str) -> str:
+    """A deterministic 'completion' for a prompt: same prompt, same words."""
+    digest = hashlib.sha256(prompt.encode()).hexdigest()[:8]
+    words = re.findall(r"[\w'-]+", prompt)[-24:]
+    return f"[demo model] {' '.join(words[:18])} (note {digest})"
+
+
+def plan(messages: list[dict], tools: list[dict]):
+    """The next tool call (name, arguments) the script asks for, or None to answer."""
+    system = "\n".join(_text_of(m.get("content")) for m in messages if m.get("role") == "system")
+    script = re.search(r"SCRIPT:\s*(.+)", system)
+    offered = [t.get("function", t).get("name") for t in tools]
+    order = [n.strip() for n in script.group(1).split(",")] if script else offered
+    called = [
+        call["function"]["name"]
+        for m in messages
+        if m.get("role") == "assistant"
+        for call in m.get("tool_calls") or []
+    ]
+    remaining = [name for name in order if name in offered and name not in called]
+    if not remaining:
+        return None
+    name = remaining[0]
+    args = re.search(rf"ARGS {re.escape(name)}:\s*(\{{.*\}})", system)
+    arguments = json.loads(args.group(1)) if args else {}
+    last = next((m for m in reversed(messages) if m.get("role") == "tool"), None)
+    if last is not None:
+        with contextlib.suppress(ValueError, AttributeError):
+            arguments |= json.loads(last.get("content") or "{}").get("next", {}).get(name, {})
+    return name, arguments
+
+
+class DemoModel:
+    def __init__(self):
+        self.calls: Counter[str] = Counter()
+        self.total = 0
+        self._lock = threading.Lock()
+
+    def record(self, key: str | None) -> None:
+        with self._lock:
+            self.total += 1
+            self.calls[key or "-"] += 1
+
+    def chat(self, body: dict) -> dict:
+        messages, tools = body.get("messages", []), body.get("tools") or []
+        prompt = json.dumps(messages)
+        step = plan(messages, tools) if tools else None
+        created = int(time.time())
+        if step is not None:
+            name, arguments = step
+            call_id = "call_" + hashlib.sha256(f"{prompt}{name}".encode()).hexdigest()[:12]
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": json.dumps(arguments)},
+                    }
+                ],
+            }
+            reason, out = "tool_calls", json.dumps(arguments) + name
+        else:
+            results = [m.get("content") for m in messages if m.get("role") == "tool"]
+            user = next(
+                (_text_of(m.get("content")) for m in reversed(messages) if m.get("role") == "user"),
+                "",
+            )
+            text = f"Done. Tool results: {'; '.join(results)}" if results else write(user)
+            message = {"role": "assistant", "content": text}
+            reason, out = "stop", text
+        usage_in, usage_out = _tokens(prompt), _tokens(out)
+        return {
+            "id": f"chatcmpl-{created}",
+            "object": "chat.completion",
+            "created": created,
+            "model": body.get("model", MODEL),
+            "choices": [
+                {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
+            ],
+            "usage": {
+                "prompt_tokens": usage_in,
+                "completion_tokens": usage_out,
+                "total_tokens": usage_in + usage_out,
+            },
+        }
+
+    def responses(self, body: dict) -> dict:
+        prompt = body.get("input")
+        prompt = prompt if isinstance(prompt, str) else json.dumps(prompt)
+        text = write(prompt)
+        usage_in, usage_out = _tokens(prompt), _tokens(text)
+        return {
+            "id": f"resp_{int(time.time())}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": body.get("model", MODEL),
+            "status": "completed",
+            "output": [
+                {
+                    "type": "message",
+                    "id": "msg_1",
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}],
+                }
+            ],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "usage": {
+                "input_tokens": usage_in,
+                "output_tokens": usage_out,
+                "total_tokens": usage_in + usage_out,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            },
+        }
+
+    def messages(self, body: dict) -> dict:
+        messages = body.get("messages", [])
+        user = _text_of(messages[-1].get("content")) if messages else ""
+        text = write(user)
+        prompt = json.dumps(messages) + json.dumps(body.get("system", ""))
+        return {
+            "id": f"msg_{int(time.time())}",
+            "type": "message",
+            "role": "assistant",
+            "model": body.get("model", MODEL),
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": _tokens(prompt), "output_tokens": _tokens(text)},
+        }
+
+
+def serve(port: int = 0) -> tuple[ThreadingHTTPServer, DemoModel]:
+    """Start the demo model on 127.0.0.1 in a daemon thread; returns the server and its state."""
+    model = DemoModel()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path.rstrip("/").endswith("/stats"):
+                return self._send(200, {"total": model.total, "by_key": dict(model.calls)})
+            return self._send(404, {"error": {"message": "not found"}})
+
+        def do_POST(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                body = json.loads(self.rfile.read(length) or b"{}")
+            except ValueError:
+                return self._send(400, {"error": {"message": "body is not JSON"}})
+            routes = {
+                "/chat/completions": model.chat,
+                "/responses": model.responses,
+                "/messages": model.messages,
+            }
+            handler = next((h for path, h in routes.items() if self.path.endswith(path)), None)
+            if handler is None:
+                return self._send(404, {"error": {"message": f"no route {self.path}"}})
+            model.record(self.headers.get("Idempotency-Key"))
+            return self._send(200, handler(body))
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, name="demo-model", daemon=True).start()
+    return server, model
+
+
+if __name__ == "__main__":
+    import sys
+
+    server, _ = serve(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    print(f"demo model on http://127.0.0.1:{server.server_port}/v1", flush=True)
+    threading.Event().wait()
