@@ -98,15 +98,34 @@ def test_showrun_follow_prints_each_step_as_it_happens_until_the_run_ends(spawn_
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_demo_books_once_says_so_and_ctrl_c_stops_everything():
+def test_the_demo_shows_every_capability_and_ctrl_c_stops_everything():
     demo = run_manage("rundemo", "--port", "0", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(demo.stdout), daemon=True)
     reader.start()
-    wait_until(lambda: any("not booked twice" in line for line in lines), timeout=60, what="demo")
-    assert any(line.strip().startswith("demo operator: demo / ") for line in lines)
-    assert Run.objects.get(workflow="flight-booking").status == RunStatus.COMPLETED
-    demo.send_signal(signal.SIGINT)
+    try:
+        wait_until(
+            lambda: any("The demo runs:" in line for line in lines), timeout=120, what="demo"
+        )
+    finally:
+        if demo.poll() is None:
+            demo.send_signal(signal.SIGINT)
     assert demo.wait(30) == 0
     reader.join(5)
-    assert any("worker" in line and "stopped" in line for line in lines)
+    text = "".join(lines)
+    assert "demo operator: demo / " in text and "not booked twice" in text
+    assert "scripted demo model, not a language model" in text
+    statuses = {
+        (run.workflow, run.version, run.status) for run in Run.objects.filter(parent__isnull=True)
+    }
+    assert statuses == {
+        ("flight-booking", "1", RunStatus.COMPLETED),  # retried notify, booked once
+        ("flight-booking", "2", RunStatus.WAITING),  # waiting for an approval
+        ("research", "1", RunStatus.COMPLETED),  # recovered from a SIGKILLed worker
+        ("orchestrator", "1", RunStatus.COMPLETED),  # subagents as child runs
+        ("outreach", "1", RunStatus.OVER_BUDGET),  # paused by its budget
+        ("outreach", "1", RunStatus.HALTED),  # stopped by an operator
+    }
+    research = Run.objects.get(workflow="research", parent__isnull=True)
+    assert research.events.filter(type="run.recovered").exists()
+    assert "worker" in text and "stopped" in text

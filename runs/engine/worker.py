@@ -291,8 +291,10 @@ class WorkerProcess:
                 pk=lease.run_id, lease_epoch=lease.epoch, status=RunStatus.RUNNING
             ).update(lease_until=now + self.lease)
             if not extended:
+                # Usually the run just finished, waits or was released while this thread was
+                # still unwinding; a takeover by another worker is the rare case.
                 lease.lost.set()
-                log.warning("run %s: lease lost (another worker took it over)", lease.run_id)
+                log.info("run %s: lease no longer held by this worker", lease.run_id)
         Worker.objects.filter(pk=self.id).update(heartbeat_at=now)
 
     def _heartbeat_loop(self) -> None:

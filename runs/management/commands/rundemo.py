@@ -1,7 +1,5 @@
-"""`make run`: one process group with the web server, a worker and the demo agents.
-
-Ctrl-C stops everything it started.
-"""
+"""`make run`: the web server, a worker, the demo model and the demo agents, in one process
+group. Ctrl-C stops everything it started."""
 
 import os
 import secrets
@@ -16,9 +14,11 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
+from approvals.models import ApprovalRequest
 from examples.models import Booking, Effect
 from runs.management.commands.showrun import describe
-from runs.models import Event
+from runs.models import Event, Run, Step, StepStatus
+from runs.operations import halt
 from runs.sdk import start_run
 
 ROOT = Path(settings.BASE_DIR)
@@ -26,7 +26,7 @@ DEMO_USER = "demo"
 
 
 class Command(BaseCommand):
-    help = "Run the demo: migrate, create a demo operator, start the web server, a worker, agents."
+    help = "Run the demo: web server, worker, demo model and agents (make run)."
 
     def add_arguments(self, parser):
         parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", 8000)))
@@ -35,21 +35,27 @@ class Command(BaseCommand):
     def handle(self, *args, port: int, no_agents: bool, **options):
         call_command("migrate", verbosity=0)
         password = self.demo_operator()
-        children = self.start_children(port)
+        self.model_server()
+        self.children: list[subprocess.Popen] = [self.web(port), self.worker()]
         self.stdout.write(
             self.style.SUCCESS(f"\nStepguard is up on http://127.0.0.1:{port}/admin/")
-            + f"\n  demo operator: {DEMO_USER} / {password}\n  Ctrl-C stops everything.\n"
+            + f"\n  demo operator: {DEMO_USER} / {password}"
+            + f"\n  model: {os.environ['STEPGUARD_MODEL_BASE_URL']}"
+            + (" (the scripted demo model, not a language model)" if self.demo else "")
+            + "\n  Ctrl-C stops everything.\n"
         )
         try:
             if not no_agents:
-                self.demo_flight()
-            while all(child.poll() is None for child in children):
+                self.demo_agents()
+            while all(child.poll() is None for child in self.children):
                 time.sleep(0.5)
             self.stderr.write("a child process exited; stopping the rest")
         except KeyboardInterrupt:
             self.stdout.write("\nstopping...")
         finally:
-            self.stop(children)
+            self.stop()
+
+    # -- processes -------------------------------------------------------------------------------
 
     def demo_operator(self) -> str:
         """A fresh password each start, printed once; the account is a superuser for the demo."""
@@ -60,34 +66,101 @@ class Command(BaseCommand):
         user.save()
         return password
 
-    def start_children(self, port: int) -> list[subprocess.Popen]:
-        env = {**os.environ, "SERVE_STATIC": "1"}
-        python = sys.executable
-        web = [python, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port)]
-        worker = [python, "manage.py", "runworker", "--import", "examples.flight_booking"]
-        return [
-            subprocess.Popen([*web, "controlplane.asgi:application"], cwd=ROOT, env=env),
-            subprocess.Popen([*worker, "--poll-interval", "0.25"], cwd=ROOT, env=env),
-        ]
+    def model_server(self) -> None:
+        self.demo = not os.environ.get("STEPGUARD_MODEL_BASE_URL")
+        if self.demo:
+            from examples.model_server import serve
 
-    def stop(self, children: list[subprocess.Popen]) -> None:
-        for child in children:
+            server, _ = serve()
+            os.environ["STEPGUARD_MODEL_BASE_URL"] = f"http://127.0.0.1:{server.server_port}/v1"
+
+    def web(self, port: int) -> subprocess.Popen:
+        command = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port)]
+        env = {**os.environ, "SERVE_STATIC": "1"}
+        return subprocess.Popen([*command, "controlplane.asgi:application"], cwd=ROOT, env=env)
+
+    def worker(self) -> subprocess.Popen:
+        command = [sys.executable, "manage.py", "runworker", "--import", "examples.demo"]
+        options = ["--poll-interval", "0.25", "--lease-seconds", "3", "--verbosity", "0"]
+        return subprocess.Popen([*command, *options], cwd=ROOT, env={**os.environ})
+
+    def stop(self) -> None:
+        for child in self.children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 15
-        for child in children:
+        for child in self.children:
             try:
                 child.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 child.kill()
 
-    def demo_flight(self) -> None:
-        import examples.flight_booking  # noqa: F401  (registers the workflow here too)
+    # -- the demo --------------------------------------------------------------------------------
 
-        run = start_run(
-            "flight-booking",
-            {"from": "LIS", "to": "BER", "date": "2026-12-24", "passenger": "Ada Lovelace"},
+    def wait(self, condition, timeout: float = 60.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = condition()
+            if value:
+                return value
+            time.sleep(0.2)
+        return None
+
+    def demo_agents(self) -> None:
+        import examples.demo  # noqa: F401  (registers the demo workflows here too)
+
+        flight = {"from": "LIS", "to": "BER", "date": "2026-12-24", "passenger": "Ada Lovelace"}
+        booking = self.demo_flight(flight)
+        agent = start_run("flight-booking", flight, version="2")
+        research = start_run(
+            "research", {"topic": "durable execution for AI agents", "delay": 0.15}
         )
+        orchestrator = start_run(
+            "orchestrator", {"subtopics": ["checkpoints", "leases", "budgets"], "pages": 2}
+        )
+        capped = start_run(
+            "outreach",
+            {"prospects": [f"lead{i}@example.com" for i in range(6)]},
+            budget_usd="0.001",
+        )
+        stopped = start_run(
+            "outreach",
+            {"prospects": [f"vip{i}@example.com" for i in range(6)], "pause_seconds": 1},
+        )
+        crash = self.demo_crash(research)
+        if self.wait(lambda: Effect.objects.filter(label="email").exists()):
+            halt(stopped, DEMO_USER, "demo: an operator stops the outreach campaign")
+        self.wait(
+            lambda: (
+                all(
+                    Run.objects.get(pk=r.pk).status != "running"
+                    for r in (agent, orchestrator, capped, stopped, research)
+                )
+                and Run.objects.get(pk=research.pk).is_terminal
+            ),
+            timeout=120,
+        )
+        rows = [
+            (booking, "notify failed once and was retried; booked once"),
+            (agent, "the model wants to book: approve it (below)"),
+            (research, crash),
+            (orchestrator, "three research subagents as child runs, then a synthesis"),
+            (capped, "paused before the draft that would exceed its $0.001 budget"),
+            (stopped, "halted by an operator; only `unhalt` resumes it"),
+        ]
+        self.stdout.write(self.style.SUCCESS("\nThe demo runs:"))
+        for run, note in rows:
+            run.refresh_from_db()
+            name = f"{run.workflow}@{run.version}"
+            self.stdout.write(f"  {run.status:<12} {name:<18} {run.pk}  {note}")
+        request = ApprovalRequest.objects.filter(run=agent, status="pending").first()
+        if request:
+            approve = f"python manage.py approve {request.pk} --user {DEMO_USER}"
+            follow = f"python manage.py showrun {research.pk} --follow"
+            self.stdout.write(f"\n  approve the booking:  {approve}\n  follow a run:  {follow}")
+
+    def demo_flight(self, flight: dict) -> Run:
+        run = start_run("flight-booking", flight, version="1")
         self.stdout.write(f"demo: flight-booking run {run.id}")
         after = 0
         deadline = time.monotonic() + 60
@@ -101,7 +174,7 @@ class Command(BaseCommand):
             time.sleep(0.2)
         if run.status != "completed":
             self.stdout.write(self.style.WARNING(f"demo run is {run.status}: {run.error}"))
-            return
+            return run
         key = run.steps.get(key="book").idempotency_key
         bookings = Booking.objects.filter(idempotency_key=key).count()
         notify_key = run.steps.get(key="notify").idempotency_key
@@ -113,4 +186,27 @@ class Command(BaseCommand):
                 f"({run.output['booking']['reference']}), not booked twice."
             )
         )
-        self.stdout.write(f"  see it: python manage.py showrun {run.id}   (or the admin)")
+        return run
+
+    def demo_crash(self, research: Run) -> str:
+        """Kill the worker with SIGKILL in the middle of the research run and start another."""
+
+        def done() -> int:
+            return Step.objects.filter(run=research, status=StepStatus.COMPLETED).count()
+
+        if not self.wait(lambda: done() >= 10, timeout=60):
+            return "did not get far enough to crash"
+        at = done()
+        self.children[1].kill()
+        self.children[1].wait()
+        self.stdout.write(f"demo: killed the worker (SIGKILL) after step {at} of the research run")
+        self.children[1] = self.worker()
+        self.wait(lambda: Run.objects.get(pk=research.pk).is_terminal, timeout=120)
+        resent = Step.objects.filter(run=research, recovered="resent").count()
+        self.stdout.write(
+            self.style.SUCCESS(
+                f"demo: a new worker resumed the research run: {at} completed steps reused, "
+                f"{resent} in-flight step re-sent with its idempotency key"
+            )
+        )
+        return f"recovered from a worker crash at step {at}; no completed step ran twice"
