@@ -134,7 +134,9 @@ STATIC_ROOT = Path(os.environ.get("STATIC_ROOT", VAR_DIR / "staticfiles"))
 # daphne serves no static files; tests and `make run` ask the ASGI app to do it.
 SERVE_STATIC = env_bool("SERVE_STATIC", DEBUG)
 
-LOGIN_URL = "/admin/login/"
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/login/"
 
 # Production hardening; all of it is what `manage.py check --deploy` asks for.
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)

@@ -1,8 +1,10 @@
 from django.contrib import admin
+from django.contrib.auth import views as auth_views
 from django.http import JsonResponse
 from django.urls import path
 
 from controlplane.api import api
+from runs import views
 
 
 def health(request):
@@ -11,6 +13,13 @@ def health(request):
 
 
 urlpatterns = [
+    path("", views.runs_list, name="runs"),
+    path("runs/<uuid:run_id>", views.run_detail, name="run"),
+    path("runs/<uuid:run_id>/<str:action>", views.run_action, name="run-action"),
+    path("approvals", views.approvals_inbox, name="approvals"),
+    path("approvals/<int:approval_id>/decide", views.decide_view, name="decide"),
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("health", health),
     path("api/", api.urls),

@@ -66,3 +66,29 @@ def test_an_operator_logs_in_and_finds_a_run_and_its_steps_in_the_admin(
     page.get_by_role("link", name=str(run.id)).click()
     expect(page.get_by_text("browser-run")).to_be_visible()
     expect(page.get_by_text(f"{run.id}:s1")).to_be_visible()  # a step's idempotency key
+
+
+def test_an_approver_logs_in_approves_and_the_run_goes_on(server, page, cast, spawn_worker):
+    from playwright.sync_api import expect
+
+    from approvals.models import ApprovalRequest
+    from runs.models import Run
+    from tests.conftest import wait_until
+
+    run = start_run("approver", {"amount": 30})
+    spawn_worker()
+    wait_until(lambda: ApprovalRequest.objects.filter(run=run).exists(), what="the approval")
+
+    page.goto(f"{server}/approvals")
+    expect(page).to_have_url(re.compile(r"/login/"))
+    page.get_by_label("Username").fill("ada")
+    page.get_by_label("Password").fill("x")
+    page.get_by_role("button", name="Log in").click()
+    expect(page.get_by_role("heading", name=re.compile("charge card"))).to_be_visible()
+    expect(page.get_by_role("link", name=re.compile(r"Approvals 1"))).to_be_visible()
+    page.get_by_role("button", name="Approve").click()
+    expect(page.get_by_text("Nothing waits for a decision.")).to_be_visible()
+    wait_until(lambda: Run.objects.get(pk=run.pk).status == "completed", what="the run")
+    page.goto(f"{server}/runs/{run.pk}")
+    expect(page.get_by_role("heading", name=re.compile("approver@1"))).to_contain_text("completed")
+    expect(page).to_have_title(re.compile(r"Run .* \(approver\)"))

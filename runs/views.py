@@ -1,0 +1,186 @@
+"""Dashboard pages: function views rendering server-side templates (htmx for actions).
+
+Every page needs a login and the view permission; every action goes through the same operation
+the CLI and the API call, so a viewer who posts anyway is refused by the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import datetime
+from uuid import UUID
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, Q
+from django.http import Http404, HttpResponseRedirect
+from django.shortcuts import render
+from django.urls import reverse
+from django.views.decorators.http import require_POST
+
+from approvals.models import ApprovalRequest
+from approvals.services import decide
+from runs import operations
+from runs.engine.budget import to_usd
+from runs.errors import Forbidden, StepguardError
+from runs.models import GLOBAL, Policy, Run, RunStatus
+
+PAGE = 50
+
+
+def nav(request) -> dict:
+    """Context for the layout: pending approvals and the kill switch, on every page."""
+    if not request.user.is_authenticated:
+        return {}
+    return {
+        "nav": {
+            "pending": ApprovalRequest.objects.filter(status="pending").count(),
+            "killswitch": Policy.objects.filter(scope=GLOBAL, halted_at__isnull=False).exists(),
+        }
+    }
+
+
+def viewer_required(view):
+    @login_required
+    def wrapped(request, *args, **kwargs):
+        if not request.user.has_perm("runs.view_run"):
+            raise PermissionDenied("you may not view runs (needs runs.view_run)")
+        return view(request, *args, **kwargs)
+
+    wrapped.__name__ = view.__name__
+    wrapped.__doc__ = view.__doc__
+    return wrapped
+
+
+def budget_percent(run: Run) -> int | None:
+    if run.budget_micros:
+        return round(100 * run.cost_micros / run.budget_micros)
+    return None
+
+
+@viewer_required
+def runs_list(request):
+    """Runs, newest first, filtered by URL parameters, paged by keyset (created_at, id)."""
+    runs = Run.objects.order_by("-created_at", "-pk")
+    status, workflow, q = (request.GET.get(k, "").strip() for k in ("status", "workflow", "q"))
+    if status:
+        runs = runs.filter(status=status)
+    if workflow:
+        runs = runs.filter(workflow=workflow)
+    if q:
+        match = Q(key__icontains=q)
+        with contextlib.suppress(ValueError):
+            match |= Q(pk=UUID(q))
+        runs = runs.filter(match)
+    before = request.GET.get("before")
+    if before:
+        try:
+            when, pk = before.split("_")
+            when = datetime.fromisoformat(when)
+            runs = runs.filter(Q(created_at__lt=when) | Q(created_at=when, pk__lt=UUID(pk)))
+        except ValueError:
+            raise Http404("that page marker is not one this page made") from None
+    page = list(runs[: PAGE + 1])
+    more = page[PAGE] if len(page) > PAGE else None
+    page = page[:PAGE]
+    counts = dict(Run.objects.values_list("status").annotate(n=Count("id")))
+    rows = [{"run": r, "percent": budget_percent(r), "usd": to_usd(r.cost_micros)} for r in page]
+    marker = f"{page[-1].created_at.isoformat()}_{page[-1].pk}" if more and page else None
+    return render(
+        request,
+        "runs/list.html",
+        {
+            "rows": rows,
+            "counts": [(s, counts.get(s, 0)) for s in RunStatus.values],
+            "filters": {"status": status, "workflow": workflow, "q": q},
+            "next_marker": marker,
+            "statuses": RunStatus.values,
+            **nav(request),
+        },
+    )
+
+
+@viewer_required
+def run_detail(request, run_id: UUID):
+    run = Run.objects.filter(pk=run_id).first()
+    if run is None:
+        raise Http404(f"no run {run_id}")
+    steps = list(run.steps.order_by("seq")[:500])
+    return render(
+        request,
+        "runs/detail.html",
+        {
+            "run": run,
+            "steps": steps,
+            "events": list(run.events.order_by("seq")[:500]),
+            "children": list(run.children.order_by("created_at")[:100]),
+            "percent": budget_percent(run),
+            "usd": to_usd(run.cost_micros),
+            "budget_usd": to_usd(run.budget_micros),
+            "approvals": list(run.approvals.filter(status="pending")),
+            "can_operate": request.user.has_perm("runs.halt_run"),
+            "can_unhalt": request.user.has_perm("runs.unhalt_run"),
+            "can_decide": request.user.has_perm("approvals.decide_approvalrequest"),
+            "waiting_reason": operations.unserved_reason(run),
+            **nav(request),
+        },
+    )
+
+
+@viewer_required
+def approvals_inbox(request):
+    """Pending requests across all runs, oldest first."""
+    pending = ApprovalRequest.objects.filter(status="pending").select_related("run")
+    return render(
+        request,
+        "approvals/inbox.html",
+        {
+            "pending": list(pending.order_by("created_at")[:200]),
+            "recent": list(
+                ApprovalRequest.objects.exclude(status="pending")
+                .select_related("run", "decided_by")
+                .order_by("-decided_at")[:20]
+            ),
+            "can_decide": request.user.has_perm("approvals.decide_approvalrequest"),
+            **nav(request),
+        },
+    )
+
+
+def _act(request, action, back: str):
+    try:
+        action()
+    except Forbidden as exc:
+        raise PermissionDenied(str(exc)) from None
+    except StepguardError as exc:
+        messages.error(request, str(exc))
+    return HttpResponseRedirect(back)
+
+
+@login_required
+@require_POST
+def decide_view(request, approval_id: int):
+    decision = request.POST.get("decision", "")
+    comment = request.POST.get("comment", "")
+    back = request.POST.get("next") or reverse("approvals")
+    if not back.startswith("/"):
+        back = reverse("approvals")
+    return _act(request, lambda: decide(approval_id, decision, request.user, comment), back)
+
+
+@login_required
+@require_POST
+def run_action(request, run_id: UUID, action: str):
+    """halt, unhalt, cancel, retry: one form post each, with a reason."""
+    reason = request.POST.get("reason", "")
+    actions = {
+        "halt": operations.halt,
+        "unhalt": operations.unhalt,
+        "cancel": operations.cancel_run,
+        "retry": operations.retry_run,
+    }
+    if action not in actions:
+        raise Http404(f"no action {action!r}")
+    back = reverse("run", args=[run_id])
+    return _act(request, lambda: actions[action](str(run_id), request.user, reason), back)
