@@ -108,3 +108,23 @@ def test_a_spent_budget_stops_the_agent_before_its_next_turn(drive, demo_model):
     assert run.status == RunStatus.OVER_BUDGET and run.cost_micros <= 1_000
     assert Effect.objects.filter(label="email").count() == 2
     assert Step.objects.filter(run=run, kind="llm").count() == 2
+
+
+def test_a_tool_approval_predicate_on_the_arguments(drive, cast):
+    run = start_run("payer", {"amounts": [50, 150]})
+    assert drive() == ["waiting"]
+    assert Effect.objects.filter(label="pay-50").count() == 1  # under the threshold: no approval
+    request = ApprovalRequest.objects.get(run=run)
+    assert request.payload == {"tool": "pay", "args": {"amount": 150}}
+    assert not Effect.objects.filter(label="pay-150").exists()
+    decide(request.pk, "approve", cast["ada"])
+    drive()
+    assert Run.objects.get(pk=run.pk).output == [{"paid": 50}, {"paid": 150}]
+
+
+def test_the_agent_loop_is_bounded(drive, demo_model):
+    run = start_run("chatty")
+    assert drive() == ["failed"]
+    run.refresh_from_db()
+    assert run.error["code"] == "agent_loop_exhausted" and "2 turns" in run.error["message"]
+    assert demo_model.total == 2

@@ -394,3 +394,35 @@ async def llm_async(ctx, input):
     )
     await ctx.step("after", effect, ctx, "after-async")
     return [doubled, response["choices"][0]["message"]["content"]]
+
+
+def pay(amount: int, idempotency_key: str) -> dict:
+    Effect.objects.create(idempotency_key=idempotency_key, label=f"pay-{amount}", pid=os.getpid())
+    return {"paid": amount}
+
+
+@workflow("payer")
+def payer(ctx: RunContext, input: dict):
+    return [
+        ctx.tool(
+            f"pay-{a}", pay, {"amount": a}, requires_approval=lambda args: args["amount"] > 100
+        )
+        for a in input["amounts"]
+    ]
+
+
+@workflow("chatty")
+def chatty(ctx: RunContext, input):
+    """A model that keeps calling tools: the loop must stop at max_turns."""
+    from runs.sdk import Tool
+
+    def ping():
+        return {"pong": True}
+
+    return ctx.agent_loop(
+        client=_openai(),
+        model="gpt-4o-mini",
+        messages=[{"role": "system", "content": "SCRIPT: ping, ping2, ping3"}],
+        tools={"ping": Tool(ping), "ping2": Tool(ping), "ping3": Tool(ping)},
+        max_turns=2,
+    )
