@@ -11,6 +11,16 @@ if settings.SERVE_STATIC:
 
     http_app = ASGIStaticFilesHandler(http_app)
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.urls import path  # noqa: E402
 
-application = ProtocolTypeRouter({"http": http_app})
+from runs.consumers import RunConsumer  # noqa: E402
+
+websockets = URLRouter([path("ws/runs/<uuid:run_id>/", RunConsumer.as_asgi())])
+
+# Websockets need a logged-in session and an Origin among ALLOWED_HOSTS.
+application = ProtocolTypeRouter(
+    {"http": http_app, "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(websockets))}
+)

@@ -107,13 +107,16 @@ def run_detail(request, run_id: UUID):
     if run is None:
         raise Http404(f"no run {run_id}")
     steps = list(run.steps.order_by("seq")[:500])
+    events = list(run.events.order_by("seq")[:500])
     return render(
         request,
         "runs/detail.html",
         {
             "run": run,
             "steps": steps,
-            "events": list(run.events.order_by("seq")[:500]),
+            "events": events,
+            # The live feed resumes from here: nothing is lost between render and connect.
+            "last_seq": events[-1].seq if events else 0,
             "children": list(run.children.order_by("created_at")[:100]),
             "percent": budget_percent(run),
             "usd": to_usd(run.cost_micros),

@@ -92,3 +92,22 @@ def test_an_approver_logs_in_approves_and_the_run_goes_on(server, page, cast, sp
     page.goto(f"{server}/runs/{run.pk}")
     expect(page.get_by_role("heading", name=re.compile("approver@1"))).to_contain_text("completed")
     expect(page).to_have_title(re.compile(r"Run .* \(approver\)"))
+
+
+def test_a_running_runs_steps_appear_live_without_a_reload(server, page, cast, spawn_worker):
+    from playwright.sync_api import expect
+
+    cast["vera"]
+    run = start_run("ledger", {"steps": 8, "sleep": 0.4})
+    page.goto(f"{server}/login/?next=/runs/{run.pk}")
+    page.get_by_label("Username").fill("vera")
+    page.get_by_label("Password").fill("x")
+    page.get_by_role("button", name="Log in").click()
+    expect(page.locator("#ws-status")).to_have_attribute("data-state", "open")
+    page.evaluate("window.__marker = 42")
+    spawn_worker()
+    expect(page.locator("#step-7")).to_contain_text("completed", timeout=20_000)
+    expect(page.locator("#run-status")).to_have_text("completed")
+    assert page.evaluate("window.__marker") == 42  # no reload happened
+    assert page.locator("#timeline tr[id^=step-]").count() == 8  # each step once
+    assert page.locator("#no-steps").count() == 0

@@ -1,0 +1,101 @@
+"""The live run page: a websocket that sends every event after the client's last seq.
+
+The event table is the source of truth: the client says the last `seq` it has, the consumer
+sends everything after it, in order, as htmx out-of-band fragments rendered by the same
+partials the page uses (so ids match). A reconnect backfills what was missed, without
+duplicates. It polls the table twice a second.
+"""
+
+import asyncio
+import logging
+from urllib.parse import parse_qs
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.template.loader import render_to_string
+
+from runs.models import Event, Run
+
+log = logging.getLogger("stepguard.live")
+
+POLL_SECONDS = 0.5
+BATCH = 200
+
+
+class RunConsumer(AsyncWebsocketConsumer):
+    async def connect(self):
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close()
+            return
+        if not await database_sync_to_async(user.has_perm)("runs.view_run"):
+            await self.close()
+            return
+        self.run_id = self.scope["url_route"]["kwargs"]["run_id"]
+        query = parse_qs(self.scope.get("query_string", b"").decode())
+        try:
+            self.after = max(0, int(query.get("after", ["0"])[0]))
+        except ValueError:
+            self.after = 0
+        self.known = await database_sync_to_async(self._known_steps)()
+        if self.known is None:
+            await self.close()
+            return
+        await self.accept()
+        await self.send(
+            text_data='<span id="ws-status" data-state="open" hx-swap-oob="true">live</span>'
+        )
+        self.pump = asyncio.create_task(self._pump())
+
+    async def disconnect(self, code):
+        pump = getattr(self, "pump", None)
+        if pump is not None:
+            pump.cancel()
+
+    async def _pump(self):
+        try:
+            while True:
+                messages = await database_sync_to_async(self._fragments)()
+                for message in messages:
+                    await self.send(text_data=message)
+                if not messages:
+                    await asyncio.sleep(POLL_SECONDS)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("live feed of run %s stopped", self.run_id)
+            await self.close()
+
+    def _known_steps(self) -> set[int] | None:
+        if not Run.objects.filter(pk=self.run_id).exists():
+            return None
+        # Steps already on the page (or about to be, for those completed after `after`).
+        return set(Run.objects.get(pk=self.run_id).steps.values_list("seq", flat=True))
+
+    def _fragments(self) -> list[str]:
+        """Everything after the last seq sent, as out-of-band fragments; advances the cursor.
+
+        One message per table row: the HTML parser cannot mix rows with other elements."""
+        events = list(
+            Event.objects.filter(run_id=self.run_id, seq__gt=self.after).order_by("seq")[:BATCH]
+        )
+        if not events:
+            return []
+        run = Run.objects.get(pk=self.run_id)
+        touched = {e.step_key for e in events if e.step_key}
+        parts = []
+        for step in run.steps.filter(key__in=touched).order_by("seq"):
+            row = render_to_string("runs/detail.html#step-row", {"s": step})
+            if step.seq in self.known:
+                parts.append(row.replace("<tr ", '<tr hx-swap-oob="outerHTML" ', 1))
+            else:
+                if not self.known:
+                    parts.append('<tr id="no-steps" hx-swap-oob="delete"></tr>')
+                self.known.add(step.seq)
+                parts.append(f'<tbody id="timeline" hx-swap-oob="beforeend">{row}</tbody>')
+        items = "".join(render_to_string("runs/detail.html#event-item", {"e": e}) for e in events)
+        status = render_to_string("runs/detail.html#run-status", {"run": run})
+        status = status.replace("<span ", '<span hx-swap-oob="true" ', 1)
+        parts.append(f'<ol id="history" hx-swap-oob="beforeend">{items}</ol>{status}')
+        self.after = events[-1].seq
+        return parts

@@ -1,0 +1,73 @@
+"""The live run feed: a websocket that sends every event after the client's last seq."""
+
+import asyncio
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from channels.testing import WebsocketCommunicator
+
+from controlplane.asgi import application
+from runs.consumers import RunConsumer
+from runs.sdk import start_run
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def run_async(coro_fn):
+    """Run a coroutine on a loop of its own thread: Playwright's sync API may hold this one's."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(coro_fn())).result()
+
+
+def communicator(run, user, after: int) -> WebsocketCommunicator:
+    comm = WebsocketCommunicator(RunConsumer.as_asgi(), f"/ws/runs/{run.pk}/?after={after}")
+    comm.scope["user"] = user
+    comm.scope["url_route"] = {"kwargs": {"run_id": run.pk}}
+    return comm
+
+
+def collect(comm, count: int) -> list[str]:
+    async def go():
+        connected, _ = await comm.connect()
+        assert connected
+        frames = [await comm.receive_from(timeout=5) for _ in range(count)]
+        await comm.disconnect()
+        return frames
+
+    return run_async(go)
+
+
+def test_the_feed_sends_everything_after_the_last_seq_in_order_once(drive, cast):
+    run = start_run("ledger", {"steps": 2})
+    drive()
+    # after seq 3: steps s0 (started at 3) and s1 changed: a row each, then history + status.
+    status, row0, row1, fragment = collect(communicator(run, cast["vera"], after=3), 4)
+    assert 'data-state="open"' in status
+    assert 'id="step-0"' in row0 and 'id="step-1"' in row1
+    assert all(r.count("<tr ") == 1 for r in (row0, row1))
+    seqs = [int(s) for s in re.findall(r'id="event-(\d+)"', fragment)]
+    assert seqs == list(range(4, 4 + len(seqs))) and seqs[-1] == run.events.last().seq
+    assert 'hx-swap-oob="outerHTML"' in row0 + row1
+    assert 'id="run-status"' in fragment and "completed" in fragment
+
+
+def test_the_feed_refuses_anonymous_users_and_foreign_origins(drive):
+    from django.contrib.auth.models import AnonymousUser
+
+    run = start_run("ledger", {"steps": 1})
+
+    async def anonymous():
+        comm = communicator(run, AnonymousUser(), after=0)
+        connected, _ = await comm.connect()
+        return connected
+
+    async def foreign_origin():
+        comm = WebsocketCommunicator(
+            application, f"/ws/runs/{run.pk}/", headers=[(b"origin", b"https://evil.example")]
+        )
+        connected, _ = await comm.connect()
+        return connected
+
+    assert run_async(anonymous) is False
+    assert run_async(foreign_origin) is False
