@@ -15,7 +15,13 @@ def health(request):
 urlpatterns = [
     path("", views.runs_list, name="runs"),
     path("runs/<uuid:run_id>", views.run_detail, name="run"),
+    path("runs/<uuid:run_id>/budget", views.budget_view, name="run-budget"),
+    path("runs/<uuid:run_id>/fork", views.fork_view, name="run-fork"),
     path("runs/<uuid:run_id>/<str:action>", views.run_action, name="run-action"),
+    path("workers", views.workers_page, name="workers"),
+    path("audit", views.audit_page, name="audit"),
+    path("halts", views.halts_page, name="halts"),
+    path("halts/<str:action>", views.halt_scope, name="halt-scope"),
     path("approvals", views.approvals_inbox, name="approvals"),
     path("approvals/<int:approval_id>/decide", views.decide_view, name="decide"),
     path("login/", auth_views.LoginView.as_view(), name="login"),

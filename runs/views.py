@@ -124,6 +124,7 @@ def run_detail(request, run_id: UUID):
             "approvals": list(run.approvals.filter(status="pending")),
             "can_operate": request.user.has_perm("runs.halt_run"),
             "can_unhalt": request.user.has_perm("runs.unhalt_run"),
+            "can_fork": request.user.has_perm("runs.fork_run"),
             "can_decide": request.user.has_perm("approvals.decide_approvalrequest"),
             "waiting_reason": operations.unserved_reason(run),
             **nav(request),
@@ -187,3 +188,106 @@ def run_action(request, run_id: UUID, action: str):
         raise Http404(f"no action {action!r}")
     back = reverse("run", args=[run_id])
     return _act(request, lambda: actions[action](str(run_id), request.user, reason), back)
+
+
+@viewer_required
+def workers_page(request):
+    """Workers with their last heartbeat and the runs each holds."""
+    from runs.models import Worker
+
+    workers = list(Worker.objects.order_by("-heartbeat_at")[:200])
+    held: dict = {}
+    for run in Run.objects.filter(worker__in=workers).only("id", "workflow", "worker_id"):
+        held.setdefault(run.worker_id, []).append(run)
+    rows = [{"worker": w, "runs": held.get(w.pk, [])} for w in workers]
+    return render(request, "runs/workers.html", {"rows": rows, **nav(request)})
+
+
+@viewer_required
+def audit_page(request):
+    """Every operator action (events with a person as actor), filterable by actor, action, run."""
+    from runs.models import Event
+
+    events = Event.objects.exclude(actor="system").select_related("run").order_by("-created_at")
+    actor, action, run = (request.GET.get(k, "").strip() for k in ("actor", "action", "run"))
+    if actor:
+        events = events.filter(actor=actor)
+    if action:
+        events = events.filter(type=action)
+    if run:
+        try:
+            events = events.filter(run_id=UUID(run))
+        except ValueError:
+            events = events.none()
+    return render(
+        request,
+        "runs/audit.html",
+        {"events": list(events[:300]), "filters": {"actor": actor, "action": action, "run": run},
+         **nav(request)},
+    )  # fmt: skip
+
+
+@viewer_required
+def halts_page(request):
+    """The kill switch and workflow-wide halts, with the budgets beside them."""
+    policies = list(Policy.objects.order_by("scope"))
+    workflows = sorted(set(Run.objects.values_list("workflow", flat=True).distinct()))
+    return render(
+        request,
+        "runs/halts.html",
+        {
+            "policies": policies,
+            "workflows": workflows,
+            "global_halt": next((p for p in policies if p.scope == GLOBAL and p.halted_at), None),
+            "can_operate": request.user.has_perm("runs.halt_run"),
+            **nav(request),
+        },
+    )
+
+
+@login_required
+@require_POST
+def halt_scope(request, action: str):
+    """Halt or unhalt a workflow (`workflow` field) or everything (no field)."""
+    target = f"workflow:{request.POST['workflow']}" if request.POST.get("workflow") else "all"
+    reason = request.POST.get("reason", "")
+    act = {"halt": operations.halt, "unhalt": operations.unhalt}.get(action)
+    if act is None:
+        raise Http404(f"no action {action!r}")
+    return _act(request, lambda: act(target, request.user, reason), reverse("halts"))
+
+
+@login_required
+@require_POST
+def budget_view(request, run_id: UUID):
+    """Set a run's budget in USD (empty removes it)."""
+    from decimal import Decimal, InvalidOperation
+
+    raw = request.POST.get("usd", "").strip()
+    back = reverse("run", args=[run_id])
+    try:
+        usd = Decimal(raw) if raw else None
+    except InvalidOperation:
+        messages.error(request, f"{raw!r} is not an amount of USD")
+        return HttpResponseRedirect(back)
+    reason = request.POST.get("reason", "")
+    return _act(
+        request, lambda: operations.set_budget(str(run_id), request.user, reason, usd=usd), back
+    )
+
+
+@login_required
+@require_POST
+def fork_view(request, run_id: UUID):
+    """Fork from the chosen step (after the page listed what will run again)."""
+    step = request.POST.get("step", "")
+    reason = request.POST.get("reason", "")
+    created = {}
+
+    def fork():
+        created["run"] = operations.fork_run(str(run_id), step, request.user, reason)
+
+    response = _act(request, fork, reverse("run", args=[run_id]))
+    if "run" in created:
+        return HttpResponseRedirect(reverse("run", args=[created["run"].pk]))
+    return response

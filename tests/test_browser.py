@@ -111,3 +111,36 @@ def test_a_running_runs_steps_appear_live_without_a_reload(server, page, cast, s
     assert page.evaluate("window.__marker") == 42  # no reload happened
     assert page.locator("#timeline tr[id^=step-]").count() == 8  # each step once
     assert page.locator("#no-steps").count() == 0
+
+
+AXE = os.path.join(os.path.dirname(__file__), "vendor", "axe.min.js")
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_main_pages_have_no_serious_accessibility_violations(server, page, cast, drive, scheme):
+    from playwright.sync_api import expect
+
+    from runs.operations import halt
+
+    waiting = start_run("approver", {"amount": 12})
+    drive()
+    halted = start_run("ledger", {"steps": 1})
+    halt(halted, cast["otto"], "checking the halted state")
+    page.emulate_media(color_scheme=scheme)
+    page.goto(f"{server}/login/")
+    page.get_by_label("Username").fill("otto")
+    page.get_by_label("Password").fill("x")
+    page.get_by_role("button", name="Log in").click()
+    expect(page.get_by_role("heading", name="Runs")).to_be_visible()
+    problems = {}
+    for path in ("/", f"/runs/{waiting.pk}", f"/runs/{halted.pk}", "/approvals", "/halts"):
+        page.goto(f"{server}{path}")
+        page.add_script_tag(path=AXE)
+        found = page.evaluate(
+            "async () => (await axe.run(document, {runOnly: ['wcag2a', 'wcag2aa', 'wcag21a',"
+            " 'wcag21aa']})).violations.filter(v => ['serious', 'critical'].includes(v.impact))"
+            ".map(v => v.id + ': ' + v.nodes.map(n => n.target.join(' ')).join(', '))"
+        )
+        if found:
+            problems[path] = found
+    assert not problems, problems

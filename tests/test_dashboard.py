@@ -6,6 +6,7 @@ from django.test import Client
 from approvals.models import ApprovalRequest
 from runs.models import Run, RunStatus
 from runs.sdk import start_run
+from tests import workflows  # noqa: F401  (registers "metered")
 
 pytestmark = pytest.mark.django_db
 
@@ -83,3 +84,38 @@ def test_actions_need_the_csrf_token(cast):
     run = start_run("ledger", {"steps": 1})
     assert client.post(f"/runs/{run.pk}/halt", {"reason": "x"}).status_code == 403
     assert Run.objects.get(pk=run.pk).halted_at is None
+
+
+def test_workers_audit_and_halts_pages(browser_as, drive, cast):
+    run = start_run("ledger", {"steps": 1})
+    drive()
+    otto = browser_as("otto")
+    assert "No worker" not in otto.get("/workers").content.decode()
+    otto.post("/halts/halt", {"reason": "incident 7"})
+    halts = otto.get("/halts").content.decode()
+    assert "Kill switch ON" in halts and "incident 7" in halts
+    otto.post("/halts/unhalt", {"reason": "over"})
+    otto.post("/halts/halt", {"workflow": "ledger", "reason": "freeze ledger"})
+    audit = otto.get("/audit", {"actor": "otto"}).content.decode()
+    assert audit.count("<tr><td><time") == 3 and "freeze ledger" in audit
+    assert (
+        browser_as("vera").post("/halts/unhalt", {"workflow": "ledger", "reason": "x"}).status_code
+        == 403
+    )
+    assert run  # the run itself is untouched by these pages
+
+
+def test_budget_and_fork_from_the_run_page(browser_as, drive):
+    run = start_run("metered", {"steps": 2}, budget_usd="1")
+    drive()
+    otto = browser_as("otto")
+    page = otto.get(f"/runs/{run.pk}").content.decode()
+    assert "Set budget" in page and "Fork from a step" in page
+    otto.post(f"/runs/{run.pk}/budget", {"usd": "5", "reason": "raise"})
+    assert Run.objects.get(pk=run.pk).status == RunStatus.PENDING
+    bad = otto.post(f"/runs/{run.pk}/budget", {"usd": "lots", "reason": "x"}, follow=True)
+    assert "is not an amount of USD" in bad.content.decode()
+    drive()
+    response = otto.post(f"/runs/{run.pk}/fork", {"step": "call#2", "reason": "again"})
+    fork = Run.objects.get(forked_from=run)
+    assert response["Location"] == f"/runs/{fork.pk}"
