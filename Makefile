@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PORT ?= 8000
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test lint format bench migrate
+.PHONY: help install run test lint format bench screenshots
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -33,6 +33,10 @@ lint: $(STAMP) ## ruff check
 
 format: $(STAMP) ## ruff format
 	$(BIN)/ruff format .
+
+screenshots: $(STAMP) ## the main pages in light and dark themes, as PNGs in var/screenshots/
+	$(BIN)/pytest -q tests/test_browser.py -k accessibility
+	@ls var/screenshots
 
 bench: $(STAMP) ## step overhead, replay and throughput benchmarks on local PostgreSQL
 	$(BIN)/pip install --quiet -e '.[dev,bench]'

@@ -3,6 +3,7 @@
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -114,6 +115,10 @@ def test_a_running_runs_steps_appear_live_without_a_reload(server, page, cast, s
 
 
 AXE = os.path.join(os.path.dirname(__file__), "vendor", "axe.min.js")
+# `make screenshots` runs the accessibility test, which leaves a picture of each page here.
+SHOTS = Path(
+    os.environ.get("STEPGUARD_SCREENSHOTS", Path(__file__).parent.parent / "var" / "screenshots")
+)
 
 
 @pytest.mark.parametrize("scheme", ["light", "dark"])
@@ -135,6 +140,11 @@ def test_the_main_pages_have_no_serious_accessibility_violations(server, page, c
     problems = {}
     for path in ("/", f"/runs/{waiting.pk}", f"/runs/{halted.pk}", "/approvals", "/halts"):
         page.goto(f"{server}{path}")
+        name = path.strip("/").split("/")[0] or "runs-list"
+        if path.startswith("/runs/"):
+            name = "run-halted" if str(halted.pk) in path else "run-detail"
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / f"{scheme}-{name}.png"), full_page=True)
         page.add_script_tag(path=AXE)
         found = page.evaluate(
             "async () => (await axe.run(document, {runOnly: ['wcag2a', 'wcag2aa', 'wcag21a',"
