@@ -154,3 +154,58 @@ def test_the_main_pages_have_no_serious_accessibility_violations(server, page, c
         if found:
             problems[path] = found
     assert not problems, problems
+
+
+def login(page, server: str, username: str, next_path: str = "/") -> None:
+    page.goto(f"{server}/login/?next={next_path}")
+    page.get_by_label("Username").fill(username)
+    page.get_by_label("Password").fill("x")
+    page.get_by_role("button", name="Log in").click()
+
+
+def test_an_operator_halts_a_running_run_and_sees_it_stop_at_the_next_step(
+    server, page, cast, spawn_worker
+):
+    from playwright.sync_api import expect
+
+    from runs.models import Run, Step
+
+    run = start_run("ledger", {"steps": 30, "sleep": 0.3})
+    spawn_worker()
+    login(page, server, "otto", f"/runs/{run.pk}")
+    expect(page.locator("#ws-status")).to_have_attribute("data-state", "open")
+    expect(page.locator("#step-2")).to_contain_text("completed", timeout=20_000)
+    page.get_by_label("Reason").first.fill("watching a runaway loop")
+    page.get_by_role("button", name="Halt").click()
+    expect(page.get_by_role("status")).to_contain_text("Halted by otto")
+    page.wait_for_function("document.querySelector('#run-status').textContent.trim() === 'halted'")
+    stopped = Step.objects.filter(run=run).count()
+    assert Run.objects.get(pk=run.pk).status == "halted" and stopped < 30
+    # j / k walk the timeline from the keyboard.
+    page.keyboard.press("j")
+    page.keyboard.press("j")
+    expect(page.locator("#step-1")).to_have_attribute("aria-current", "true")
+
+
+def test_two_approvers_decide_the_same_request_and_the_first_wins(server, browser, cast, drive):
+    from playwright.sync_api import expect
+
+    cast["ada"]
+    from django.contrib.auth.models import Group, User
+
+    second = User.objects.create_user("bea", password="x")
+    second.groups.add(Group.objects.get(name="approver"))
+    start_run("approver", {"amount": 77})
+    drive()
+    pages = []
+    for name in ("ada", "bea"):
+        context = browser.new_context()
+        pages.append(context.new_page())
+        login(pages[-1], server, name, "/approvals")
+        expect(pages[-1].get_by_role("button", name="Approve")).to_be_visible()
+    pages[0].get_by_role("button", name="Approve").click()
+    expect(pages[0].get_by_text("Nothing waits for a decision.")).to_be_visible()
+    pages[1].get_by_role("button", name="Reject").click()
+    expect(pages[1].get_by_text(re.compile("already approved by ada"))).to_be_visible()
+    for p in pages:
+        p.context.close()

@@ -1,0 +1,32 @@
+// Keyboard: j / k move through the timeline's steps, Enter opens one, "/" jumps to the search box.
+(function () {
+  "use strict";
+  function steps() { return Array.from(document.querySelectorAll("#timeline tr[id^='step-']")); }
+  var current = -1;
+  function focusStep(i) {
+    var rows = steps();
+    if (!rows.length) return;
+    current = Math.max(0, Math.min(rows.length - 1, i));
+    rows.forEach(function (r) { r.removeAttribute("aria-current"); });
+    var row = rows[current];
+    row.setAttribute("aria-current", "true");
+    var summary = row.querySelector("summary");
+    (summary || row).focus();
+    row.scrollIntoView({ block: "nearest" });
+  }
+  document.addEventListener("keydown", function (e) {
+    var t = e.target;
+    if (t && (t.tagName === "INPUT" || t.tagName === "TEXTAREA" || t.tagName === "SELECT")) return;
+    if (e.key === "j") { focusStep(current + 1); e.preventDefault(); }
+    else if (e.key === "k") { focusStep(current - 1); e.preventDefault(); }
+    else if (e.key === "/") {
+      var search = document.querySelector("input[name='q']");
+      if (search) { search.focus(); e.preventDefault(); }
+      else { window.location.href = "/?focus=search"; }
+    }
+  });
+  if (new URLSearchParams(window.location.search).get("focus") === "search") {
+    var box = document.querySelector("input[name='q']");
+    if (box) box.focus();
+  }
+})();
