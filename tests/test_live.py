@@ -16,8 +16,17 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def run_async(coro_fn):
     """Run a coroutine on a loop of its own thread: Playwright's sync API may hold this one's."""
+    from channels.db import database_sync_to_async
+    from django.db import connections
+
+    async def main():
+        try:
+            return await coro_fn()
+        finally:  # the consumer's database thread must not keep the test database open
+            await database_sync_to_async(connections.close_all)()
+
     with ThreadPoolExecutor(1) as pool:
-        return pool.submit(lambda: asyncio.run(coro_fn())).result()
+        return pool.submit(lambda: asyncio.run(main())).result()
 
 
 def communicator(run, user, after: int) -> WebsocketCommunicator:
