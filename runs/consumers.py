@@ -3,22 +3,29 @@
 The event table is the source of truth: the client says the last `seq` it has, the consumer
 sends everything after it, in order, as htmx out-of-band fragments rendered by the same
 partials the page uses (so ids match). A reconnect backfills what was missed, without
-duplicates. It polls the table twice a second.
+duplicates. It polls the table twice a second, and sooner when the doorbell rings (a worker wrote
+events for this run: channels-redis, or PostgreSQL NOTIFY relayed by EventsListener).
 """
 
 import asyncio
+import contextlib
 import logging
+import os
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+from django.db import connection
 from django.template.loader import render_to_string
 
+from runs.engine.wakeup import EventsListener
 from runs.models import Event, Run
 
 log = logging.getLogger("stepguard.live")
 
-POLL_SECONDS = 0.5
+# Polling is the source of truth; the doorbell only makes it prompt.
+POLL_SECONDS = float(os.environ.get("STEPGUARD_LIVE_POLL", "0.5"))
 BATCH = 200
 
 
@@ -41,6 +48,11 @@ class RunConsumer(AsyncWebsocketConsumer):
         if self.known is None:
             await self.close()
             return
+        self.bell = asyncio.Event()
+        self.group = f"run-{self.run_id}"
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        if not settings.REDIS_URL and connection.vendor == "postgresql":
+            EventsListener.ensure(asyncio.get_running_loop(), self.channel_layer)
         await self.accept()
         await self.send(
             text_data='<span id="ws-status" data-state="open" hx-swap-oob="true">live</span>'
@@ -51,6 +63,11 @@ class RunConsumer(AsyncWebsocketConsumer):
         pump = getattr(self, "pump", None)
         if pump is not None:
             pump.cancel()
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+
+    async def run_doorbell(self, event):
+        """A worker wrote events for this run: look now rather than at the next poll."""
+        self.bell.set()
 
     async def _pump(self):
         try:
@@ -59,7 +76,9 @@ class RunConsumer(AsyncWebsocketConsumer):
                 for message in messages:
                     await self.send(text_data=message)
                 if not messages:
-                    await asyncio.sleep(POLL_SECONDS)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.bell.wait(), POLL_SECONDS)
+                    self.bell.clear()
         except asyncio.CancelledError:
             raise
         except Exception:

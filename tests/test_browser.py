@@ -209,3 +209,36 @@ def test_two_approvers_decide_the_same_request_and_the_first_wins(server, browse
     expect(pages[1].get_by_text(re.compile("already approved by ada"))).to_be_visible()
     for p in pages:
         p.context.close()
+
+
+@pytest.fixture(params=["redis", "notify"])
+def doorbell_server(request, monkeypatch):
+    """daphne whose live pages poll only every 30 s: anything sooner is the doorbell's doing."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("the doorbell needs Redis or PostgreSQL NOTIFY; SQLite pages poll")
+    monkeypatch.setenv("STEPGUARD_LIVE_POLL", "30")
+    if request.param == "notify":
+        monkeypatch.delenv("REDIS_URL", raising=False)
+    elif not os.environ.get("REDIS_URL"):
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI must set REDIS_URL for the Redis doorbell test")
+        pytest.skip("REDIS_URL is not set")
+    return request.getfixturevalue("server")
+
+
+@pytest.mark.postgres
+def test_the_doorbell_brings_new_steps_without_waiting_for_a_poll(
+    doorbell_server, page, cast, spawn_worker
+):
+    from playwright.sync_api import expect
+
+    cast["vera"]
+    run = start_run("ledger", {"steps": 3, "sleep": 0.2})
+    login(page, doorbell_server, "vera", f"/runs/{run.pk}")
+    expect(page.locator("#ws-status")).to_have_attribute("data-state", "open")
+    spawn_worker()
+    # The worker starts in about a second and the run takes about one more: far below 30 s.
+    expect(page.locator("#run-status")).to_have_text("completed", timeout=10_000)
+    expect(page.locator("#step-2")).to_contain_text("completed")

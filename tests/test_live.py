@@ -6,9 +6,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from channels.testing import WebsocketCommunicator
+from django.db import transaction
 
 from controlplane.asgi import application
 from runs.consumers import RunConsumer
+from runs.engine.store import run_event
 from runs.sdk import start_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -80,3 +82,17 @@ def test_the_feed_refuses_anonymous_users_and_foreign_origins(drive):
 
     assert run_async(anonymous) is False
     assert run_async(foreign_origin) is False
+
+
+def test_a_reconnect_resumes_after_the_last_seq_it_saw_without_duplicates(drive, cast):
+    run = start_run("ledger", {"steps": 2})
+    drive()
+    first = collect(communicator(run, cast["vera"], after=0), 4)
+    seen = [int(s) for s in re.findall(r'id="event-(\d+)"', "".join(first))]
+    assert seen == list(range(1, run.events.last().seq + 1))
+    # More history while the client is away.
+    with transaction.atomic():
+        run_event(run.pk, "note.added", actor="otto", text="while you were away")
+    _, backfill = collect(communicator(run, cast["vera"], after=seen[-1]), 2)
+    again = [int(s) for s in re.findall(r'id="event-(\d+)"', backfill)]
+    assert again == [seen[-1] + 1]  # only what was missed, once

@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from runs.engine.wakeup import doorbell
 from runs.errors import Cancelled, Halted, LeaseLost, OverBudget
 from runs.models import GLOBAL, Event, Policy, Run, RunStatus, Step
 
@@ -175,6 +176,7 @@ def refused(
 def append_event(
     run_id, seq: int, type: str, step_key: str = "", actor: str = "system", /, **payload
 ):
+    doorbell.ring(run_id)
     return Event.objects.create(
         run_id=run_id,
         seq=seq,
@@ -349,6 +351,7 @@ def fenced_write(
         seq, step_id, _ = cursor.fetchone()
     if seq is None:
         refused(lease, estimate, compensating, held)
+    doorbell.ring(lease.run_id)
     return step_id
 
 

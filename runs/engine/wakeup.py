@@ -48,3 +48,119 @@ class Listener(threading.Thread):
                 self.connected.clear()
                 log.warning("listener connection lost (%s); polling until it reconnects", exc)
                 self.stop.wait(1.0)
+
+
+EVENTS_CHANNEL = "stepguard_events"
+
+
+class Doorbell:
+    """Tells live pages that a run has new events: a hint, coalesced, off the hot path.
+
+    `ring(run_id)` only adds the id to a set; a daemon thread publishes the set every 0.1 s,
+    to the Channels layer (channels-redis) when REDIS_URL is set, else by PostgreSQL NOTIFY
+    (one notification per flush, not per event). With neither, pages simply poll.
+    """
+
+    def __init__(self):
+        self._ids: set[str] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def enabled(self) -> bool:
+        from django.conf import settings
+
+        return bool(settings.REDIS_URL) or is_postgres()
+
+    def ring(self, run_id) -> None:
+        if not self.enabled():
+            return
+        with self._lock:
+            self._ids.add(str(run_id))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="stepguard-doorbell", daemon=True
+                )
+                self._thread.start()
+
+    def _loop(self) -> None:
+        import time
+
+        from django.db import connections
+
+        while True:
+            time.sleep(0.1)
+            with self._lock:
+                ids, self._ids = self._ids, set()
+            if not ids:
+                continue
+            try:
+                self.publish(ids)
+            except Exception as exc:
+                log.warning("doorbell not published (%s); pages fall back to polling", exc)
+                connections.close_all()
+
+    def publish(self, ids: set[str]) -> None:
+        from django.conf import settings
+
+        if settings.REDIS_URL:
+            from asgiref.sync import async_to_sync
+            from channels.layers import get_channel_layer
+
+            layer = get_channel_layer()
+            for run_id in ids:
+                async_to_sync(layer.group_send)(f"run-{run_id}", {"type": "run.doorbell"})
+            return
+        batch: list[str] = []
+        for run_id in sorted(ids):
+            batch.append(run_id)
+            if len(batch) == 150:  # NOTIFY payloads stay under 8 kB
+                self._notify(batch)
+                batch = []
+        if batch:
+            self._notify(batch)
+
+    @staticmethod
+    def _notify(ids: list[str]) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, %s)", [EVENTS_CHANNEL, ",".join(ids)])
+
+
+doorbell = Doorbell()
+
+
+class EventsListener(threading.Thread):
+    """In a web process without Redis: turns NOTIFY doorbells into in-process group sends."""
+
+    _started: "EventsListener | None" = None
+    _guard = threading.Lock()
+
+    def __init__(self, loop, layer):
+        super().__init__(name="stepguard-events-listener", daemon=True)
+        self.loop, self.layer = loop, layer
+        self.params = connection.get_connection_params()
+
+    @classmethod
+    def ensure(cls, loop, layer) -> None:
+        with cls._guard:
+            if cls._started is None:
+                cls._started = cls(loop, layer)
+                cls._started.start()
+
+    def run(self) -> None:
+        import asyncio
+        import time
+
+        while True:
+            try:
+                with psycopg.connect(**self.params, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {EVENTS_CHANNEL}")
+                    for note in conn.notifies():
+                        for run_id in note.payload.split(","):
+                            message = {"type": "run.doorbell"}
+                            self.loop.call_soon_threadsafe(
+                                asyncio.ensure_future,
+                                self.layer.group_send(f"run-{run_id}", message),
+                            )
+            except Exception as exc:
+                log.warning("events listener lost (%s); live pages poll meanwhile", exc)
+                time.sleep(1.0)
