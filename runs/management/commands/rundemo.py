@@ -38,7 +38,8 @@ class Command(BaseCommand):
         self.model_server()
         self.children: list[subprocess.Popen] = [self.web(port), self.worker()]
         self.stdout.write(
-            self.style.SUCCESS(f"\nStepguard is up on http://127.0.0.1:{port}/admin/")
+            self.style.SUCCESS(f"\nStepguard is up on http://127.0.0.1:{port}/")
+            + f"\n  dashboard: http://127.0.0.1:{port}/  (admin: /admin/, API: /api/docs)"
             + f"\n  demo operator: {DEMO_USER} / {password}"
             + f"\n  model: {os.environ['STEPGUARD_MODEL_BASE_URL']}"
             + (" (the scripted demo model, not a language model)" if self.demo else "")
