@@ -246,7 +246,8 @@ def test_replaying_1000_completed_steps_costs_a_constant_number_of_queries(drive
     assert len(many) <= 15
 
 
-def test_a_new_step_costs_two_short_transactions_of_three_statements(drive):
+def one_new_step():
+    """A run held by this test, and the statements one new step cost it."""
     run = start_run("many", {"steps": 1})
     Run.objects.filter(pk=run.pk).update(
         status=RunStatus.RUNNING, lease_until=run.created_at + timedelta(hours=1)
@@ -255,6 +256,11 @@ def test_a_new_step_costs_two_short_transactions_of_three_statements(drive):
     shared_budget_scopes()  # cached for a second: steps do not look budgets up each time
     with CaptureQueriesContext(connection) as queries:
         assert ctx.step("one", int, 1) == 1
+    return run, queries
+
+
+def test_a_new_step_costs_two_short_transactions_of_three_statements(drive):
+    _, queries = one_new_step()
     # started: fence, insert step, insert event; completed: fence, update step, insert event.
     assert business_statements(queries) == [
         "UPDATE",
@@ -301,14 +307,7 @@ def test_progress_resets_the_lost_worker_count(drive, expire_lease, settings):
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_on_postgresql_each_checkpoint_write_is_one_statement():
-    run = start_run("many", {"steps": 1})
-    Run.objects.filter(pk=run.pk).update(
-        status=RunStatus.RUNNING, lease_until=run.created_at + timedelta(hours=1)
-    )
-    ctx = RunContext(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch))
-    shared_budget_scopes()  # cached for a second: steps do not look budgets up each time
-    with CaptureQueriesContext(connection) as queries:
-        assert ctx.step("one", int, 1) == 1
+    run, queries = one_new_step()
     # fence + step + event as data-modifying CTEs: one round trip and one commit per write.
     assert business_statements(queries) == ["WITH", "WITH"]
     assert Step.objects.get(run=run).status == "completed"

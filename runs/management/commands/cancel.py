@@ -1,21 +1,13 @@
-from django.core.management.base import BaseCommand, CommandError
-
-from runs.errors import StepguardError
+from runs.management.run_action import RunActionCommand
 from runs.operations import cancel_run
 
 
-class Command(BaseCommand):
+class Command(RunActionCommand):
     help = "Cancel a run: it stops at its next step, its compensations run, it ends cancelled."
 
-    def add_arguments(self, parser):
-        parser.add_argument("run_id")
-        parser.add_argument("--user", required=True)
-        parser.add_argument("--reason", required=True)
+    def act(self, run_id, user, reason):
+        return cancel_run(run_id, user, reason)
 
-    def handle(self, *args, run_id, user, reason, **options):
-        try:
-            run = cancel_run(run_id, user, reason)
-        except StepguardError as exc:
-            raise CommandError(str(exc)) from None
+    def done(self, run) -> str:
         state = "cancelled" if run.status == "cancelled" else "cancel requested"
-        self.stdout.write(f"run {run.pk}: {state}")
+        return f"run {run.pk}: {state}"
