@@ -17,16 +17,24 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.db import connection
+from django.db.models import Q
 from django.template.loader import render_to_string
 
 from runs.engine.wakeup import EventsListener
-from runs.models import Event, Run
+from runs.models import Event, Run, Step, StepStatus
 
 log = logging.getLogger("stepguard.live")
 
 # Polling is the source of truth; the doorbell only makes it prompt.
 POLL_SECONDS = float(os.environ.get("STEPGUARD_LIVE_POLL", "0.5"))
 BATCH = 200
+
+
+def _number(raw: str | None, default: int) -> int:
+    try:
+        return int(raw) if raw is not None else default
+    except ValueError:
+        return default
 
 
 class RunConsumer(AsyncWebsocketConsumer):
@@ -39,13 +47,17 @@ class RunConsumer(AsyncWebsocketConsumer):
             await self.close()
             return
         self.run_id = self.scope["url_route"]["kwargs"]["run_id"]
-        query = parse_qs(self.scope.get("query_string", b"").decode())
-        try:
-            self.after = max(0, int(query.get("after", ["0"])[0]))
-        except ValueError:
-            self.after = 0
-        self.known = await database_sync_to_async(self._known_steps)()
-        if self.known is None:
+        query = {
+            k: v[-1] for k, v in parse_qs(self.scope.get("query_string", b"").decode()).items()
+        }
+        self.after = max(0, _number(query.get("after"), 0))
+        # The page shows steps from `from` to `last` (its latest chunk, maybe filtered): those
+        # get updated in place, later ones appended; earlier ones belong to unloaded chunks.
+        self.shown_from = _number(query.get("from"), 0)
+        self.last = _number(query.get("last"), -1)
+        self.filters = {k: query[k] for k in ("status", "kind") if query.get(k)}
+        self.shown = await database_sync_to_async(self._shown_steps)()
+        if self.shown is None:
             await self.close()
             return
         self.bell = asyncio.Event()
@@ -85,11 +97,19 @@ class RunConsumer(AsyncWebsocketConsumer):
             log.exception("live feed of run %s stopped", self.run_id)
             await self.close()
 
-    def _known_steps(self) -> set[int] | None:
+    def _shown_steps(self) -> set[int] | None:
         if not Run.objects.filter(pk=self.run_id).exists():
             return None
-        # Steps already on the page (or about to be, for those completed after `after`).
-        return set(Run.objects.get(pk=self.run_id).steps.values_list("seq", flat=True))
+        match = Q(**self.filters) | Q(status=StepStatus.FAILED) if self.filters else Q()
+        steps = Step.objects.filter(
+            Q(run_id=self.run_id, seq__gte=self.shown_from, seq__lte=self.last) & match
+        )
+        return set(steps.values_list("seq", flat=True))
+
+    def _matches(self, step: Step) -> bool:
+        """The page's step filter; a filter never hides a failure."""
+        wanted = all(getattr(step, k) == v for k, v in self.filters.items())
+        return wanted or step.status == StepStatus.FAILED
 
     def _fragments(self) -> list[str]:
         """Everything after the last seq sent, as out-of-band fragments; advances the cursor.
@@ -104,13 +124,14 @@ class RunConsumer(AsyncWebsocketConsumer):
         touched = {e.step_key for e in events if e.step_key}
         parts = []
         for step in run.steps.filter(key__in=touched).order_by("seq"):
-            row = render_to_string("runs/detail.html#step-row", {"s": step})
-            if step.seq in self.known:
+            if step.seq in self.shown:
+                row = render_to_string("runs/detail.html#step-row", {"s": step})
                 parts.append(row.replace("<tr ", '<tr hx-swap-oob="outerHTML" ', 1))
-            else:
-                if not self.known:
+            elif step.seq > self.last and self._matches(step):
+                row = render_to_string("runs/detail.html#step-row", {"s": step})
+                if not self.shown:
                     parts.append('<tr id="no-steps" hx-swap-oob="delete"></tr>')
-                self.known.add(step.seq)
+                self.shown.add(step.seq)
                 parts.append(f'<tbody id="timeline" hx-swap-oob="beforeend">{row}</tbody>')
         items = "".join(render_to_string("runs/detail.html#event-item", {"e": e}) for e in events)
         status = render_to_string("runs/detail.html#run-status", {"run": run})

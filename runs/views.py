@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import datetime
+from urllib.parse import urlencode
 from uuid import UUID
 
 from django.contrib import messages
@@ -24,9 +25,12 @@ from approvals.services import decide
 from runs import operations
 from runs.engine.budget import to_usd
 from runs.errors import Forbidden, StepguardError
-from runs.models import GLOBAL, Policy, Run, RunStatus
+from runs.models import GLOBAL, Policy, Run, RunStatus, Step, StepKind, StepStatus
 
 PAGE = 50
+STEP_CHUNK, EVENT_CHUNK = 200, 500
+# Steps worth forking from: those whose re-execution the operator must think about.
+FORK_KINDS, FORK_CHOICES = (StepKind.CALL, StepKind.LLM, StepKind.TOOL), 100
 
 
 def nav(request) -> dict:
@@ -101,22 +105,68 @@ def runs_list(request):
     )
 
 
-@viewer_required
-def run_detail(request, run_id: UUID):
+def _run_or_404(run_id: UUID) -> Run:
     run = Run.objects.filter(pk=run_id).first()
     if run is None:
         raise Http404(f"no run {run_id}")
-    steps = list(run.steps.order_by("seq")[:500])
-    events = list(run.events.order_by("seq")[:500])
+    return run
+
+
+def step_filter(request) -> tuple[dict, Q]:
+    """The timeline's status and kind filter. Failed steps match whatever it says: a filter
+    must never hide a failure."""
+    chosen = {k: request.GET.get(k, "").strip() for k in ("status", "kind")}
+    if chosen["status"] and chosen["status"] not in StepStatus.values:
+        chosen["status"] = ""
+    if chosen["kind"] and chosen["kind"] not in StepKind.values:
+        chosen["kind"] = ""
+    match = Q(**{k: v for k, v in chosen.items() if v})
+    return chosen, (match | Q(status=StepStatus.FAILED)) if match else Q()
+
+
+def _earlier(queryset, before: int | None, chunk: int) -> tuple[list, bool]:
+    """The `chunk` rows just before `before` (all if None), in order, and whether more exist."""
+    if before is not None:
+        queryset = queryset.filter(seq__lt=before)
+    rows = list(queryset.order_by("-seq")[: chunk + 1])
+    return rows[:chunk][::-1], len(rows) > chunk
+
+
+def _before(request) -> int | None:
+    try:
+        return int(request.GET["before"])
+    except (KeyError, ValueError):
+        return None
+
+
+@viewer_required
+def run_detail(request, run_id: UUID):
+    """A run's header, actions and timeline. Long runs show their latest steps and events;
+    earlier ones load in chunks, so a 5,000-step run renders as fast as a short one."""
+    run = _run_or_404(run_id)
+    chosen, match = step_filter(request)
+    # Events first: a step written after this read has events after `last_seq`, so the live
+    # feed brings it even if the step query below already saw it (rows are replaced by id).
+    events, earlier_events = _earlier(run.events.all(), None, EVENT_CHUNK)
+    steps, earlier_steps = _earlier(run.steps.filter(match), None, STEP_CHUNK)
     return render(
         request,
         "runs/detail.html",
         {
             "run": run,
             "steps": steps,
+            "earlier_steps": earlier_steps,
+            "step_count": run.steps.count(),
+            "shown_from": steps[0].seq if steps else 0,
+            "filters": chosen,
+            "filter_query": urlencode({k: v for k, v in chosen.items() if v}),
+            "statuses": StepStatus.values,
+            "kinds": StepKind.values,
             "events": events,
+            "earlier_events": earlier_events,
             # The live feed resumes from here: nothing is lost between render and connect.
             "last_seq": events[-1].seq if events else 0,
+            "last_step": steps[-1].seq if steps else -1,
             "children": list(run.children.order_by("created_at")[:100]),
             "percent": budget_percent(run),
             "usd": to_usd(run.cost_micros),
@@ -127,9 +177,53 @@ def run_detail(request, run_id: UUID):
             "can_fork": request.user.has_perm("runs.fork_run"),
             "can_decide": request.user.has_perm("approvals.decide_approvalrequest"),
             "waiting_reason": operations.unserved_reason(run),
+            "fork_points": list(
+                run.steps.filter(kind__in=FORK_KINDS)
+                .order_by("seq")
+                .only("run_id", "seq", "key", "kind")[:FORK_CHOICES]
+            ),
             **nav(request),
         },
     )
+
+
+@viewer_required
+def earlier_steps(request, run_id: UUID):
+    """The chunk of timeline rows before `before`, for the "earlier steps" button."""
+    run = _run_or_404(run_id)
+    chosen, match = step_filter(request)
+    steps, more = _earlier(run.steps.filter(match), _before(request), STEP_CHUNK)
+    return render(
+        request,
+        "runs/detail.html#earlier-steps",
+        {
+            "run": run,
+            "steps": steps,
+            "earlier_steps": more,
+            "filter_query": urlencode({k: v for k, v in chosen.items() if v}),
+        },
+    )
+
+
+@viewer_required
+def earlier_events(request, run_id: UUID):
+    """The chunk of history before `before`, for the "earlier events" button."""
+    run = _run_or_404(run_id)
+    events, more = _earlier(run.events.all(), _before(request), EVENT_CHUNK)
+    return render(
+        request,
+        "runs/detail.html#earlier-events",
+        {"run": run, "events": events, "earlier_events": more},
+    )
+
+
+@viewer_required
+def step_body(request, run_id: UUID, seq: int):
+    """A step's input, output and error, loaded when its row is opened (rows stay light)."""
+    step = Step.objects.filter(run_id=run_id, seq=seq).first()
+    if step is None:
+        raise Http404(f"run {run_id} has no step {seq}")
+    return render(request, "runs/detail.html#step-body", {"s": step})
 
 
 @viewer_required
@@ -274,6 +368,25 @@ def budget_view(request, run_id: UUID):
     return _act(
         request, lambda: operations.set_budget(str(run_id), request.user, reason, usd=usd), back
     )
+
+
+# Kinds that act on the world (or spend) when they run again; waits only wait.
+SIDE_EFFECTS = {StepKind.CALL, StepKind.LLM, StepKind.TOOL, StepKind.TRANSACTION, StepKind.CHILD}
+
+
+@viewer_required
+def fork_preview_view(request, run_id: UUID):
+    """What forking from `step` would run again, shown before the operator confirms."""
+    chosen = request.GET.get("step", "")
+    context = {"chosen": chosen, "side_effects": SIDE_EFFECTS, "again": [], "reused": 0}
+    try:
+        context["again"] = operations.fork_preview(str(run_id), chosen)
+        context["reused"] = Step.objects.filter(
+            run_id=run_id, seq__lt=context["again"][0]["seq"]
+        ).count()
+    except StepguardError as exc:
+        context["problem"] = str(exc)
+    return render(request, "runs/detail.html#fork-preview", context)
 
 
 @login_required

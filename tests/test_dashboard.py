@@ -119,3 +119,95 @@ def test_budget_and_fork_from_the_run_page(browser_as, drive):
     response = otto.post(f"/runs/{run.pk}/fork", {"step": "call#2", "reason": "again"})
     fork = Run.objects.get(forked_from=run)
     assert response["Location"] == f"/runs/{fork.pk}"
+
+
+def long_run(steps: int, events_per_step: int = 2) -> Run:
+    """A finished run of `steps` steps written straight to the tables (running them is not the
+    point here: the page is)."""
+    from django.utils import timezone
+
+    from runs.models import Event, Step
+
+    run = start_run("ledger", {"steps": steps})
+    now, base = timezone.now(), run.events.count()
+    kinds = ["llm", "tool", "call"]
+    Step.objects.bulk_create(
+        Step(
+            run=run, seq=i, key=f"s{i}", kind=kinds[i % 3], idempotency_key=f"{run.pk}:s{i}",
+            status="failed" if i == 17 else "completed", input={"n": i}, output={"n": i},
+            started_at=now, finished_at=now,
+        )
+        for i in range(steps)
+    )  # fmt: skip
+    Event.objects.bulk_create(
+        Event(run=run, seq=base + i + 1, type="step.completed", step_key=f"s{i // events_per_step}",
+              created_at=now)
+        for i in range(steps * events_per_step)
+    )  # fmt: skip
+    return run
+
+
+def rows(html: str) -> list[int]:
+    import re
+
+    return [int(s) for s in re.findall(r'<tr id="step-(\d+)"', html)]
+
+
+def test_a_5000_step_run_renders_its_latest_chunk_and_loads_earlier_ones(
+    browser_as, django_assert_max_num_queries
+):
+    import re
+
+    run = long_run(5000)
+    vera = browser_as("vera")
+    with django_assert_max_num_queries(16):
+        page = vera.get(f"/runs/{run.pk}").content.decode()
+    assert rows(page) == list(range(4800, 5000))
+    assert len(re.findall(r'<li id="event-', page)) == 500
+    assert len(page) < 600_000  # inputs and outputs load when a row opens
+    last = run.events.order_by("-seq").first().seq
+    assert f"after={last}&amp;last=4999&amp;from=4800" in page  # the live feed's cursor
+    seen, before = rows(page), 4800
+    while "Show earlier steps" in page:
+        page = vera.get(f"/runs/{run.pk}/steps", {"before": before}).content.decode()
+        seen = rows(page) + seen
+        before = rows(page)[0]
+    assert seen == list(range(5000))
+    events = vera.get(f"/runs/{run.pk}/events", {"before": 601}).content.decode()
+    assert re.findall(r'<li id="event-(\d+)"', events) == [str(i) for i in range(101, 601)]
+    assert "Show earlier events" in events
+
+
+def test_the_step_filter_never_hides_a_failure(browser_as):
+    run = long_run(60)
+    vera = browser_as("vera")
+    page = vera.get(f"/runs/{run.pk}", {"kind": "tool"}).content.decode()
+    assert rows(page) == sorted({i for i in range(60) if i % 3 == 1} | {17})  # 17 is an llm
+    page = vera.get(f"/runs/{run.pk}", {"status": "completed", "kind": "llm"}).content.decode()
+    assert 17 in rows(page) and all(i % 3 == 0 or i == 17 for i in rows(page))
+    assert "kind=llm" in page and "status=completed" in page  # the live feed filters alike
+    unknown = vera.get(f"/runs/{run.pk}", {"kind": "nonsense"}).content.decode()
+    assert rows(unknown) == list(range(60))
+
+
+def test_a_step_opens_to_its_input_output_and_error_as_json_with_copy_buttons(browser_as, drive):
+    run = start_run("saga", {"fail": True})
+    drive()
+    ship = run.steps.get(key="ship")
+    vera = browser_as("vera")
+    body = vera.get(f"/runs/{run.pk}/steps/{ship.seq}").content.decode()
+    assert "Copy input" in body and "Copy error" in body and "ZeroDivisionError" in body
+    assert '<details class="json" open>' in body
+    assert vera.get(f"/runs/{run.pk}/steps/999").status_code == 404
+
+
+def test_the_fork_preview_lists_the_side_effects_that_will_run_again(browser_as, drive):
+    run = start_run("saga", {"fail": True})
+    drive()
+    otto = browser_as("otto")
+    preview = otto.get(f"/runs/{run.pk}/fork-preview", {"step": "charge"}).content.decode()
+    assert "reuses 1 recorded step and runs" in preview
+    assert "<code>charge</code>" in preview and "<code>ship</code>" in preview
+    assert "<code>reserve</code>" not in preview
+    missing = otto.get(f"/runs/{run.pk}/fork-preview", {"step": "nope"}).content.decode()
+    assert "has no step &#x27;nope&#x27;" in missing

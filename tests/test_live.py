@@ -31,8 +31,12 @@ def run_async(coro_fn):
         return pool.submit(lambda: asyncio.run(main())).result()
 
 
-def communicator(run, user, after: int) -> WebsocketCommunicator:
-    comm = WebsocketCommunicator(RunConsumer.as_asgi(), f"/ws/runs/{run.pk}/?after={after}")
+def communicator(run, user, after: int, query: str = "") -> WebsocketCommunicator:
+    """A page's socket; by default one rendered now, showing every step the run has."""
+    if "last=" not in query:
+        last = run.steps.order_by("-seq").values_list("seq", flat=True).first()
+        query += f"&last={-1 if last is None else last}"
+    comm = WebsocketCommunicator(RunConsumer.as_asgi(), f"/ws/runs/{run.pk}/?after={after}{query}")
     comm.scope["user"] = user
     comm.scope["url_route"] = {"kwargs": {"run_id": run.pk}}
     return comm
@@ -61,6 +65,22 @@ def test_the_feed_sends_everything_after_the_last_seq_in_order_once(drive, cast)
     assert seqs == list(range(4, 4 + len(seqs))) and seqs[-1] == run.events.last().seq
     assert 'hx-swap-oob="outerHTML"' in row0 + row1
     assert 'id="run-status"' in fragment and "completed" in fragment
+
+
+def test_new_steps_are_appended_and_a_filtered_page_gets_only_matches_and_failures(drive, cast):
+    run = start_run("saga", {"fail": True})
+    drive()
+    statuses = dict(run.steps.values_list("seq", "status"))
+    assert "failed" in statuses.values() and "completed" in statuses.values()
+    # An empty page: every step is new, so each is appended after the "no steps" row goes.
+    frames = collect(communicator(run, cast["vera"], 0, "&last=-1"), len(statuses) + 3)
+    appended = [int(s) for f in frames for s in re.findall(r'<tr id="step-(\d+)"', f)]
+    assert appended == sorted(statuses) and 'id="no-steps" hx-swap-oob="delete"' in frames[1]
+    # A page filtered to model calls (this run has none): its failures still show, only them.
+    failed = sorted(s for s, v in statuses.items() if v == "failed")
+    frames = collect(communicator(run, cast["vera"], 0, "&last=-1&kind=llm"), len(failed) + 3)
+    appended = [int(s) for f in frames for s in re.findall(r'<tr id="step-(\d+)"', f)]
+    assert appended == failed
 
 
 def test_the_feed_refuses_anonymous_users_and_foreign_origins(drive):

@@ -30,16 +30,3 @@
     if (box) box.focus();
   }
 })();
-
-// Live feed: when the websocket reconnects, resume after the last event this page shows, so
-// the server backfills exactly what was missed (and nothing twice).
-document.addEventListener("DOMContentLoaded", function () {
-  if (!window.htmx) return;
-  window.htmx.createWebSocket = function (url) {
-    var items = document.querySelectorAll("#history li[id^='event-']");
-    if (items.length) {
-      url = url.replace(/after=\d+/, "after=" + items[items.length - 1].id.slice("event-".length));
-    }
-    return new WebSocket(url);
-  };
-});

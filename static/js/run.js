@@ -1,0 +1,89 @@
+// The run page: tabs, the duration waterfall, copy buttons, and live-feed reconnects.
+(function () {
+  "use strict";
+
+  // Tabs: Timeline and History. Without this script both panels simply show one after the other.
+  function setupTabs() {
+    var list = document.querySelector("[role='tablist']");
+    if (!list) return;
+    var tabs = Array.from(list.querySelectorAll("[role='tab']"));
+    function select(tab) {
+      tabs.forEach(function (t) {
+        var on = t === tab;
+        t.setAttribute("aria-selected", on ? "true" : "false");
+        t.tabIndex = on ? 0 : -1;
+        document.getElementById(t.getAttribute("aria-controls")).hidden = !on;
+      });
+    }
+    tabs.forEach(function (t, i) {
+      t.addEventListener("click", function () { select(t); });
+      t.addEventListener("keydown", function (e) {
+        var step = e.key === "ArrowRight" ? 1 : e.key === "ArrowLeft" ? -1 : 0;
+        if (!step) return;
+        var next = tabs[(i + step + tabs.length) % tabs.length];
+        select(next); next.focus(); e.preventDefault();
+      });
+    });
+    list.hidden = false;
+    select(tabs[0]);
+  }
+
+  // Waterfall: each step's bar spans its start..finish on one scale for the rows shown. Rescaled
+  // whenever rows arrive, so live steps and earlier chunks line up.
+  function layoutWaterfall() {
+    var bars = Array.from(document.querySelectorAll("#timeline .bar"));
+    if (!bars.length) return;
+    var now = Date.now(), lo = Infinity, hi = -Infinity;
+    var spans = bars.map(function (b) {
+      var start = Number(b.dataset.start), end = b.dataset.end ? Number(b.dataset.end) : now;
+      lo = Math.min(lo, start); hi = Math.max(hi, end);
+      return [start, end];
+    });
+    var total = Math.max(hi - lo, 1);
+    bars.forEach(function (b, i) {
+      b.style.marginLeft = (100 * (spans[i][0] - lo) / total).toFixed(2) + "%";
+      b.style.width = Math.max(100 * (spans[i][1] - spans[i][0]) / total, 0.5).toFixed(2) + "%";
+    });
+  }
+
+  // Copy buttons carry the compact JSON they copy.
+  function copy(button) {
+    var text = button.dataset.copy, label = button.textContent;
+    function done(ok) {
+      button.textContent = ok ? "Copied" : "Copy failed";
+      setTimeout(function () { button.textContent = label; }, 1500);
+    }
+    if (navigator.clipboard && window.isSecureContext) {
+      navigator.clipboard.writeText(text).then(function () { done(true); }, function () { done(false); });
+    } else {
+      var area = document.createElement("textarea");
+      area.value = text; document.body.appendChild(area); area.select();
+      try { done(document.execCommand("copy")); } finally { area.remove(); }
+    }
+  }
+  document.addEventListener("click", function (e) {
+    var button = e.target.closest && e.target.closest("button.copy");
+    if (button) copy(button);
+  });
+
+  document.addEventListener("DOMContentLoaded", function () {
+    setupTabs();
+    layoutWaterfall();
+    if (!window.htmx) return;
+    document.body.addEventListener("htmx:wsAfterMessage", layoutWaterfall);
+    document.body.addEventListener("htmx:afterSwap", layoutWaterfall);
+    // Live feed: when the websocket reconnects, resume after the last event and the last step
+    // this page shows, so the server backfills exactly what was missed (and nothing twice).
+    window.htmx.createWebSocket = function (url) {
+      var items = document.querySelectorAll("#history li[id^='event-']");
+      if (items.length) {
+        url = url.replace(/after=\d+/, "after=" + items[items.length - 1].id.slice("event-".length));
+      }
+      var rows = document.querySelectorAll("#timeline tr[id^='step-']");
+      if (rows.length) {
+        url = url.replace(/last=-?\d+/, "last=" + rows[rows.length - 1].id.slice("step-".length));
+      }
+      return new WebSocket(url);
+    };
+  });
+})();
