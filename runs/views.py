@@ -14,10 +14,11 @@ from uuid import UUID
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Q
+from django.db.models import Count, Q, QuerySet
 from django.http import Http404, HttpResponseRedirect
 from django.shortcuts import render
 from django.urls import reverse
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from approvals.models import ApprovalRequest
@@ -63,20 +64,51 @@ def budget_percent(run: Run) -> int | None:
     return None
 
 
+FILTERS = ("status", "workflow", "version", "parent", "since", "until", "q")
+
+
+def filtered_runs(params) -> tuple[QuerySet, dict]:
+    """Runs matching the list's URL filters (the same for the page and for bulk actions)."""
+    f = {k: params.get(k, "").strip() for k in FILTERS}
+    runs = Run.objects.all()
+    for field in ("status", "workflow", "version"):
+        if f[field]:
+            runs = runs.filter(**{field: f[field]})
+    if f["parent"]:
+        try:
+            runs = runs.filter(parent_id=UUID(f["parent"]))
+        except ValueError:
+            raise BadFilter(f"parent {f['parent']!r} is not a run id") from None
+    for field, lookup in (("since", "created_at__gte"), ("until", "created_at__lt")):
+        if f[field]:
+            try:
+                when = datetime.fromisoformat(f[field])
+            except ValueError:
+                raise BadFilter(f"{field} {f[field]!r} is not a date and time") from None
+            if timezone.is_naive(when):
+                when = timezone.make_aware(when)
+            runs = runs.filter(**{lookup: when})
+    if f["q"]:
+        match = Q(key__icontains=f["q"])
+        with contextlib.suppress(ValueError):
+            match |= Q(pk=UUID(f["q"]))
+        runs = runs.filter(match)
+    return runs, f
+
+
+class BadFilter(ValueError):
+    pass
+
+
 @viewer_required
 def runs_list(request):
     """Runs, newest first, filtered by URL parameters, paged by keyset (created_at, id)."""
-    runs = Run.objects.order_by("-created_at", "-pk")
-    status, workflow, q = (request.GET.get(k, "").strip() for k in ("status", "workflow", "q"))
-    if status:
-        runs = runs.filter(status=status)
-    if workflow:
-        runs = runs.filter(workflow=workflow)
-    if q:
-        match = Q(key__icontains=q)
-        with contextlib.suppress(ValueError):
-            match |= Q(pk=UUID(q))
-        runs = runs.filter(match)
+    try:
+        runs, filters = filtered_runs(request.GET)
+    except BadFilter as exc:
+        messages.error(request, str(exc))
+        runs, filters = Run.objects.none(), {k: request.GET.get(k, "") for k in FILTERS}
+    runs = runs.order_by("-created_at", "-pk")
     before = request.GET.get("before")
     if before:
         try:
@@ -91,18 +123,99 @@ def runs_list(request):
     counts = dict(Run.objects.values_list("status").annotate(n=Count("id")))
     rows = [{"run": r, "percent": budget_percent(r), "usd": to_usd(r.cost_micros)} for r in page]
     marker = f"{page[-1].created_at.isoformat()}_{page[-1].pk}" if more and page else None
+    query = {k: v for k, v in filters.items() if v}
     return render(
         request,
         "runs/list.html",
         {
             "rows": rows,
             "counts": [(s, counts.get(s, 0)) for s in RunStatus.values],
-            "filters": {"status": status, "workflow": workflow, "q": q},
+            "filters": filters,
+            "filter_query": urlencode(query),
+            # "How many runs match" for the bulk action; unfiltered, the counts already say.
+            "match_count": runs.count() if query else sum(counts.values()),
             "next_marker": marker,
             "statuses": RunStatus.values,
+            "can_operate": request.user.has_perm("runs.halt_run"),
+            "bulk_actions": BULK_ACTIONS,
             **nav(request),
         },
     )
+
+
+# Bulk actions: what each does to one run. Above CONFIRM_ABOVE runs the operator types the count.
+BULK_ACTIONS = {
+    "halt": operations.halt,
+    "cancel": operations.cancel_run,
+    "retry": operations.retry_run,
+}
+CONFIRM_ABOVE, BULK_MAX = 10, 1000
+
+
+@login_required
+@require_POST
+def bulk_view(request):
+    """Halt, cancel or retry the selected runs, or every run matching the list's filter."""
+    action, reason = request.POST.get("action", ""), request.POST.get("reason", "").strip()
+    back = reverse("runs")
+    if action not in BULK_ACTIONS:
+        messages.error(request, f"no bulk action {action!r} (halt, cancel or retry)")
+        return HttpResponseRedirect(back)
+    if request.POST.get("scope") == "filter":
+        try:
+            runs, filters = filtered_runs(request.POST)
+        except BadFilter as exc:
+            messages.error(request, str(exc))
+            return HttpResponseRedirect(back)
+        query = {k: v for k, v in filters.items() if v}
+        back += f"?{urlencode(query)}" if query else ""
+    else:
+        try:
+            ids = [UUID(v) for v in request.POST.getlist("run")]
+        except ValueError:
+            messages.error(request, "a selected run is not a run id")
+            return HttpResponseRedirect(back)
+        runs = Run.objects.filter(pk__in=ids)
+    ids = list(runs.order_by("created_at").values_list("pk", flat=True)[: BULK_MAX + 1])
+    if not ids:
+        messages.error(request, "no runs are selected")
+        return HttpResponseRedirect(back)
+    if len(ids) > BULK_MAX:
+        messages.error(request, f"more than {BULK_MAX} runs match: narrow the filter")
+        return HttpResponseRedirect(back)
+    if not reason:
+        messages.error(request, f"a bulk {action} needs a reason")
+        return HttpResponseRedirect(back)
+    if len(ids) > CONFIRM_ABOVE and request.POST.get("confirm", "").strip() != str(len(ids)):
+        # Counted now, so a confirmation typed for a count that has since changed is refused.
+        return render(
+            request,
+            "runs/bulk_confirm.html",
+            {
+                "action": action,
+                "count": len(ids),
+                "fields": [(k, v) for k, vs in request.POST.lists() for v in vs
+                           if k not in ("csrfmiddlewaretoken", "confirm")],
+                "retyped": "confirm" in request.POST,
+                **nav(request),
+            },
+        )  # fmt: skip
+    done, refused = 0, []
+    for run_id in ids:
+        try:
+            BULK_ACTIONS[action](str(run_id), request.user, reason)
+            done += 1
+        except Forbidden as exc:
+            raise PermissionDenied(str(exc)) from None
+        except StepguardError as exc:
+            refused.append(f"{str(run_id)[:8]}: {exc}")
+    messages.success(request, f"{action}: {done} of {len(ids)} runs")
+    if refused:
+        shown = "; ".join(refused[:5]) + (
+            f"; and {len(refused) - 5} more" if len(refused) > 5 else ""
+        )
+        messages.error(request, f"{len(refused)} refused: {shown}")
+    return HttpResponseRedirect(back)
 
 
 def _run_or_404(run_id: UUID) -> Run:

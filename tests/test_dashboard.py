@@ -211,3 +211,52 @@ def test_the_fork_preview_lists_the_side_effects_that_will_run_again(browser_as,
     assert "<code>reserve</code>" not in preview
     missing = otto.get(f"/runs/{run.pk}/fork-preview", {"step": "nope"}).content.decode()
     assert "has no step &#x27;nope&#x27;" in missing
+
+
+def test_bulk_actions_on_selected_runs_and_on_a_filter_with_a_typed_confirmation(browser_as):
+    few = [start_run("ledger", {"steps": 1}, key=f"few-{i}") for i in range(3)]
+    many = [start_run("loop", {"queries": []}, key=f"many-{i}") for i in range(12)]
+    otto = browser_as("otto")
+    page = otto.get("/", {"workflow": "loop"}).content.decode()
+    assert "all 12 runs matching this filter" in page
+    # A few selected runs: done at once, each recorded with actor and reason.
+    otto.post("/runs/bulk", {"action": "halt", "scope": "selected", "reason": "noisy",
+                             "run": [str(r.pk) for r in few]})  # fmt: skip
+    assert all(Run.objects.get(pk=r.pk).halted_by == "otto" for r in few)
+    # Twelve runs by filter: the server asks for the count first, and a wrong count does nothing.
+    form = {"action": "cancel", "scope": "filter", "workflow": "loop", "reason": "stale"}
+    asked = otto.post("/runs/bulk", form).content.decode()
+    assert "Type <strong>12</strong>" in asked and 'value="loop"' in asked
+    wrong = otto.post("/runs/bulk", {**form, "confirm": "11"}).content.decode()
+    assert "Nothing was done" in wrong
+    assert not Run.objects.filter(pk__in=[r.pk for r in many], status="cancelled").exists()
+    done = otto.post("/runs/bulk", {**form, "confirm": "12"}, follow=True).content.decode()
+    assert "cancel: 12 of 12 runs" in done
+    assert Run.objects.filter(pk__in=[r.pk for r in many], status="cancelled").count() == 12
+    # Retrying runs that have not failed: refused one by one, with the reason shown.
+    again = otto.post("/runs/bulk", {"action": "retry", "scope": "selected", "reason": "x",
+                                     "run": [str(few[0].pk)]}, follow=True)  # fmt: skip
+    assert "retry: 0 of 1 runs" in again.content.decode() and "1 refused" in again.content.decode()
+    # A viewer is refused by the server; nothing changes.
+    vera = browser_as("vera")
+    assert vera.post("/runs/bulk", {"action": "halt", "scope": "selected", "reason": "x",
+                                    "run": [str(many[0].pk)]}).status_code == 403  # fmt: skip
+    assert Run.objects.get(pk=many[0].pk).halted_at is None
+
+
+def test_the_runs_list_filters_by_version_parent_and_time_and_names_bad_input(browser_as, drive):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    parent = start_run("parent", {"n": 2}, key="the-parent")
+    drive()
+    vera = browser_as("vera")
+    children = vera.get("/", {"parent": str(parent.pk)}).content.decode()
+    assert children.count('name="run"') == 0 and children.count("<tr>") - 1 == 2  # 2 children
+    assert "the-parent" not in children
+    soon = (timezone.now() + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M")
+    assert "No runs match." in vera.get("/", {"since": soon}).content.decode()
+    assert "the-parent" in vera.get("/", {"until": soon, "version": "1"}).content.decode()
+    bad = vera.get("/", {"since": "yesterday"}, follow=True).content.decode()
+    assert "since &#x27;yesterday&#x27; is not a date and time" in bad

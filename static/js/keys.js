@@ -30,3 +30,13 @@
     if (box) box.focus();
   }
 })();
+
+// Runs list: "select all" and the count of selected runs for the bulk action.
+document.addEventListener("change", function (e) {
+  var t = e.target;
+  if (!t.form || t.type !== "checkbox") return;
+  var boxes = Array.from(t.form.querySelectorAll("input[name='run']"));
+  if (t.hasAttribute("data-select-all")) boxes.forEach(function (b) { b.checked = t.checked; });
+  var count = document.getElementById("selected-count");
+  if (count) count.textContent = boxes.filter(function (b) { return b.checked; }).length;
+});
