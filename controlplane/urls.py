@@ -26,6 +26,7 @@ urlpatterns = [
     path("workers", views.workers_page, name="workers"),
     path("audit", views.audit_page, name="audit"),
     path("halts", views.halts_page, name="halts"),
+    path("halts/budget", views.budget_scope, name="budget-scope"),
     path("halts/<str:action>", views.halt_scope, name="halt-scope"),
     path("approvals", views.approvals_inbox, name="approvals"),
     path("approvals/<int:approval_id>/decide", views.decide_view, name="decide"),

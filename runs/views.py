@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import datetime
+from decimal import Decimal, InvalidOperation
 from urllib.parse import urlencode
 from uuid import UUID
 
@@ -436,19 +437,53 @@ def audit_page(request):
 
 @viewer_required
 def halts_page(request):
-    """The kill switch and workflow-wide halts, with the budgets beside them."""
-    policies = list(Policy.objects.order_by("scope"))
-    workflows = sorted(set(Run.objects.values_list("workflow", flat=True).distinct()))
+    """The kill switch and workflow-wide halts, with the shared budgets and today's spend."""
+    from runs.models import BudgetLedger
+
+    policies = {p.scope: p for p in Policy.objects.all()}
+    spent = {
+        row.scope: row
+        for row in BudgetLedger.objects.filter(day=timezone.now().date())  # UTC days
+    }
+    workflows = sorted(set(Run.objects.values_list("workflow", flat=True).distinct()) | (
+        policies.keys() - {GLOBAL}))  # fmt: skip
+    scopes = [
+        {"scope": name, "label": "everything" if name == GLOBAL else name,
+         "policy": policies.get(name), "ledger": spent.get(name)}
+        for name in [GLOBAL, *workflows]
+    ]  # fmt: skip
     return render(
         request,
         "runs/halts.html",
         {
-            "policies": policies,
-            "workflows": workflows,
-            "global_halt": next((p for p in policies if p.scope == GLOBAL and p.halted_at), None),
+            "scopes": scopes,
+            "global_halt": (g := policies.get(GLOBAL)) and g.halted_at and g,
             "can_operate": request.user.has_perm("runs.halt_run"),
+            "can_budget": request.user.has_perm("runs.set_budget"),
             **nav(request),
         },
+    )
+
+
+@login_required
+@require_POST
+def budget_scope(request):
+    """A workflow's (`workflow` field) or everything's shared daily budget and run default, in
+    USD; an empty field removes that limit."""
+    target = f"workflow:{request.POST['workflow']}" if request.POST.get("workflow") else "all"
+    amounts = {}
+    for field in ("usd", "run_usd"):
+        raw = request.POST.get(field, "").strip()
+        try:
+            amounts[field] = Decimal(raw) if raw else None
+        except InvalidOperation:
+            messages.error(request, f"{raw!r} is not an amount of USD")
+            return HttpResponseRedirect(reverse("halts"))
+    reason = request.POST.get("reason", "")
+    return _act(
+        request,
+        lambda: operations.set_budget(target, request.user, reason, **amounts),
+        reverse("halts"),
     )
 
 
@@ -468,8 +503,6 @@ def halt_scope(request, action: str):
 @require_POST
 def budget_view(request, run_id: UUID):
     """Set a run's budget in USD (empty removes it)."""
-    from decimal import Decimal, InvalidOperation
-
     raw = request.POST.get("usd", "").strip()
     back = reverse("run", args=[run_id])
     try:

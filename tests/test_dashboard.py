@@ -260,3 +260,28 @@ def test_the_runs_list_filters_by_version_parent_and_time_and_names_bad_input(br
     assert "the-parent" in vera.get("/", {"until": soon, "version": "1"}).content.decode()
     bad = vera.get("/", {"since": "yesterday"}, follow=True).content.decode()
     assert "since &#x27;yesterday&#x27; is not a date and time" in bad
+
+
+def test_the_halts_page_edits_workflow_and_global_budgets_and_shows_todays_spend(browser_as, drive):
+    from runs.models import GLOBAL, Policy
+
+    run = start_run("metered", {"steps": 2})
+    drive()
+    otto = browser_as("otto")
+    page = otto.get("/halts").content.decode()
+    assert '<th scope="row">metered</th>' in page and "everything" in page
+    otto.post("/halts/budget", {"workflow": "metered", "usd": "0.000001", "run_usd": "",
+                                "reason": "tight"})  # fmt: skip
+    assert Policy.objects.get(scope="metered").daily_budget_micros == 1
+    otto.post("/halts/budget", {"usd": "", "run_usd": "2.5", "reason": "default per run"})
+    assert Policy.objects.get(scope=GLOBAL).run_budget_micros == 2_500_000
+    page = otto.get("/halts").content.decode()
+    assert 'value="0.000001"' in page and 'value="2.5"' in page
+    bad = otto.post("/halts/budget", {"usd": "ten", "reason": "x"}, follow=True).content.decode()
+    assert "&#x27;ten&#x27; is not an amount of USD" in bad
+    assert Policy.objects.get(scope=GLOBAL).daily_budget_micros is None  # nothing lost
+    refused = browser_as("vera").post("/halts/budget", {"usd": "9", "reason": "x"})
+    assert (
+        refused.status_code == 403 and Policy.objects.get(scope=GLOBAL).daily_budget_micros is None
+    )
+    assert run.pk

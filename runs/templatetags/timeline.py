@@ -93,3 +93,10 @@ def json_tree(value) -> SafeString:
     if budget[0] < 0:
         return format_html("<pre>{}</pre>", json.dumps(value, ensure_ascii=False, indent=2))
     return tree
+
+
+@register.filter
+def usd_value(micros: int | None) -> str:
+    """An amount for an input field: empty when there is no limit."""
+    # A scope with no policy yet resolves to "" in templates: no limit either.
+    return "" if micros in (None, "") else f"{to_usd(micros).normalize():f}"
