@@ -7,11 +7,12 @@ the CLI and the API call, so a viewer who posts anyway is refused by the server.
 from __future__ import annotations
 
 import contextlib
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from urllib.parse import urlencode
 from uuid import UUID
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
@@ -408,7 +409,10 @@ def workers_page(request):
     for run in Run.objects.filter(worker__in=workers).only("id", "workflow", "worker_id"):
         held.setdefault(run.worker_id, []).append(run)
     rows = [{"worker": w, "runs": held.get(w.pk, [])} for w in workers]
-    return render(request, "runs/workers.html", {"rows": rows, **nav(request)})
+    silent_since = timezone.now() - timedelta(seconds=settings.STEPGUARD_LEASE_SECONDS)
+    return render(
+        request, "runs/workers.html", {"rows": rows, "silent_since": silent_since, **nav(request)}
+    )
 
 
 @viewer_required

@@ -91,6 +91,14 @@ def test_workers_audit_and_halts_pages(browser_as, drive, cast):
     drive()
     otto = browser_as("otto")
     assert "No worker" not in otto.get("/workers").content.decode()
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from runs.models import Worker
+
+    Worker.objects.update(stopped_at=None, heartbeat_at=timezone.now() - timedelta(minutes=5))
+    assert 'status-failed">silent</span>' in otto.get("/workers").content.decode()
     otto.post("/halts/halt", {"reason": "incident 7"})
     halts = otto.get("/halts").content.decode()
     assert "Kill switch ON" in halts and "incident 7" in halts
