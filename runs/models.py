@@ -180,6 +180,9 @@ class Run(models.Model):
             ),
             # Runs list in the admin and the dashboard, newest first, filtered by status.
             models.Index(fields=["status", "-created_at"], name="runs_run_status_created_idx"),
+            # Unfiltered and per-workflow lists, and their keyset pages (created_at, id).
+            models.Index(fields=["-created_at", "-id"], name="runs_run_created_idx"),
+            models.Index(fields=["workflow", "-created_at"], name="runs_run_workflow_created_idx"),
         ]
 
     def __str__(self) -> str:

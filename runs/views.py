@@ -116,7 +116,10 @@ def runs_list(request):
         try:
             when, pk = before.split("_")
             when = datetime.fromisoformat(when)
-            runs = runs.filter(Q(created_at__lt=when) | Q(created_at=when, pk__lt=UUID(pk)))
+            # The redundant `<=` lets the database start its index scan at the marker.
+            runs = runs.filter(created_at__lte=when).filter(
+                Q(created_at__lt=when) | Q(created_at=when, pk__lt=UUID(pk))
+            )
         except ValueError:
             raise Http404("that page marker is not one this page made") from None
     page = list(runs[: PAGE + 1])

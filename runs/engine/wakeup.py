@@ -4,6 +4,7 @@ Notifications are only a doorbell. Workers always poll too, so a lost NOTIFY (a 
 listener connection, a database restart) delays work by at most one poll interval.
 """
 
+import asyncio
 import logging
 import threading
 
@@ -65,6 +66,7 @@ class Doorbell:
         self._ids: set[str] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._aloop = None  # the doorbell thread's own event loop: one Redis connection, kept
 
     def enabled(self) -> bool:
         from django.conf import settings
@@ -103,12 +105,19 @@ class Doorbell:
         from django.conf import settings
 
         if settings.REDIS_URL:
-            from asgiref.sync import async_to_sync
             from channels.layers import get_channel_layer
 
             layer = get_channel_layer()
-            for run_id in ids:
-                async_to_sync(layer.group_send)(f"run-{run_id}", {"type": "run.doorbell"})
+
+            async def send():
+                await asyncio.gather(
+                    *(layer.group_send(f"run-{i}", {"type": "run.doorbell"}) for i in ids)
+                )
+
+            # async_to_sync would start a new loop, hence a new Redis connection, per flush.
+            if self._aloop is None:
+                self._aloop = asyncio.new_event_loop()
+            self._aloop.run_until_complete(send())
             return
         batch: list[str] = []
         for run_id in sorted(ids):
