@@ -1,20 +1,66 @@
-"""Dashboard server times with a large history: 100,000 runs and 1,000,000 events.
+"""Dashboard speed: server times with a large history, and the live feed's event-to-browser latency.
 
-    .venv/bin/python bench/ui.py        (local PostgreSQL; DATABASE_URL overrides)
+    .venv/bin/python bench/ui.py                  (local PostgreSQL; DATABASE_URL overrides)
+    .venv/bin/python bench/ui.py --latency-only   (skip the fill and the server times)
 
-Fills its own database (`stepguard_bench_ui`) once with generate_series, then times the runs
-list (first page, a filtered page, a deep keyset page) and a run page through Django's test
-client, and prints medians and p95. Target: under 200 ms median. The event-to-browser latency
-of the live feed is not measured here yet.
+1. Server times. Fills its own database (`stepguard_bench_ui`) once with generate_series
+   (100,000 runs, 1,000,000 events), then times the runs list (first page, filtered pages, a
+   search, a deep keyset page) and a run page through Django's test client, and prints medians
+   and p95. Target: under 200 ms median.
+
+2. Event-to-browser latency of the run page's websocket. For each configuration a real daphne
+   process serves the project on 127.0.0.1 (a port the OS picks), the run page is fetched over
+   HTTP with a real session cookie, and a websocket client connects to the URL in the page's
+   `ws-connect` (`/ws/runs/<uuid>/?after=<seq>`) with that cookie and an allowed Origin, as the
+   page's htmx does. This process then writes events to the run exactly as the executor does for
+   a step (`fenced_write` of `step.started`, then of `step.completed`: one autocommit statement
+   each on PostgreSQL, then `doorbell.ring`), one at a time after a random pause of 0-0.5 s (so
+   writes do not fall into step with the doorbell's 0.1 s rest or the 0.5 s poll), and waits
+   (3 s deadline) until the fragment with `id="event-<seq>"` arrives. Latency = the time the
+   write's statement returned (committed) to the time the client thread received the message,
+   both on this process's monotonic clock. 50 events per configuration, after 4 warm-up events;
+   median and p95 against a 250 ms target:
+
+   a. doorbell via Redis: daphne and the writer with REDIS_URL (channels-redis group_send);
+   b. doorbell via PostgreSQL NOTIFY: no REDIS_URL; daphne's EventsListener relays the NOTIFY;
+   c. polling only: the consumer's poll (STEPGUARD_LIVE_POLL=0.5). There is no setting that
+      turns the doorbell off (on PostgreSQL `Doorbell.enabled()` is always true), so the writer
+      here has its `doorbell.enabled` replaced by `lambda: False`: it writes as a worker whose
+      rings never reach the page. The server side is unchanged (its EventsListener listens to
+      nothing).
+
+   Redis is expected at redis://127.0.0.1:6379/0 (STEPGUARD_BENCH_REDIS_URL overrides); without
+   it configuration (a) is skipped. A second table splits the doorbell configurations' median:
+   commit to the flush that carried the ring (at once when idle, else after a 0.1 s rest),
+   the publish itself, and flush to arrival. The client is a minimal websocket client on
+   asyncio (see LiveFeed), not a browser: it stops at the page's socket, before htmx's swap.
+   The runs written here (workflow `bench.live`, three per invocation) stay: events are append-only.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import base64
+import contextlib
+import hashlib
+import html
+import math
 import os
+import random
+import re
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -25,10 +71,17 @@ os.environ.setdefault("SECRET_KEY", "bench-only-not-a-secret")
 os.environ["DEBUG"] = "0"
 os.environ.setdefault("ALLOWED_HOSTS", "testserver")
 os.environ["SECURE_SSL_REDIRECT"] = "0"
+# This process is the writer; which channel layer it publishes to is chosen per configuration.
+os.environ.pop("REDIS_URL", None)
 
 import psycopg  # noqa: E402
 
 RUNS, EVENTS_PER_RUN, REPEATS = 100_000, 10, 15
+REDIS_URL = os.environ.get("STEPGUARD_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+LIVE_POLL = "0.5"  # STEPGUARD_LIVE_POLL for every daphne started here (the default)
+LIVE_WORKFLOW = "bench.live"
+WARMUP, DEADLINE, MAX_PAUSE = 4, 3.0, 0.5
+LATENCY_TARGET_MS = 250
 
 
 def ensure_database() -> None:
@@ -43,12 +96,16 @@ import django  # noqa: E402
 
 django.setup()
 
+from django.conf import settings  # noqa: E402
 from django.contrib.auth import get_user_model  # noqa: E402
 from django.core.management import call_command  # noqa: E402
-from django.db import connection  # noqa: E402
-from django.test import Client  # noqa: E402
+from django.db import connection, transaction  # noqa: E402
+from django.test import Client, override_settings  # noqa: E402
+from django.utils import timezone  # noqa: E402
 
-from runs.models import Run  # noqa: E402
+from runs.engine.store import Lease, create_run, fenced_write  # noqa: E402
+from runs.engine.wakeup import doorbell  # noqa: E402
+from runs.models import Run, RunStatus, StepKind, StepStatus  # noqa: E402
 
 FILL = f"""
 INSERT INTO runs_run (id, workflow, version, input, status, key, lease_epoch, attempt,
@@ -62,12 +119,12 @@ SELECT gen_random_uuid(), 'bench-' || (g % 20), '1', '{{}}'::jsonb,
 FROM generate_series(1, {RUNS}) g;
 INSERT INTO runs_event (run_id, seq, type, step_key, actor, payload, created_at)
 SELECT r.id, s, 'step.completed', 's' || s, 'system', '{{}}'::jsonb, r.created_at
-FROM runs_run r, generate_series(1, {EVENTS_PER_RUN}) s;
+FROM runs_run r, generate_series(1, {EVENTS_PER_RUN}) s WHERE r.workflow LIKE 'bench-%';
 """
 
 
 def fill() -> None:
-    if Run.objects.count() >= RUNS:
+    if Run.objects.exclude(workflow=LIVE_WORKFLOW).count() >= RUNS:
         return
     started = time.monotonic()
     with connection.cursor() as cursor:
@@ -77,6 +134,11 @@ def fill() -> None:
     print(f"filled {RUNS:,} runs and {RUNS * EVENTS_PER_RUN:,} events in {took:.0f} s")
 
 
+def p95(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[max(int(len(ordered) * 0.95) - 1, 0)]
+
+
 def timed(client: Client, path: str, **params) -> tuple[float, float]:
     samples = []
     for _ in range(REPEATS):
@@ -84,18 +146,15 @@ def timed(client: Client, path: str, **params) -> tuple[float, float]:
         response = client.get(path, params)
         samples.append((time.perf_counter() - started) * 1000)
         assert response.status_code == 200, (path, response.status_code)
-    samples.sort()
-    return statistics.median(samples), samples[int(len(samples) * 0.95) - 1]
+    return statistics.median(samples), p95(samples)
 
 
-def main() -> None:
-    call_command("migrate", verbosity=0)
-    fill()
-    user, _ = get_user_model().objects.get_or_create(username="bench", is_superuser=True)
+def server_times(user) -> None:
     client = Client()
     client.force_login(user)
-    oldest = Run.objects.order_by("created_at").first()
-    middle = Run.objects.order_by("-created_at")[RUNS // 2]
+    history = Run.objects.exclude(workflow=LIVE_WORKFLOW)
+    oldest = history.order_by("created_at").first()
+    middle = history.order_by("-created_at")[RUNS // 2]
     marker = f"{middle.created_at.isoformat()}_{middle.pk}"
     rows = [
         ("runs list, first page", "/", {}),
@@ -105,14 +164,398 @@ def main() -> None:
         ("runs list, page 1,000 (keyset)", "/", {"before": marker}),
         ("run page (10 events)", f"/runs/{oldest.pk}", {}),
     ]
-    print(
-        f"\n{RUNS:,} runs, {Run.objects.count() * EVENTS_PER_RUN:,} events; {REPEATS} requests each"
-    )
+    print(f"\n{RUNS:,} runs, {history.count() * EVENTS_PER_RUN:,} events; {REPEATS} requests each")
     print(f"  {'page':<34} {'median':>9} {'p95':>9}  target < 200 ms")
     for label, path, params in rows:
-        median, p95 = timed(client, path, **params)
+        median, high = timed(client, path, **params)
         verdict = "MET" if median < 200 else "MISSED"
-        print(f"  {label:<34} {median:>7.1f}ms {p95:>7.1f}ms  {verdict}")
+        print(f"  {label:<34} {median:>7.1f}ms {high:>7.1f}ms  {verdict}")
+
+
+# -- event-to-browser latency -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def daphne(redis_url: str | None):
+    """daphne serving the project on 127.0.0.1, on a port the OS picks; always terminated."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+        "ALLOWED_HOSTS": "127.0.0.1,localhost",
+        "SERVE_STATIC": "0",
+        "STEPGUARD_LIVE_POLL": LIVE_POLL,
+        "LOG_LEVEL": "WARNING",
+    }
+    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+    env.pop("REDIS_URL", None)
+    if redis_url:
+        env["REDIS_URL"] = redis_url
+    argv = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", "0"]
+    with tempfile.TemporaryDirectory(prefix="bench-ui-") as tmp:
+        path = Path(tmp) / "daphne.log"
+        with path.open("w") as out:
+            proc = subprocess.Popen(
+                [*argv, "controlplane.asgi:application"],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            deadline = time.monotonic() + 30
+            pattern = r"Listening on TCP address 127\.0\.0\.1:(\d+)"
+            while not (found := re.search(pattern, path.read_text())):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"daphne did not start:\n{path.read_text()}")
+                time.sleep(0.05)
+            yield f"http://127.0.0.1:{found.group(1)}", path
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+class LiveFeed:
+    """The page's websocket, on its own thread and event loop: when did each event arrive?
+
+    A minimal RFC 6455 client on asyncio streams (text frames, ping, close): autobahn's asyncio
+    client cannot be used here, because Django's setup loads daphne, which binds txaio (and so
+    autobahn) to Twisted in this process."""
+
+    EVENT_ID = re.compile(rb'id="event-(\d+)"')
+
+    def __init__(self, url: str, origin: str, cookie: str):
+        self.arrived: dict[int, float] = {}
+        self.close_reason = ""
+        self._url, self._origin, self._cookie = urlsplit(url), origin, cookie
+        self._changed = threading.Condition()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Future | None = None
+
+    def __enter__(self) -> LiveFeed:
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self._open(), self._loop).result(10)
+        except BaseException:
+            self.__exit__()
+            raise
+        self._reading = asyncio.run_coroutine_threadsafe(self._read(), self._loop)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                close = self._send(0x8, (1000).to_bytes(2, "big"))
+                asyncio.run_coroutine_threadsafe(close, self._loop).result(2)
+            if self._reading is not None:
+                with contextlib.suppress(Exception):
+                    self._reading.result(2)
+            self._loop.call_soon_threadsafe(self._writer.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    async def _open(self) -> None:
+        reader, self._writer = await asyncio.open_connection(self._url.hostname, self._url.port)
+        self._reader = reader
+        key = base64.b64encode(os.urandom(16)).decode()
+        target = self._url.path + (f"?{self._url.query}" if self._url.query else "")
+        request = (
+            f"GET {target} HTTP/1.1\r\nHost: {self._url.netloc}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+            f"Origin: {self._origin}\r\nCookie: {self._cookie}\r\n\r\n"
+        )
+        self._writer.write(request.encode())
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        accept = base64.b64encode(
+            hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()
+        ).decode()
+        if not head.startswith("HTTP/1.1 101") or accept not in head:
+            raise RuntimeError(f"websocket refused: {head.splitlines()[0]}")
+
+    async def _send(self, opcode: int, payload: bytes = b"") -> None:
+        mask = os.urandom(4)
+        assert len(payload) < 126
+        frame = bytes([0x80 | opcode, 0x80 | len(payload)]) + mask
+        frame += bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        self._writer.write(frame)
+        await self._writer.drain()
+
+    async def _read(self) -> None:
+        message = b""
+        try:
+            while True:
+                first, second = await self._reader.readexactly(2)
+                size = second & 0x7F
+                if size >= 126:
+                    width = 2 if size == 126 else 8
+                    size = int.from_bytes(await self._reader.readexactly(width), "big")
+                mask = await self._reader.readexactly(4) if second & 0x80 else b""
+                payload = await self._reader.readexactly(size)
+                if mask:
+                    payload = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+                opcode = first & 0x0F
+                if opcode == 0x8:
+                    code = int.from_bytes(payload[:2], "big") if payload else 1005
+                    self._closed(f"closed by the server (code {code})")
+                    return
+                if opcode == 0x9:
+                    await self._send(0xA, payload)
+                elif opcode in (0x0, 0x1, 0x2):
+                    message += payload
+                    if first & 0x80:
+                        self._received(time.perf_counter(), message)
+                        message = b""
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            self._closed(f"connection lost ({exc.__class__.__name__})")
+
+    def _received(self, at: float, payload: bytes) -> None:
+        with self._changed:
+            for seq in self.EVENT_ID.findall(payload):
+                self.arrived.setdefault(int(seq), at)
+            self._changed.notify_all()
+
+    def _closed(self, reason: str) -> None:
+        with self._changed:
+            self.close_reason = reason
+            self._changed.notify_all()
+
+    def wait_for(self, seq: int, until: float) -> float | None:
+        with self._changed:
+            while seq not in self.arrived and not self.close_reason:
+                left = until - time.perf_counter()
+                if left <= 0:
+                    return None
+                self._changed.wait(left)
+            return self.arrived.get(seq)
+
+
+class StepWriter:
+    """Writes a run's events the way the executor does for a plain step (no budget, no approval):
+    `step.started` inserting the step row, then `step.completed` updating it. On PostgreSQL each
+    is one autocommit statement followed by `doorbell.ring`."""
+
+    def __init__(self, run: Run):
+        self.lease = Lease(run.pk, run.lease_epoch, run.workflow)
+        self.seq = run.event_seq
+        self.steps = 0
+        self.open_step: tuple[int, str] | None = None
+
+    def write(self) -> tuple[int, float]:
+        """Append the next event; return its seq and when the write had committed."""
+        if self.open_step is None:
+            key = f"step-{self.steps}"
+            fields = {
+                "seq": self.steps,
+                "key": key,
+                "kind": StepKind.CALL,
+                "status": StepStatus.STARTED,
+                "input": {"args": [self.steps], "kwargs": {}},
+                "idempotency_key": f"{self.lease.run_id}:{key}",
+                "run_attempt": 1,
+                "started_at": timezone.now(),
+            }
+            step_pk = fenced_write(
+                self.lease,
+                ("step.started", key, {"attempt": 1}),
+                insert_step=fields,
+                starting=True,
+                compensating=False,
+            )
+            self.open_step = (step_pk, key)
+        else:
+            step_pk, key = self.open_step
+            fields = {
+                "status": StepStatus.COMPLETED,
+                "output": {"n": self.steps},
+                "finished_at": timezone.now(),
+            }
+            fenced_write(
+                self.lease,
+                ("step.completed", key, {"attempt": 1}),
+                update_step=(step_pk, fields),
+                progress=True,
+            )
+            self.open_step = None
+            self.steps += 1
+        committed = time.perf_counter()
+        self.seq += 1
+        return self.seq, committed
+
+
+def running_run() -> Run:
+    """A new run, claimed as a worker would claim it (running, lease epoch 1, lease held)."""
+    with transaction.atomic():
+        run = create_run(workflow=LIVE_WORKFLOW, version="1", input={}, key=None)
+    Run.objects.filter(pk=run.pk).update(
+        status=RunStatus.RUNNING,
+        lease_epoch=1,
+        lease_until=timezone.now() + timezone.timedelta(hours=1),
+        started_at=timezone.now(),
+    )
+    return Run.objects.get(pk=run.pk)
+
+
+def redis_available() -> bool:
+    url = urlsplit(REDIS_URL)
+    try:
+        with socket.create_connection((url.hostname, url.port or 6379), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@dataclass
+class Latencies:
+    """One configuration's figures, in ms. `total` is inf for an event lost past DEADLINE.
+
+    For events that a doorbell flush carried (the flush ended before the event arrived; with a
+    doorbell nearly all of them), the total splits into `to_flush` (commit to the start of the
+    flush that carried its ring: the coalescing wait), `publish` (the flush itself, in the
+    writer) and `delivery` (flush end to arrival: relay, the consumer's query and rendering,
+    the websocket send)."""
+
+    total: list[float] = field(default_factory=list)
+    to_flush: list[float] = field(default_factory=list)
+    publish: list[float] = field(default_factory=list)
+    delivery: list[float] = field(default_factory=list)
+
+
+def measure(
+    base: str, cookie: str, events: int, rng: random.Random, *, redis: bool, ring: bool
+) -> Latencies:
+    run = running_run()
+    request = urllib.request.Request(f"{base}/runs/{run.pk}", headers={"Cookie": cookie})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        page = response.read().decode()
+    found = re.search(r'ws-connect="([^"]+)"', page)
+    if found is None:
+        raise RuntimeError("the run page has no ws-connect (not logged in?)")
+    ws_url = "ws://" + urlsplit(base).netloc + html.unescape(found.group(1))
+    layer = (
+        {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+        if redis
+        else {"BACKEND": "channels.layers.InMemoryChannelLayer"}
+    )
+    flushes: list[tuple[float, float]] = []  # (start, end) of each doorbell publish
+    publish = doorbell.publish
+
+    def timed_publish(ids):
+        started = time.perf_counter()
+        publish(ids)
+        flushes.append((started, time.perf_counter()))
+
+    writer, result = StepWriter(run), Latencies()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            override_settings(
+                REDIS_URL=REDIS_URL if redis else "", CHANNEL_LAYERS={"default": layer}
+            )
+        )
+        stack.enter_context(mock.patch.object(doorbell, "publish", timed_publish))
+        if not ring:
+            stack.enter_context(mock.patch.object(doorbell, "enabled", lambda: False))
+        feed = stack.enter_context(LiveFeed(ws_url, base, cookie))
+        written = []
+        for i in range(WARMUP + events):
+            time.sleep(rng.uniform(0, MAX_PAUSE))
+            seq, committed = writer.write()
+            arrived = feed.wait_for(seq, committed + DEADLINE)
+            if feed.close_reason:
+                raise RuntimeError(f"websocket {feed.close_reason} after event {seq}")
+            if i >= WARMUP:
+                written.append((committed, arrived))
+        time.sleep(0.2)  # the last flush, under these settings
+    Run.objects.filter(pk=run.pk).update(status=RunStatus.COMPLETED, lease_until=None)
+    for committed, arrived in written:
+        result.total.append(math.inf if arrived is None else (arrived - committed) * 1000)
+        # The flush that carried this ring is the first to start after the commit (the ring
+        # comes right after the statement, before `committed` is read: a few microseconds).
+        flush = next((f for f in flushes if f[0] >= committed - 0.001), None)
+        if arrived is not None and flush is not None and flush[1] <= arrived:
+            result.to_flush.append(max(flush[0] - committed, 0) * 1000)
+            result.publish.append((flush[1] - flush[0]) * 1000)
+            result.delivery.append((arrived - flush[1]) * 1000)
+    return result
+
+
+def median_ms(samples: list[float]) -> str:
+    return f"{statistics.median(samples):>7.1f}ms" if samples else f"{'-':>9}"
+
+
+def latency(user, events: int) -> None:
+    client = Client()
+    client.force_login(user)
+    cookie = f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}"
+    configurations = [
+        ("doorbell via Redis", True, True),
+        ("doorbell via PostgreSQL NOTIFY", False, True),
+        (f"polling only ({LIVE_POLL} s)", False, False),
+    ]
+    results = []
+    rng = random.Random(42)
+    for label, redis, ring in configurations:
+        if redis and not redis_available():
+            results.append((label, None, f"skipped: no Redis at {REDIS_URL}"))
+            continue
+        with daphne(REDIS_URL if redis else None) as (base, log):
+            measured = measure(base, cookie, events, rng, redis=redis, ring=ring)
+            problems = [
+                line
+                for line in log.read_text().splitlines()
+                if re.search(r"WARNING|ERROR|Traceback", line)
+            ]
+        results.append((label, measured, "; ".join(problems[:3])))
+    print(
+        f"\nevent-to-browser latency over the run page's websocket: {events} events each "
+        f"(+{WARMUP} warm-up), one at a time, 0-{MAX_PAUSE} s apart"
+    )
+    print(
+        f"  {'configuration':<32} {'median':>9} {'p95':>9} {'max':>9} {'lost':>4}"
+        f"  target < {LATENCY_TARGET_MS} ms"
+    )
+    for label, measured, note in results:
+        if measured is None:
+            print(f"  {label:<32} {note}")
+            continue
+        samples = measured.total
+        median, high, top = statistics.median(samples), p95(samples), max(samples)
+        lost = sum(1 for s in samples if math.isinf(s))
+        verdict = "MET" if median < LATENCY_TARGET_MS else "MISSED"
+        print(f"  {label:<32} {median:>7.1f}ms {high:>7.1f}ms {top:>7.1f}ms {lost:>4}  {verdict}")
+        if note:
+            print(f"    server log: {note}")
+    print("  where it goes (medians, events carried by a doorbell flush):")
+    print(f"  {'configuration':<32} {'events':>6} {'to flush':>9} {'publish':>9} {'delivery':>9}")
+    for label, measured, _ in results:
+        if measured is not None and measured.to_flush:
+            print(
+                f"  {label:<32} {len(measured.to_flush):>6} {median_ms(measured.to_flush)}"
+                f" {median_ms(measured.publish)} {median_ms(measured.delivery)}"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--latency-only",
+        action="store_true",
+        help="skip the 100,000-run fill and the server times; only the websocket latency",
+    )
+    parser.add_argument("--events", type=int, default=50, help="events per configuration")
+    args = parser.parse_args()
+    call_command("migrate", verbosity=0)
+    user, _ = get_user_model().objects.get_or_create(username="bench", is_superuser=True)
+    if not args.latency_only:
+        fill()
+        server_times(user)
+    latency(user, args.events)
 
 
 if __name__ == "__main__":

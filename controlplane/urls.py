@@ -15,6 +15,7 @@ def health(request):
 urlpatterns = [
     path("", views.runs_list, name="runs"),
     path("runs/bulk", views.bulk_view, name="runs-bulk"),
+    path("runs/count", views.runs_count, name="runs-count"),
     path("runs/<uuid:run_id>", views.run_detail, name="run"),
     path("runs/<uuid:run_id>/budget", views.budget_view, name="run-budget"),
     path("runs/<uuid:run_id>/fork", views.fork_view, name="run-fork"),

@@ -6,7 +6,6 @@ the CLI and the API call, so a viewer who posts anyway is refused by the server.
 
 from __future__ import annotations
 
-import contextlib
 from datetime import datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from urllib.parse import urlencode
@@ -17,8 +16,9 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q, QuerySet
-from django.http import Http404, HttpResponseRedirect
+from django.http import Http404, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
+from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
@@ -91,10 +91,10 @@ def filtered_runs(params) -> tuple[QuerySet, dict]:
                 when = timezone.make_aware(when)
             runs = runs.filter(**{lookup: when})
     if f["q"]:
-        match = Q(key__icontains=f["q"])
-        with contextlib.suppress(ValueError):
-            match |= Q(pk=UUID(f["q"]))
-        runs = runs.filter(match)
+        try:  # a whole run id is looked up by index, not by scanning every key
+            runs = runs.filter(Q(pk=UUID(f["q"])) | Q(key=f["q"]))
+        except ValueError:
+            runs = runs.filter(key__icontains=f["q"])
     return runs, f
 
 
@@ -137,8 +137,9 @@ def runs_list(request):
             "counts": [(s, counts.get(s, 0)) for s in RunStatus.values],
             "filters": filters,
             "filter_query": urlencode(query),
-            # "How many runs match" for the bulk action; unfiltered, the counts already say.
-            "match_count": runs.count() if query else sum(counts.values()),
+            # Unfiltered, the counts say how many runs a bulk action would touch; filtered, the
+            # page asks /runs/count after it renders (a substring search counts by a scan).
+            "total": sum(counts.values()),
             "next_marker": marker,
             "statuses": RunStatus.values,
             "can_operate": request.user.has_perm("runs.halt_run"),
@@ -146,6 +147,17 @@ def runs_list(request):
             **nav(request),
         },
     )
+
+
+@viewer_required
+def runs_count(request):
+    """How many runs match the list's filter: text for the bulk action's label."""
+    try:
+        runs, _ = filtered_runs(request.GET)
+    except BadFilter as exc:
+        return HttpResponse(str(exc), content_type="text/plain", status=400)
+    n = runs.count()
+    return HttpResponse(f"{n} run{pluralize(n)}", content_type="text/plain")
 
 
 # Bulk actions: what each does to one run. Above CONFIRM_ABOVE runs the operator types the count.

@@ -226,7 +226,10 @@ def test_bulk_actions_on_selected_runs_and_on_a_filter_with_a_typed_confirmation
     many = [start_run("loop", {"queries": []}, key=f"many-{i}") for i in range(12)]
     otto = browser_as("otto")
     page = otto.get("/", {"workflow": "loop"}).content.decode()
-    assert "all 12 runs matching this filter" in page
+    assert 'hx-get="/runs/count?workflow=loop"' in page and "matching this filter" in page
+    assert otto.get("/runs/count", {"workflow": "loop"}).content.decode() == "12 runs"
+    assert otto.get("/runs/count", {"parent": "x"}).status_code == 400
+    assert "all 15 runs (no filter)" in otto.get("/").content.decode()
     # A few selected runs: done at once, each recorded with actor and reason.
     otto.post("/runs/bulk", {"action": "halt", "scope": "selected", "reason": "noisy",
                              "run": [str(r.pk) for r in few]})  # fmt: skip
@@ -293,3 +296,13 @@ def test_the_halts_page_edits_workflow_and_global_budgets_and_shows_todays_spend
         refused.status_code == 403 and Policy.objects.get(scope=GLOBAL).daily_budget_micros is None
     )
     assert run.pk
+
+
+def test_the_search_box_finds_a_run_by_id_or_by_part_of_its_key(browser_as):
+    run = start_run("ledger", {"steps": 1}, key="order-8812:refund")
+    other = start_run("ledger", {"steps": 1}, key="order-1000")
+    vera = browser_as("vera")
+    for q in (str(run.pk), "8812", "REFUND"):
+        page = vera.get("/", {"q": q}).content.decode()
+        assert "order-8812:refund" in page and "order-1000" not in page, q
+    assert str(other.pk)[:8] in vera.get("/", {"q": "order-1000"}).content.decode()
