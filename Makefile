@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PORT ?= 8000
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test lint format bench screenshots
+.PHONY: help install run test lint format bench bench-ui screenshots
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -41,3 +41,6 @@ screenshots: $(STAMP) ## the main pages in light and dark themes, as PNGs in var
 bench: $(STAMP) ## step overhead, replay and throughput benchmarks on local PostgreSQL
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python bench/steps.py
+
+bench-ui: $(STAMP) ## dashboard server times (100,000 runs) and live-feed latency on local PostgreSQL
+	$(BIN)/python bench/ui.py
