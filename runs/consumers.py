@@ -95,7 +95,7 @@ class RunConsumer(AsyncWebsocketConsumer):
             raise
         except Exception:
             log.exception("live feed of run %s stopped", self.run_id)
-            await self.close()
+            await self.close(code=1011)  # an error: the page's ws extension reconnects
 
     def _shown_steps(self) -> set[int] | None:
         if not Run.objects.filter(pk=self.run_id).exists():

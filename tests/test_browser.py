@@ -242,3 +242,243 @@ def test_the_doorbell_brings_new_steps_without_waiting_for_a_poll(
     # The worker starts in about a second and the run takes about one more: far below 30 s.
     expect(page.locator("#run-status")).to_have_text("completed", timeout=10_000)
     expect(page.locator("#step-2")).to_contain_text("completed")
+
+
+def _form_with(page, button: str):
+    """The form holding the button named `button` (pages have several "Reason" fields)."""
+    return page.locator("form").filter(has=page.get_by_role("button", name=button, exact=True))
+
+
+def test_an_operator_raises_the_budget_of_a_run_paused_over_budget_and_it_resumes(
+    server, page, cast, spawn_worker
+):
+    from decimal import Decimal
+
+    from playwright.sync_api import expect
+
+    from examples.models import Effect
+    from runs.models import Event, Run
+    from tests.conftest import wait_until
+
+    steps = 5
+    run = start_run("metered", {"steps": steps, "sleep": 0.4}, budget_usd=Decimal("1.5"))
+    spawn_worker()
+    wait_until(lambda: Run.objects.get(pk=run.pk).status == "over_budget", what="the pause")
+    assert Run.objects.get(pk=run.pk).cost_micros == 1_000_000  # one call, the next would pass
+
+    login(page, server, "otto", f"/runs/{run.pk}")
+    expect(page.locator("#run-status")).to_have_text("over_budget")
+    expect(page.locator("#ws-status")).to_have_attribute("data-state", "open")
+    form = _form_with(page, "Set budget")
+    form.get_by_label("Budget (USD)").fill("10")
+    form.get_by_label("Reason").fill("the report is worth it")
+    with page.expect_navigation():
+        form.get_by_role("button", name="Set budget").click()
+    expect(page.locator("#ws-status")).to_have_attribute("data-state", "open")
+    page.evaluate("window.__marker = 'after the budget'")
+    # Four calls of 0.4 s remain: the page loaded before the end, so the end comes live.
+    assert page.locator("#run-status").text_content().strip() != "completed"
+    expect(page.locator("#run-status")).to_have_text("completed", timeout=20_000)
+    expect(page.locator("#history")).to_contain_text("budget.set")
+    assert page.evaluate("window.__marker") == "after the budget"  # no reload happened
+    expect(page.locator("#timeline tr[id^=step-]")).to_have_count(steps)
+
+    run.refresh_from_db()
+    assert (run.status, run.budget_micros, run.cost_micros) == ("completed", 10_000_000, 5_000_000)
+    budget_set = Event.objects.get(run=run, type="budget.set")
+    assert (budget_set.actor, budget_set.payload["reason"]) == ("otto", "the report is worth it")
+    assert Event.objects.filter(run=run, type="run.resumed").count() == 1
+    labels = sorted(
+        Effect.objects.filter(label__startswith="call-").values_list("label", flat=True)
+    )
+    assert labels == [f"call-{i}" for i in range(steps)]  # each call once: none repeated
+
+
+def test_an_operator_forks_a_failed_run_from_a_step_and_lands_on_the_fork(
+    server, page, cast, spawn_worker, tmp_path
+):
+    from playwright.sync_api import expect
+
+    from examples.models import Effect
+    from runs.models import Run, Step
+    from tests.conftest import wait_until
+
+    broken = tmp_path / "delivery-is-down"
+    broken.touch()
+    origin = start_run("breaks-after-effects", {"broken": str(broken)}, max_attempts=1)
+    spawn_worker()
+    wait_until(lambda: Run.objects.get(pk=origin.pk).status == "failed", what="the failure")
+    broken.unlink()  # the delivery service is back: the fork can finish
+
+    login(page, server, "otto", f"/runs/{origin.pk}")
+    expect(page.locator("#run-status")).to_have_text("failed")
+    page.get_by_text("Fork from a step").click()
+    page.get_by_role("radio", name=re.compile(r"^from charge \(")).check()
+    # Before confirming, the page says what will run again (and settles before the click).
+    preview = page.locator("#fork-preview")
+    expect(preview).to_contain_text(re.compile(r"reuses 1 recorded step\b"))
+    expect(preview).to_contain_text("deliver")
+    form = _form_with(page, "Fork")
+    form.get_by_label("Reason").fill("delivery is fixed; charge again with the new price")
+    form.get_by_role("button", name="Fork", exact=True).click()
+
+    fork = wait_until(lambda: Run.objects.filter(forked_from=origin).first(), what="the fork")
+    expect(page).to_have_url(f"{server}/runs/{fork.pk}")
+    expect(page.get_by_text(f"forked from {str(origin.pk)[:8]}")).to_be_visible()
+    expect(page.get_by_role("link", name=str(origin.pk)[:8])).to_have_attribute(
+        "href", f"/runs/{origin.pk}"
+    )
+    expect(page.locator("#run-status")).to_have_text("completed", timeout=20_000)
+
+    fork.refresh_from_db()
+    assert (fork.forked_from_id, fork.forked_at_seq, fork.workflow) == (
+        origin.pk, 1, "breaks-after-effects",
+    )  # fmt: skip
+    reserve, fork_reserve = (Step.objects.get(run=r, key="reserve") for r in (origin, fork))
+    assert fork_reserve.output == reserve.output == {"seat": "12A"}  # reused, not run again
+    assert fork.output == [{"seat": "12A"}, {"charged": 40}, "delivered"]
+    ran = {label: Effect.objects.filter(label=label).count() for label in ("reserve", "charge")}
+    assert ran == {"reserve": 1, "charge": 2}  # the chosen step and the rest ran again
+    assert Effect.objects.filter(label="deliver").count() == 2
+    assert Step.objects.get(run=fork, key="charge").idempotency_key != (
+        Step.objects.get(run=origin, key="charge").idempotency_key
+    )
+
+
+def test_a_dropped_live_feed_reconnects_and_backfills_the_missed_steps_once(
+    server, page, cast, spawn_worker
+):
+    from playwright.sync_api import expect
+
+    from runs.models import Step
+    from tests.conftest import wait_until
+
+    cast["vera"]
+    steps = 12
+    run = start_run("ledger", {"steps": steps, "sleep": 0.3})
+    sockets = []
+    page.on("websocket", lambda ws: sockets.append(ws))
+    login(page, server, "vera", f"/runs/{run.pk}")
+    expect(page.locator("#ws-status")).to_have_attribute("data-state", "open")
+    page.evaluate(
+        """() => {
+        window.__marker = 'before the drop';
+        window.__ws = {open: 0, close: 0};
+        document.body.addEventListener('htmx:wsOpen', () => window.__ws.open++);
+        document.body.addEventListener('htmx:wsClose', () => window.__ws.close++);
+    }"""
+    )
+    spawn_worker()
+    expect(page.locator("#step-2")).to_contain_text("completed", timeout=20_000)
+
+    # Drop the connection as a network does: the socket closes abnormally (code 1006, on which
+    # the ws extension reconnects with backoff) and, while "offline", every reconnect attempt
+    # fails too. (Chromium's offline emulation leaves websockets alone, so the page does it.)
+    page.evaluate(
+        """() => {
+        window.__offline = true;
+        const connect = htmx.createWebSocket;
+        htmx.createWebSocket = (url) =>
+            window.__offline ? new WebSocket('ws://127.0.0.1:9/unreachable') : connect(url);
+        const socket = htmx.find('[ws-connect]')['htmx-internal-data'].webSocket.socket;
+        const onclose = socket.onclose;
+        socket.onclose = () => onclose.call(socket, new CloseEvent('close', {code: 1006}));
+        socket.close();
+    }"""
+    )
+    page.wait_for_function("window.__ws.close >= 1")
+    expect(page.locator("#ws-status")).to_have_attribute("data-state", "reconnecting")
+    rows_at_drop = page.locator("#timeline tr[id^=step-]").count()
+    last_event = page.locator("#history li[id^=event-]").last.get_attribute("id")
+    done_at_drop = Step.objects.filter(run=run, status="completed").count()
+    wait_until(
+        lambda: Step.objects.filter(run=run, status="completed").count() >= done_at_drop + 3,
+        what="three steps to complete while the page is offline",
+    )
+    assert page.locator("#timeline tr[id^=step-]").count() == rows_at_drop  # nothing came
+    assert page.evaluate("window.__ws.open") == 0  # still disconnected
+    page.evaluate("window.__offline = false")
+
+    page.wait_for_function("window.__ws.open >= 1", timeout=20_000)
+    expect(page.locator("#ws-status")).to_have_attribute("data-state", "open")
+    # The new socket resumed after the last event the page showed when it dropped.
+    live = [ws.url for ws in sockets if ws.url.startswith(server.replace("http", "ws"))]
+    resumed_after = rf"[?&]after={last_event.removeprefix('event-')}(&|$)"
+    assert len(live) == 2 and re.search(resumed_after, live[1]), live
+    expect(page.locator("#run-status")).to_have_text("completed", timeout=20_000)
+    expect(page.locator(f"#step-{steps - 1}")).to_contain_text("completed")
+    expect(page.locator("#timeline tr[id^=step-]")).to_have_count(steps)  # each step once
+    ids = page.locator("#timeline tr[id^=step-]").evaluate_all("rows => rows.map(r => r.id)")
+    assert ids == [f"step-{i}" for i in range(steps)]
+    for i in range(steps):
+        expect(page.locator(f"#step-{i}")).to_contain_text("completed")
+    recorded = list(run.events.order_by("seq").values_list("seq", flat=True))
+    expect(page.locator(f"#event-{recorded[-1]}")).to_be_attached()  # the run's last event
+    shown = page.locator("#history li[id^=event-]").evaluate_all(
+        "items => items.map(i => Number(i.id.slice('event-'.length)))"
+    )
+    assert shown == recorded == list(range(1, len(recorded) + 1))  # each once, no gaps
+    assert page.evaluate("window.__marker") == "before the drop"  # no reload happened
+
+
+def test_a_viewer_sees_no_actions_and_the_server_refuses_her_posts(
+    server, page, browser, cast, drive
+):
+    from playwright.sync_api import expect
+
+    from approvals.models import ApprovalRequest
+    from runs.models import Run
+
+    run = start_run("approver", {"amount": 45})
+    drive()
+    approval = ApprovalRequest.objects.get(run=run, status="pending")
+    buttons = ("Halt", "Cancel", "Set budget", "Retry", "Fork", "Approve", "Reject", "Unhalt")
+
+    # The same page for an operator has the buttons, so their absence below means something.
+    operator = browser.new_context().new_page()
+    login(operator, server, "otto", f"/runs/{run.pk}")
+    for name in ("Halt", "Cancel", "Set budget"):
+        expect(operator.get_by_role("button", name=name, exact=True)).to_be_visible()
+    operator.context.close()
+
+    login(page, server, "vera", f"/runs/{run.pk}")
+    expect(page.locator("#run-status")).to_have_text("waiting")
+    expect(page.get_by_text("charge card")).to_be_visible()  # the pending approval is shown
+    for name in buttons:
+        expect(page.get_by_role("button", name=name, exact=True)).to_have_count(0)
+
+    token = page.locator("input[name=csrfmiddlewaretoken]").first.input_value()
+    headers = {"Referer": f"{server}/runs/{run.pk}"}
+
+    def post(path: str, **form):
+        return page.request.post(
+            f"{server}{path}",
+            form={**form, "csrfmiddlewaretoken": token},
+            headers=headers,
+            max_redirects=0,
+        )
+
+    # Without the token the CSRF check refuses; with it, only the permission check can.
+    no_token = page.request.post(
+        f"{server}/runs/{run.pk}/halt", form={"reason": "x"}, headers=headers, max_redirects=0
+    )
+    assert no_token.status == 403 and "CSRF" in no_token.text()
+    attempts = {
+        "halt": post(f"/runs/{run.pk}/halt", reason="I want it stopped"),
+        "cancel": post(f"/runs/{run.pk}/cancel", reason="I want it gone"),
+        "budget": post(f"/runs/{run.pk}/budget", usd="1000", reason="more"),
+        "fork": post(f"/runs/{run.pk}/fork", step="ok", reason="again"),
+        "decide": post(f"/approvals/{approval.pk}/decide", decision="approve", comment="sure"),
+    }
+    for action, response in attempts.items():
+        assert response.status == 403, (action, response.status, response.text()[:300])
+        assert "CSRF" not in response.text(), action
+
+    run.refresh_from_db()
+    assert (run.status, run.halted_at, run.cancel_requested_at, run.budget_micros) == (
+        "waiting", None, None, None,
+    )  # fmt: skip
+    assert not Run.objects.filter(forked_from=run).exists()
+    approval.refresh_from_db()
+    assert (approval.status, approval.decided_by) == ("pending", None)
+    assert not run.events.exclude(actor="system").exists()  # nothing done in vera's name

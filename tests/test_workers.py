@@ -151,14 +151,16 @@ def test_a_paused_worker_that_lost_its_lease_writes_nothing_when_it_resumes(spaw
 
 
 def test_sigterm_hands_the_run_to_another_worker_within_two_seconds(spawn_worker):
+    # Both workers are up before the run exists (a worker takes seconds to start, longer than
+    # the slow step): whichever claims it is A, the other B.
+    pair = [spawn_worker(lease=30.0), spawn_worker(lease=30.0)]
     run = start_run("ledger", {"steps": 3, "slow": [1], "slow_seconds": 2.0})
-    a = spawn_worker(lease=30.0)
-    wait_until(lambda: Event.objects.filter(run=run, type="run.claimed").exists(), what="A")
-    b = spawn_worker(lease=30.0)
-    b_id = str(Worker.objects.get(pid=b.pid).id)
     wait_until(
         lambda: Effect.objects.filter(idempotency_key=f"{run.pk}:s1").exists(), what="slow step"
     )
+    holder = Event.objects.get(run=run, type="run.claimed").payload["worker"]
+    a, b = pair if str(Worker.objects.get(pid=pair[0].pid).id) == holder else pair[::-1]
+    b_id = str(Worker.objects.get(pid=b.pid).id)
     a.signal(signal.SIGTERM)
     claim = wait_until(
         lambda: Event.objects.filter(run=run, type="run.claimed", payload__worker=b_id).first(),

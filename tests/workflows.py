@@ -426,3 +426,18 @@ def chatty(ctx: RunContext, input):
         tools={"ping": Tool(ping), "ping2": Tool(ping), "ping3": Tool(ping)},
         max_turns=2,
     )
+
+
+@workflow("breaks-after-effects")
+def breaks_after_effects(ctx: RunContext, input: dict):
+    """Two side-effecting steps, then a delivery that fails while the file `broken` exists."""
+
+    def deliver():
+        effect(ctx, "deliver")
+        if Path(input["broken"]).exists():
+            raise ValueError("the delivery service is down")
+        return "delivered"
+
+    reserved = ctx.step("reserve", effect, ctx, "reserve", {"seat": "12A"})
+    charged = ctx.step("charge", effect, ctx, "charge", {"charged": 40})
+    return [reserved, charged, ctx.step("deliver", deliver, retry=NO_RETRY)]

@@ -71,6 +71,21 @@
     layoutWaterfall();
     if (!window.htmx) return;
     document.body.addEventListener("htmx:wsAfterMessage", layoutWaterfall);
+    // Say when the feed is down: the server marks it "live" again when a reconnect succeeds.
+    // The ws extension retries after these close codes only; after others, offer a reload.
+    var RETRIED = [1006, 1011, 1012, 1013];
+    document.body.addEventListener("htmx:wsClose", function (e) {
+      var status = document.getElementById("ws-status");
+      if (!status) return;
+      var code = e.detail && e.detail.event ? e.detail.event.code : 0;
+      if (RETRIED.indexOf(code) >= 0) {
+        status.dataset.state = "reconnecting";
+        status.textContent = "connection lost, reconnecting…";
+      } else {
+        status.dataset.state = "closed";
+        status.innerHTML = 'live updates stopped: <a href="">reload the page</a>';
+      }
+    });
     document.body.addEventListener("htmx:afterSwap", layoutWaterfall);
     // Live feed: when the websocket reconnects, resume after the last event and the last step
     // this page shows, so the server backfills exactly what was missed (and nothing twice).
