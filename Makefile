@@ -34,8 +34,8 @@ lint: $(STAMP) ## ruff check
 format: $(STAMP) ## ruff format
 	$(BIN)/ruff format .
 
-screenshots: $(STAMP) ## the main pages in light and dark themes, as PNGs in var/screenshots/
-	$(BIN)/pytest -q tests/test_browser.py -k accessibility
+screenshots: $(STAMP) ## the main pages in light and dark themes and 360 px wide, as PNGs in var/screenshots/
+	$(BIN)/pytest -q tests/test_browser.py -k "accessibility or 360"
 	@ls var/screenshots
 
 bench: $(STAMP) ## step overhead, replay and throughput benchmarks on local PostgreSQL

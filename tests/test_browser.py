@@ -156,6 +156,29 @@ def test_the_main_pages_have_no_serious_accessibility_violations(server, page, c
     assert not problems, problems
 
 
+def test_the_main_pages_fit_a_360_px_wide_screen(server, browser, cast, drive):
+    from playwright.sync_api import expect
+
+    run = start_run("approver", {"amount": 12}, key="a-rather-long-key-for-a-narrow-screen")
+    drive()
+    context = browser.new_context(viewport={"width": 360, "height": 740})
+    page = context.new_page()
+    login(page, server, "otto")
+    expect(page.get_by_role("heading", name="Runs")).to_be_visible()
+    wide = {}
+    for path in ("/", f"/runs/{run.pk}", "/approvals", "/halts", "/workers", "/audit"):
+        page.goto(f"{server}{path}")
+        name = path.strip("/").split("/")[0] or "runs-list"
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / f"narrow-{name}.png"), full_page=True)
+        # Wide tables scroll inside their own box; the page itself never scrolls sideways.
+        width = page.evaluate("document.documentElement.scrollWidth")
+        if width > 360:
+            wide[path] = width
+    context.close()
+    assert not wide, wide
+
+
 def login(page, server: str, username: str, next_path: str = "/") -> None:
     page.goto(f"{server}/login/?next={next_path}")
     page.get_by_label("Username").fill(username)
