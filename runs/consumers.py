@@ -22,12 +22,14 @@ from django.template.loader import render_to_string
 
 from runs.engine.wakeup import EventsListener
 from runs.models import Event, Run, Step, StepStatus
+from runs.views import timeline_rows
 
 log = logging.getLogger("stepguard.live")
 
 # Polling is the source of truth; the doorbell only makes it prompt.
 POLL_SECONDS = float(os.environ.get("STEPGUARD_LIVE_POLL", "0.5"))
 BATCH = 200
+MAX_ROWS = 5000  # rows a filtered page may name (it shows 200 per chunk)
 
 
 def _number(raw: str | None, default: int) -> int:
@@ -54,9 +56,17 @@ class RunConsumer(AsyncWebsocketConsumer):
         # The page shows steps from `from` to `last` (its latest chunk, maybe filtered): those
         # get updated in place, later ones appended; earlier ones belong to unloaded chunks.
         self.shown_from = _number(query.get("from"), 0)
-        self.last = _number(query.get("last"), -1)
+        # A page from before `last` existed shows every step it had: treat them all as shown.
+        self.last = _number(query.get("last"), 2**62 if "last" not in query else -1)
         self.filters = {k: query[k] for k in ("status", "kind") if query.get(k)}
-        self.shown = await database_sync_to_async(self._shown_steps)()
+        # A filtered page names its rows: which steps matched when it rendered is history.
+        rows = query.get("rows")
+        if rows is not None:
+            self.shown = {int(r) for r in rows.split(",")[:MAX_ROWS] if r.isdigit()}
+            if not await database_sync_to_async(Run.objects.filter(pk=self.run_id).exists)():
+                self.shown = None
+        else:
+            self.shown = await database_sync_to_async(self._shown_steps)()
         if self.shown is None:
             await self.close()
             return
@@ -123,16 +133,19 @@ class RunConsumer(AsyncWebsocketConsumer):
         run = Run.objects.get(pk=self.run_id)
         touched = {e.step_key for e in events if e.step_key}
         parts = []
-        for step in run.steps.filter(key__in=touched).order_by("seq"):
+        steps = timeline_rows(run.steps.filter(key__in=touched, seq__gte=self.shown_from))
+        for step in steps.order_by("seq"):
+            row = render_to_string("runs/detail.html#step-row", {"s": step})
             if step.seq in self.shown:
-                row = render_to_string("runs/detail.html#step-row", {"s": step})
                 parts.append(row.replace("<tr ", '<tr hx-swap-oob="outerHTML" ', 1))
-            elif step.seq > self.last and self._matches(step):
-                row = render_to_string("runs/detail.html#step-row", {"s": step})
+            elif self._matches(step):
+                # New, or newly matching the page's filter (a step that just failed): in place.
+                later = [seq for seq in self.shown if seq > step.seq]
+                where = f"beforebegin:#step-{min(later)}" if later else "beforeend:#timeline"
                 if not self.shown:
                     parts.append('<tr id="no-steps" hx-swap-oob="delete"></tr>')
                 self.shown.add(step.seq)
-                parts.append(f'<tbody id="timeline" hx-swap-oob="beforeend">{row}</tbody>')
+                parts.append(f'<tbody hx-swap-oob="{where}">{row}</tbody>')
         items = "".join(render_to_string("runs/detail.html#event-item", {"e": e}) for e in events)
         status = render_to_string("runs/detail.html#run-status", {"run": run})
         status = status.replace("<span ", '<span hx-swap-oob="true" ', 1)

@@ -316,7 +316,12 @@ def set_budget(
     target, actor = parse_target(target), user.get_username()
 
     def micros(value):
-        return value if value in (KEEP, None) else to_micros(value)
+        if value in (KEEP, None):
+            return value
+        try:
+            return to_micros(value)
+        except ValueError as exc:
+            raise OperationError(str(exc)) from None
 
     def count(value):
         if value in (KEEP, None):

@@ -6,6 +6,7 @@ the CLI and the API call, so a viewer who posts anyway is refused by the server.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from urllib.parse import urlencode
@@ -16,11 +17,13 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q, QuerySet
+from django.db.models.fields.json import KT
 from django.http import Http404, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
 from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
 from approvals.models import ApprovalRequest
@@ -30,6 +33,7 @@ from runs.engine.budget import to_usd
 from runs.errors import Forbidden, StepguardError
 from runs.models import GLOBAL, Policy, Run, RunStatus, Step, StepKind, StepStatus
 
+log = logging.getLogger("stepguard.dashboard")
 PAGE = 50
 STEP_CHUNK, EVENT_CHUNK = 200, 500
 # Steps worth forking from: those whose re-execution the operator must think about.
@@ -129,6 +133,7 @@ def runs_list(request):
     rows = [{"run": r, "percent": budget_percent(r), "usd": to_usd(r.cost_micros)} for r in page]
     marker = f"{page[-1].created_at.isoformat()}_{page[-1].pk}" if more and page else None
     query = {k: v for k, v in filters.items() if v}
+    older = urlencode({**query, "before": marker}) if marker else None
     return render(
         request,
         "runs/list.html",
@@ -140,7 +145,7 @@ def runs_list(request):
             # Unfiltered, the counts say how many runs a bulk action would touch; filtered, the
             # page asks /runs/count after it renders (a substring search counts by a scan).
             "total": sum(counts.values()),
-            "next_marker": marker,
+            "older_query": older,
             "statuses": RunStatus.values,
             "can_operate": request.user.has_perm("runs.halt_run"),
             "bulk_actions": BULK_ACTIONS,
@@ -166,10 +171,15 @@ BULK_ACTIONS = {
     "cancel": operations.cancel_run,
     "retry": operations.retry_run,
 }
+BULK_PERMISSIONS = {
+    "halt": ("runs.halt_run", "halt runs"),
+    "cancel": ("runs.cancel_run", "cancel runs"),
+    "retry": ("runs.retry_run", "retry runs"),
+}
 CONFIRM_ABOVE, BULK_MAX = 10, 1000
 
 
-@login_required
+@viewer_required
 @require_POST
 def bulk_view(request):
     """Halt, cancel or retry the selected runs, or every run matching the list's filter."""
@@ -178,6 +188,11 @@ def bulk_view(request):
     if action not in BULK_ACTIONS:
         messages.error(request, f"no bulk action {action!r} (halt, cancel or retry)")
         return HttpResponseRedirect(back)
+    permission, verb = BULK_PERMISSIONS[action]
+    try:  # before anything is counted: who may not act learns nothing about what matches
+        operations.require(request.user, permission, verb)
+    except Forbidden as exc:
+        raise PermissionDenied(str(exc)) from None
     if request.POST.get("scope") == "filter":
         try:
             runs, filters = filtered_runs(request.POST)
@@ -226,6 +241,9 @@ def bulk_view(request):
             raise PermissionDenied(str(exc)) from None
         except StepguardError as exc:
             refused.append(f"{str(run_id)[:8]}: {exc}")
+        except Exception as exc:  # a database error on one run: report it, go on with the rest
+            log.exception("bulk %s of run %s failed", action, run_id)
+            refused.append(f"{str(run_id)[:8]}: {exc.__class__.__name__}")
     messages.success(request, f"{action}: {done} of {len(ids)} runs")
     if refused:
         shown = "; ".join(refused[:5]) + (
@@ -254,6 +272,14 @@ def step_filter(request) -> tuple[dict, Q]:
     return chosen, (match | Q(status=StepStatus.FAILED)) if match else Q()
 
 
+def timeline_rows(steps: QuerySet) -> QuerySet:
+    """Step rows as the timeline draws them: without input, output and error (a model call's
+    may be a whole conversation), which load when a row opens; a child step's run id kept."""
+    return steps.defer("input", "output", "error").annotate(
+        child_run=KT("input__run_id"), child_workflow=KT("input__workflow")
+    )
+
+
 def _earlier(queryset, before: int | None, chunk: int) -> tuple[list, bool]:
     """The `chunk` rows just before `before` (all if None), in order, and whether more exist."""
     if before is not None:
@@ -278,7 +304,7 @@ def run_detail(request, run_id: UUID):
     # Events first: a step written after this read has events after `last_seq`, so the live
     # feed brings it even if the step query below already saw it (rows are replaced by id).
     events, earlier_events = _earlier(run.events.all(), None, EVENT_CHUNK)
-    steps, earlier_steps = _earlier(run.steps.filter(match), None, STEP_CHUNK)
+    steps, earlier_steps = _earlier(timeline_rows(run.steps.filter(match)), None, STEP_CHUNK)
     return render(
         request,
         "runs/detail.html",
@@ -297,6 +323,7 @@ def run_detail(request, run_id: UUID):
             # The live feed resumes from here: nothing is lost between render and connect.
             "last_seq": events[-1].seq if events else 0,
             "last_step": steps[-1].seq if steps else -1,
+            "shown_rows": ",".join(str(s.seq) for s in steps),
             "children": list(run.children.order_by("created_at")[:100]),
             "percent": budget_percent(run),
             "usd": to_usd(run.cost_micros),
@@ -307,11 +334,12 @@ def run_detail(request, run_id: UUID):
             "can_fork": request.user.has_perm("runs.fork_run"),
             "can_decide": request.user.has_perm("approvals.decide_approvalrequest"),
             "waiting_reason": operations.unserved_reason(run),
+            # The latest ones: a run is usually forked near where it went wrong.
             "fork_points": list(
                 run.steps.filter(kind__in=FORK_KINDS)
-                .order_by("seq")
+                .order_by("-seq")
                 .only("run_id", "seq", "key", "kind")[:FORK_CHOICES]
-            ),
+            )[::-1],
             **nav(request),
         },
     )
@@ -322,7 +350,7 @@ def earlier_steps(request, run_id: UUID):
     """The chunk of timeline rows before `before`, for the "earlier steps" button."""
     run = _run_or_404(run_id)
     chosen, match = step_filter(request)
-    steps, more = _earlier(run.steps.filter(match), _before(request), STEP_CHUNK)
+    steps, more = _earlier(timeline_rows(run.steps.filter(match)), _before(request), STEP_CHUNK)
     return render(
         request,
         "runs/detail.html#earlier-steps",
@@ -392,7 +420,7 @@ def decide_view(request, approval_id: int):
     decision = request.POST.get("decision", "")
     comment = request.POST.get("comment", "")
     back = request.POST.get("next") or reverse("approvals")
-    if not back.startswith("/"):
+    if not url_has_allowed_host_and_scheme(back, {request.get_host()}, request.is_secure()):
         back = reverse("approvals")
     return _act(request, lambda: decide(approval_id, decision, request.user, comment), back)
 
@@ -549,6 +577,8 @@ def fork_preview_view(request, run_id: UUID):
         context["reused"] = Step.objects.filter(
             run_id=run_id, seq__lt=context["again"][0]["seq"]
         ).count()
+        effects = [s for s in context["again"] if s["kind"] in SIDE_EFFECTS]
+        context["effects"], context["more_effects"] = effects[:100], max(len(effects) - 100, 0)
     except StepguardError as exc:
         context["problem"] = str(exc)
     return render(request, "runs/detail.html#fork-preview", context)

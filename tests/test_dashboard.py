@@ -306,3 +306,70 @@ def test_the_search_box_finds_a_run_by_id_or_by_part_of_its_key(browser_as):
         page = vera.get("/", {"q": q}).content.decode()
         assert "order-8812:refund" in page and "order-1000" not in page, q
     assert str(other.pk)[:8] in vera.get("/", {"q": "order-1000"}).content.decode()
+
+
+def test_older_runs_page_by_keyset_through_the_link_the_page_gives(browser_as):
+    import re
+
+    for i in range(55):
+        start_run("ledger", {"steps": 1}, key=f"page-{i:02}")
+    vera = browser_as("vera")
+    first = vera.get("/", {"workflow": "ledger"}).content.decode()
+    link = re.search(r'<a href="\?([^"]+)">Older runs', first).group(1).replace("&amp;", "&")
+    second = vera.get(f"/?{link}")
+    assert second.status_code == 200
+    keys = re.findall(r"page-\d\d", first + second.content.decode())
+    assert sorted(keys) == [f"page-{i:02}" for i in range(55)]  # each run once, none lost
+    assert "workflow=ledger" in link and "Older runs" not in second.content.decode()
+
+
+def test_bad_budget_amounts_are_named_and_change_nothing(browser_as):
+    from runs.models import GLOBAL, Policy
+
+    run = start_run("ledger", {"steps": 1}, budget_usd="3")
+    otto = browser_as("otto")
+    for amount in ("-1", "NaN", "Infinity", "1e30"):
+        page = otto.post(f"/runs/{run.pk}/budget", {"usd": amount, "reason": "x"}, follow=True)
+        assert "an amount of USD is a number from 0 to 1,000,000,000" in page.content.decode()
+        page = otto.post("/halts/budget", {"usd": amount, "reason": "x"}, follow=True)
+        assert "an amount of USD is a number from 0 to" in page.content.decode()
+    assert Run.objects.get(pk=run.pk).budget_micros == 3_000_000
+    assert not Policy.objects.filter(scope=GLOBAL).exclude(daily_budget_micros=None).exists()
+
+
+def test_bulk_actions_tell_nothing_to_people_who_may_not_view_runs(alice):
+    client = Client()
+    client.force_login(alice)  # may decide and cancel, but not view runs
+    start_run("ledger", {"steps": 1}, key="secret-customer-42")
+    form = {"action": "cancel", "scope": "filter", "q": "secret", "reason": "probe"}
+    assert client.post("/runs/bulk", form).status_code == 403
+
+
+def test_a_decision_never_redirects_off_site(browser_as, drive):
+    start_run("approver", {"amount": 5})
+    drive()
+    approval = ApprovalRequest.objects.get()
+    ada = browser_as("ada")
+    response = ada.post(f"/approvals/{approval.pk}/decide",
+                        {"decision": "approve", "next": "//evil.example/"})  # fmt: skip
+    assert response["Location"] == "/approvals"
+
+
+def test_a_huge_or_deeply_nested_output_shows_as_text_not_an_error(browser_as):
+    from django.utils import timezone
+
+    from runs.models import Step
+
+    run = start_run("ledger", {"steps": 1})
+    deep = current = []
+    for _ in range(100):
+        current.append([])
+        current = current[0]
+    now = timezone.now()
+    for seq, output in enumerate([deep, list(range(5000))]):
+        Step.objects.create(run=run, seq=seq, key=f"s{seq}", status="completed", output=output,
+                            started_at=now, finished_at=now, idempotency_key=f"k{seq}")  # fmt: skip
+    vera = browser_as("vera")
+    for seq in (0, 1):
+        body = vera.get(f"/runs/{run.pk}/steps/{seq}").content.decode()
+        assert "<pre>[" in body and "Copy output" in body

@@ -83,6 +83,27 @@ def test_new_steps_are_appended_and_a_filtered_page_gets_only_matches_and_failur
     assert appended == failed
 
 
+def test_a_step_that_fails_on_a_filtered_page_appears_in_place(cast):
+    from django.utils import timezone
+
+    from runs.models import Step
+
+    run = start_run("ledger", {"steps": 4})
+    now = timezone.now()
+    for seq, status in enumerate(["completed", "started", "completed", "completed"]):
+        Step.objects.create(run=run, seq=seq, key=f"s{seq}", status=status, started_at=now,
+                            finished_at=now, idempotency_key=f"k{seq}")  # fmt: skip
+    after = run.events.order_by("-seq").first().seq
+    # The page shows completed steps 0, 2 and 3. Then step 1 fails: it must show, before 2.
+    Step.objects.filter(run=run, seq=1).update(status="failed", error={"message": "boom"})
+    with transaction.atomic():
+        run_event(run.pk, "step.failed", step_key="s1")
+    page = "&from=0&last=3&status=completed&rows=0,2,3"
+    frames = collect(communicator(run, cast["vera"], after, page), 3)
+    assert '<tbody hx-swap-oob="beforebegin:#step-2">' in frames[1]
+    assert '<tr id="step-1" data-status="failed">' in frames[1]
+
+
 def test_the_feed_refuses_anonymous_users_and_foreign_origins(drive):
     from django.contrib.auth.models import AnonymousUser
 

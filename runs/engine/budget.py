@@ -22,11 +22,17 @@ from runs.models import GLOBAL, BudgetLedger, Policy
 MICROS = Decimal("1000000")
 
 
+MAX_USD = Decimal(10) ** 9  # a billion dollars: far above any budget, far below BIGINT micros
+
+
 def to_micros(usd: Decimal | int | str | float) -> int:
     """USD to integer micro-dollars, rounding fractions of a micro-dollar up."""
-    value = Decimal(str(usd))
-    if value < 0:
-        raise ValueError("an amount of USD cannot be negative")
+    try:
+        value = Decimal(str(usd))
+    except ArithmeticError:
+        raise ValueError(f"{usd!r} is not an amount of USD") from None
+    if not value.is_finite() or value < 0 or value > MAX_USD:
+        raise ValueError(f"an amount of USD is a number from 0 to {MAX_USD:,}, not {usd!r}")
     return int((value * MICROS).to_integral_value(rounding=ROUND_CEILING))
 
 

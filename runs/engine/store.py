@@ -177,7 +177,7 @@ def append_event(
     run_id, seq: int, type: str, step_key: str = "", actor: str = "system", /, **payload
 ):
     # After the commit, or a page woken early finds nothing and waits for its next poll.
-    transaction.on_commit(lambda: doorbell.ring(run_id))
+    transaction.on_commit(lambda: doorbell.ring(run_id), robust=True)
     return Event.objects.create(
         run_id=run_id,
         seq=seq,
@@ -352,7 +352,7 @@ def fenced_write(
         seq, step_id, _ = cursor.fetchone()
     if seq is None:
         refused(lease, estimate, compensating, held)
-    transaction.on_commit(lambda: doorbell.ring(lease.run_id))
+    transaction.on_commit(lambda: doorbell.ring(lease.run_id), robust=True)
     return step_id
 
 

@@ -118,9 +118,10 @@ class Doorbell:
             layer = get_channel_layer()
 
             async def send():
-                await asyncio.gather(
-                    *(layer.group_send(f"run-{i}", {"type": "run.doorbell"}) for i in ids)
-                )
+                sends = (layer.group_send(f"run-{i}", {"type": "run.doorbell"}) for i in ids)
+                for failed in await asyncio.gather(*sends, return_exceptions=True):
+                    if isinstance(failed, Exception):
+                        raise failed
 
             # async_to_sync would start a new loop, hence a new Redis connection, per flush.
             if self._aloop is None:

@@ -24,8 +24,8 @@ KIND_LABELS = {
     "child": "child",
     "transaction": "transaction",
 }
-# Containers deeper than this start folded; trees bigger than this are shown as plain text.
-OPEN_DEPTH, MAX_NODES = 2, 2000
+# Containers deeper than OPEN_DEPTH start folded; bigger or deeper trees are shown as text.
+OPEN_DEPTH, MAX_NODES, MAX_DEPTH = 2, 2000, 40
 
 
 @register.filter
@@ -64,19 +64,29 @@ def duration(step) -> str:
 @register.filter
 def as_json(value) -> str:
     """Compact JSON, for copy buttons."""
-    return json.dumps(value, ensure_ascii=False)
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except RecursionError:  # jsonb nests deeper than Python's encoder goes
+        return ""
 
 
 @register.filter
 def json_tree(value) -> SafeString:
-    """Nested, collapsible JSON: objects and arrays are <details>, deeper levels start folded."""
+    """Nested, collapsible JSON: objects and arrays are <details>, deeper levels start folded.
+    Too big or too deep a value is shown as plain text instead (it stops building the tree)."""
     budget = [MAX_NODES]
+
+    class TooBig(Exception):
+        pass
 
     def node(v, depth: int) -> SafeString:
         budget[0] -= 1
+        if budget[0] < 0 or depth > MAX_DEPTH:
+            raise TooBig
         if isinstance(v, dict | list) and v:
             pairs = v.items() if isinstance(v, dict) else enumerate(v)
-            label = f"{{{len(v)} keys}}" if isinstance(v, dict) else f"[{len(v)} items]"
+            n, plural = len(v), "" if len(v) == 1 else "s"
+            label = f"{{{n} key{plural}}}" if isinstance(v, dict) else f"[{n} item{plural}]"
             items = format_html_join(
                 "", '<li><span class="json-key">{}</span>: {}</li>',
                 ((k, node(item, depth + 1)) for k, item in pairs),
@@ -89,10 +99,11 @@ def json_tree(value) -> SafeString:
             )
         return format_html('<code class="json-leaf">{}</code>', json.dumps(v, ensure_ascii=False))
 
-    tree = node(value, 0)
-    if budget[0] < 0:
-        return format_html("<pre>{}</pre>", json.dumps(value, ensure_ascii=False, indent=2))
-    return tree
+    try:
+        return node(value, 0)
+    except TooBig:
+        text = as_json(value) or "(nested too deeply to show; the API returns it)"
+        return format_html("<pre>{}</pre>", text)
 
 
 @register.filter

@@ -71,6 +71,18 @@
     layoutWaterfall();
     if (!window.htmx) return;
     document.body.addEventListener("htmx:wsAfterMessage", layoutWaterfall);
+    // A live update replaces a row: keep it open if the operator had opened it.
+    var reopen = null;
+    document.body.addEventListener("htmx:oobBeforeSwap", function (e) {
+      var d = e.detail.target && e.detail.target.querySelector && e.detail.target.querySelector("details[open]");
+      reopen = d && e.detail.target.id ? e.detail.target.id : null;
+    });
+    document.body.addEventListener("htmx:oobAfterSwap", function () {
+      var row = reopen && document.getElementById(reopen);
+      var d = row && row.querySelector("details");
+      if (d) d.open = true;
+      reopen = null;
+    });
     // Say when the feed is down: the server marks it "live" again when a reconnect succeeds.
     // The ws extension retries after these close codes only; after others, offer a reload.
     var RETRIED = [1006, 1011, 1012, 1013];
@@ -94,9 +106,11 @@
       if (items.length) {
         url = url.replace(/after=\d+/, "after=" + items[items.length - 1].id.slice("event-".length));
       }
-      var rows = document.querySelectorAll("#timeline tr[id^='step-']");
+      var rows = Array.from(document.querySelectorAll("#timeline tr[id^='step-']")).map(
+        function (r) { return Number(r.id.slice("step-".length)); });
       if (rows.length) {
-        url = url.replace(/last=-?\d+/, "last=" + rows[rows.length - 1].id.slice("step-".length));
+        url = url.replace(/last=-?\d+/, "last=" + Math.max.apply(null, rows));
+        url = url.replace(/rows=[\d,]*/, "rows=" + rows.join(","));
       }
       return new WebSocket(url);
     };
