@@ -192,6 +192,7 @@ def test_an_operator_halts_a_running_run_and_sees_it_stop_at_the_next_step(
     from playwright.sync_api import expect
 
     from runs.models import Run, Step
+    from tests.conftest import wait_until
 
     run = start_run("ledger", {"steps": 30, "sleep": 0.3})
     spawn_worker()
@@ -201,9 +202,10 @@ def test_an_operator_halts_a_running_run_and_sees_it_stop_at_the_next_step(
     page.get_by_label("Reason").first.fill("watching a runaway loop")
     page.get_by_role("button", name="Halt").click()
     expect(page.get_by_role("status")).to_contain_text("Halted by otto")
-    page.wait_for_function("document.querySelector('#run-status').textContent.trim() === 'halted'")
-    stopped = Step.objects.filter(run=run).count()
-    assert Run.objects.get(pk=run.pk).status == "halted" and stopped < 30
+    # First the worker stops (the database says so), then the page shows it, live.
+    wait_until(lambda: Run.objects.get(pk=run.pk).status == "halted", what="the worker to stop")
+    expect(page.locator("#run-status")).to_have_text("halted")
+    assert Step.objects.filter(run=run).count() < 30
     # j / k walk the timeline from the keyboard.
     page.keyboard.press("j")
     page.keyboard.press("j")
