@@ -33,8 +33,9 @@ SECRET_KEY = _secret_key()
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost"] if DEBUG else [])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
 
+# No "daphne" app: it only swaps `runserver` for an ASGI one, and its import (Twisted's
+# reactor) costs every process, workers included, about half a second. Serve with daphne.
 INSTALLED_APPS = [
-    "daphne",
     # Before channels: our `runworker` (workflow runs) shadows channels' (channel-layer consumers).
     "runs",
     "approvals",
