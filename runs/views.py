@@ -31,7 +31,7 @@ from approvals.services import decide
 from runs import operations
 from runs.engine.budget import to_usd
 from runs.errors import Forbidden, StepguardError
-from runs.models import GLOBAL, Policy, Run, RunStatus, Step, StepKind, StepStatus
+from runs.models import GLOBAL, Event, Policy, Run, RunStatus, Step, StepKind, StepStatus
 
 log = logging.getLogger("stepguard.dashboard")
 PAGE = 50
@@ -299,11 +299,13 @@ def _before(request) -> int | None:
 def run_detail(request, run_id: UUID):
     """A run's header, actions and timeline. Long runs show their latest steps and events;
     earlier ones load in chunks, so a 5,000-step run renders as fast as a short one."""
+    # Events first, then the run and its steps: anything that changes after the event cursor
+    # (`last_seq`) comes down the live feed, so the status and rows shown are never older
+    # than the cursor. (Read the other way round, a run that halted in between showed
+    # "running" for good: its last event was already behind the cursor.)
+    events, earlier_events = _earlier(Event.objects.filter(run_id=run_id), None, EVENT_CHUNK)
     run = _run_or_404(run_id)
     chosen, match = step_filter(request)
-    # Events first: a step written after this read has events after `last_seq`, so the live
-    # feed brings it even if the step query below already saw it (rows are replaced by id).
-    events, earlier_events = _earlier(run.events.all(), None, EVENT_CHUNK)
     steps, earlier_steps = _earlier(timeline_rows(run.steps.filter(match)), None, STEP_CHUNK)
     return render(
         request,
@@ -461,7 +463,6 @@ def workers_page(request):
 @viewer_required
 def audit_page(request):
     """Every operator action (events with a person as actor), filterable by actor, action, run."""
-    from runs.models import Event
 
     events = Event.objects.exclude(actor="system").select_related("run").order_by("-created_at")
     actor, action, run = (request.GET.get(k, "").strip() for k in ("actor", "action", "run"))

@@ -373,3 +373,19 @@ def test_a_huge_or_deeply_nested_output_shows_as_text_not_an_error(browser_as):
     for seq in (0, 1):
         body = vera.get(f"/runs/{run.pk}/steps/{seq}").content.decode()
         assert "<pre>[" in body and "Copy output" in body
+
+
+def test_the_run_page_reads_its_event_cursor_before_the_run(browser_as, drive):
+    """The live feed sends what comes after the page's last event: the status and rows the
+    page shows must be read after that cursor, or a change in between is never shown."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    run = start_run("ledger", {"steps": 2})
+    drive()
+    vera = browser_as("vera")
+    with CaptureQueriesContext(connection) as queries:
+        vera.get(f"/runs/{run.pk}")
+    tables = [q["sql"].split(" FROM ")[1].split()[0] for q in queries if " FROM " in q["sql"]]
+    first = {t: tables.index(t) for t in ('"runs_event"', '"runs_run"', '"runs_step"')}
+    assert first['"runs_event"'] < first['"runs_run"'] < first['"runs_step"']
