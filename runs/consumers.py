@@ -135,10 +135,12 @@ class RunConsumer(AsyncWebsocketConsumer):
         parts = []
         steps = timeline_rows(run.steps.filter(key__in=touched, seq__gte=self.shown_from))
         for step in steps.order_by("seq"):
+            if step.seq not in self.shown and not self._matches(step):
+                continue  # filtered out, and not on the page
             row = render_to_string("runs/detail.html#step-row", {"s": step})
             if step.seq in self.shown:
                 parts.append(row.replace("<tr ", '<tr hx-swap-oob="outerHTML" ', 1))
-            elif self._matches(step):
+            else:
                 # New, or newly matching the page's filter (a step that just failed): in place.
                 later = [seq for seq in self.shown if seq > step.seq]
                 where = f"beforebegin:#step-{min(later)}" if later else "beforeend:#timeline"
