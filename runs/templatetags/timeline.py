@@ -35,9 +35,7 @@ def kind_label(kind: str) -> str:
 
 @register.filter
 def usd(micros: int | None) -> str:
-    if not micros:
-        return "$0"
-    return f"${to_usd(micros).normalize():f}"
+    return f"${usd_value(micros) or 0}"
 
 
 @register.filter
