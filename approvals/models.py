@@ -8,6 +8,8 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
+from runs.fields import ExactJSONField
+
 
 class ApprovalStatus(models.TextChoices):
     PENDING = "pending"
@@ -43,7 +45,7 @@ class ApprovalRequest(models.Model):
     payload = models.JSONField(null=True, blank=True)
     status = models.CharField(max_length=20, choices=ApprovalStatus, default=ApprovalStatus.PENDING)
     resolution = models.CharField(max_length=20, choices=Resolution, default="", blank=True)
-    resolution_output = models.JSONField(null=True, blank=True)
+    resolution_output = ExactJSONField(null=True, blank=True)
     decided_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
     )

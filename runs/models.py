@@ -12,6 +12,8 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
+from runs.fields import ExactJSONField
+
 
 class RunStatus(models.TextChoices):
     PENDING = "pending"
@@ -78,9 +80,9 @@ class Run(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     workflow = models.CharField(max_length=200)
     version = models.CharField(max_length=50)
-    input = models.JSONField(null=True, blank=True)
+    input = ExactJSONField(null=True, blank=True)
     status = models.CharField(max_length=20, choices=RunStatus, default=RunStatus.PENDING)
-    output = models.JSONField(null=True, blank=True)
+    output = ExactJSONField(null=True, blank=True)
     error = models.JSONField(null=True, blank=True)
     # NULL, not "", for "no key": UNIQUE allows many NULLs but only one "".
     key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
@@ -203,7 +205,7 @@ class Step(models.Model):
     kind = models.CharField(max_length=20, choices=StepKind, default=StepKind.CALL)
     status = models.CharField(max_length=20, choices=StepStatus)
     input = models.JSONField(null=True, blank=True)
-    output = models.JSONField(null=True, blank=True)
+    output = ExactJSONField(null=True, blank=True)
     error = models.JSONField(null=True, blank=True)
     idempotency_key = models.CharField(max_length=300)
     attempt = models.PositiveIntegerField(default=1, help_text="times the function was called")
@@ -281,7 +283,7 @@ class Signal(models.Model):
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="signals")
     name = models.CharField(max_length=200)
-    payload = models.JSONField(null=True, blank=True)
+    payload = ExactJSONField(null=True, blank=True)
     sent_by = models.CharField(max_length=150, default="system")
     created_at = models.DateTimeField()
     consumed_by = models.CharField(max_length=255, blank=True, default="", help_text="step key")

@@ -52,6 +52,7 @@ def _reset_workflow_state():
     workflows.calls.clear()
     workflows.crash_at.clear()
     workflows.variant.clear()
+    workflows.seen.clear()
     workflows.hooks.clear()
 
 

@@ -441,3 +441,30 @@ def breaks_after_effects(ctx: RunContext, input: dict):
     reserved = ctx.step("reserve", effect, ctx, "reserve", {"seat": "12A"})
     charged = ctx.step("charge", effect, ctx, "charge", {"charged": 40})
     return [reserved, charged, ctx.step("deliver", deliver, retry=NO_RETRY)]
+
+
+# -- replay exactness ---------------------------------------------------------------------------
+
+#: What workflow code was handed, in order, across every execution (replays included).
+seen: list = []
+
+
+@workflow("json-echo")
+def json_echo(ctx: RunContext, input: dict):
+    """Hands the same JSON through a step, a signal and a child; records what the code got."""
+    seen.append(("input", ctx.input))
+    made = ctx.step("make", lambda: input["value"])
+    seen.append(("make", made))
+    signalled = ctx.wait_for_event("go", "go")
+    seen.append(("signal", signalled))
+    ctx.wait_for_event("end", "end")
+    return made
+
+
+@workflow("city-loop")
+def city_loop(ctx: RunContext, input: dict):
+    """Books each city of a step's dict output, in its order, one step per position."""
+    plan = ctx.step("plan", lambda: input["plan"])
+    for i, city in enumerate(plan):
+        ctx.step(f"book-{i}", effect, ctx, f"book-{city}")
+    return list(plan)
