@@ -110,6 +110,14 @@ class ChildFailed(StepguardError):
     retryable = False
 
 
+class WorkerLost(StepguardError):
+    """The run's worker died too often in a row without progress (a poison step): the run is
+    failed, its compensations run, and the step that kept killing workers is not re-sent."""
+
+    code = "worker_lost"
+    retryable = False
+
+
 class OperatorFailed(StepguardError):
     """A person decided an ambiguous step should fail the run."""
 

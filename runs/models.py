@@ -217,6 +217,13 @@ class Step(models.Model):
     reserved_micros = models.BigIntegerField(default=0, help_text="estimate held while running")
     reserved_tokens = models.BigIntegerField(default=0)
     reserved_on = models.DateField(null=True, blank=True, help_text="ledger day of the hold")
+    reserved_scopes = models.JSONField(
+        default=list, blank=True, help_text="shared budgets the hold was reserved against"
+    )
+    inherited = models.BooleanField(
+        default=False,
+        help_text="copied from the run this one was forked from: its side effect is that run's",
+    )
     wake_at = models.DateTimeField(null=True, blank=True, help_text="timer or wait deadline")
     started_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True, blank=True)

@@ -18,11 +18,12 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from runs.engine import holds
 from runs.engine.budget import forget_cached_scopes, to_micros
 from runs.engine.store import append_event, create_run, run_event, wake_parent
 from runs.engine.wakeup import notify_runnable
 from runs.errors import Conflict, Forbidden, NotFound, OperationError
-from runs.models import GLOBAL, TERMINAL_STATUSES, Event, Policy, Run, RunStatus, Step, StepStatus
+from runs.models import GLOBAL, Event, Policy, Run, RunStatus, Step, StepStatus
 
 
 def resolve_user(user: AbstractBaseUser | str):
@@ -125,6 +126,12 @@ class Target:
     kind: str  # "run" | "workflow" | "all"
     value: str = ""
 
+    def __post_init__(self) -> None:
+        if self.kind == "workflow" and (not self.value or "*" in self.value):
+            raise OperationError(
+                f"{self.value!r} is not a workflow name ('*' stands for everything: use 'all')"
+            )
+
     @property
     def label(self) -> str:
         return {"run": f"run {self.value}", "workflow": f"workflow {self.value}"}.get(
@@ -163,48 +170,35 @@ def audit(actor: str, type: str, **payload) -> None:
     )
 
 
-def _tree(run: Run) -> list[Run]:
-    """The run and its descendants (child runs, grandchildren...)."""
-    found, frontier = [run], [run.pk]
-    while frontier:
-        children = list(Run.objects.select_for_update().filter(parent_id__in=frontier))
-        found += children
-        frontier = [c.pk for c in children]
-    return found
-
-
-def _halted_scopes() -> set[str]:
-    return set(Policy.objects.filter(halted_at__isnull=False).values_list("scope", flat=True))
-
-
 def _in_scope(target: Target) -> Q:
     return Q() if target.kind == "all" else Q(workflow=target.value)
 
 
 def halt(target, user, reason: str) -> Target:
-    """Halt a run (and its children), a workflow, or everything (the kill switch).
+    """Place a hold on a run (and so its descendants), a workflow, or everything (the kill
+    switch).
 
-    Waiting and pending runs stop at once; running ones at their next step boundary (a step
-    already executing finishes and is checkpointed). Only `unhalt` clears it.
+    Waiting and pending runs it covers stop at once; running ones at their next step boundary
+    (a step already executing finishes and is checkpointed). Only `unhalt` of this same hold
+    lifts it, and lifting it lifts no other hold.
     """
     user = require(user, "runs.halt_run", "halt runs")
     reason = _needs_reason(reason, "a halt")
     target, actor, now = parse_target(target), user.get_username(), timezone.now()
     with transaction.atomic():
         if target.kind == "run":
-            run = lock_run(target.value)
+            root = _find_run(target.value)
+            # Descendants before the run itself: the order a finishing child locks (itself,
+            # then its parent), so a halt and a child's end never deadlock.
+            for member in holds.descendants(root.pk):
+                _park(member, actor, reason, f"parent run {root.pk}")
+            run = lock_run(root.pk)
             if run.is_terminal:
                 raise Conflict(f"run {run.pk} is already {run.status}")
             if run.halted_at is not None:
                 raise Conflict(f"run {run.pk} is already halted by {run.halted_by}")
-            for member in _tree(run):
-                if member.is_terminal or member.halted_at is not None:
-                    continue
-                why = reason if member.pk == run.pk else f"parent run {run.pk} halted: {reason}"
-                Run.objects.filter(pk=member.pk).update(
-                    halted_at=now, halted_by=actor, halt_reason=why
-                )
-                _park(member.pk, actor, why)
+            Run.objects.filter(pk=run.pk).update(halted_at=now, halted_by=actor, halt_reason=reason)
+            _park(run.pk, actor, reason, "run", audit=True)
             return target
         policy, _ = Policy.objects.select_for_update().get_or_create(scope=target.scope)
         if policy.halted_at is not None:
@@ -213,86 +207,93 @@ def halt(target, user, reason: str) -> Target:
             halted_at=now, halted_by=actor, halt_reason=reason
         )
         audit(actor, "halt", target=target.label, reason=reason)
-        for run_id in Run.objects.filter(_in_scope(target), status__in=PARKABLE).values_list(
-            "id", flat=True
-        ):
-            _park(run_id, actor, reason, scope=target.label)
-        if target.kind == "workflow":
-            # Child runs of other workflows stop with their halted parents.
-            why = f"{_CASCADE.format(target.value)}{reason}"
-            for member in _descendants_outside(target.value):
-                Run.objects.filter(pk=member.pk, halted_at__isnull=True).update(
-                    halted_at=now, halted_by=actor, halt_reason=why
-                )
-                _park(member.pk, actor, why)
+        # Every run the hold now covers: the workflow's runs and their descendants.
+        parkable = Run.objects.filter(holds.covered(), status__in=PARKABLE)
+        for run_id in parkable.values_list("id", flat=True):
+            _park(run_id, actor, reason, target.label)
     return target
 
 
-_CASCADE = "workflow {} halted: "
+def _find_run(run_id) -> Run:
+    try:
+        run = Run.objects.filter(pk=run_id).first()
+    except (ValidationError, ValueError):
+        run = None
+    if run is None:
+        raise NotFound(f"no run with id {run_id}")
+    return run
 
 
-def _descendants_outside(workflow: str) -> list[Run]:
-    """Unfinished descendants, of other workflows, of the unfinished runs of `workflow`."""
-    roots = Run.objects.filter(workflow=workflow).exclude(status__in=TERMINAL_STATUSES)
-    found = []
-    for root in roots:
-        found += [m for m in _tree(root)[1:] if m.workflow != workflow and not m.is_terminal]
-    return found
-
-
-def _park(run_id, actor: str, reason: str, scope: str = "run") -> None:
+def _park(run_id, actor: str, reason: str, scope: str, *, audit: bool = False) -> None:
+    """Stop a covered run that holds no worker now; a running one stops at its next step.
+    With `audit`, the run records the action even if it is running."""
     parked = Run.objects.filter(pk=run_id, status__in=PARKABLE).update(status=RunStatus.HALTED)
-    run_event(
-        run_id, "run.halt" if not parked else "run.halted", actor=actor, reason=reason, scope=scope
-    )
+    if parked or audit:
+        run_event(
+            run_id, "run.halted" if parked else "run.halt", actor=actor, reason=reason, scope=scope
+        )
 
 
 def unhalt(target, user, reason: str) -> Target:
-    """Lift a halt. A person's act with a reason: no worker, retry or restart path does this."""
+    """Lift one hold. A person's act with a reason: no worker, retry or restart path does this.
+
+    Runs resume only where no other hold still covers them (a child's own halt, the run's
+    workflow halt, the kill switch stay in force).
+    """
     user = require(user, "runs.unhalt_run", "lift halts")
     reason = _needs_reason(reason, "an unhalt")
     target, actor = parse_target(target), user.get_username()
     with transaction.atomic():
         if target.kind == "run":
-            run = lock_run(target.value)
-            if run.halted_at is None:
-                raise Conflict(f"run {run.pk} is not halted")
-            members = [m for m in _tree(run) if m.halted_at is not None]
-            Run.objects.filter(pk__in=[m.pk for m in members]).update(
-                halted_at=None, halted_by="", halt_reason=""
+            root = _find_run(target.value)
+            members = holds.descendants(root.pk)
+            # Lock the halted descendants first, deepest first, as halt does.
+            list(
+                Run.objects.select_for_update()
+                .filter(pk__in=members, status=RunStatus.HALTED)
+                .values_list("id", flat=True)
             )
-            still = _halted_scopes()
+            run = lock_run(root.pk)
+            if run.halted_at is None:
+                others = ", ".join(h.scope for h in holds.holds_on(run))
+                hint = f" (it is held by {others}: lift that instead)" if others else ""
+                raise Conflict(f"run {run.pk} is not halted by a hold of its own{hint}")
+            Run.objects.filter(pk=run.pk).update(halted_at=None, halted_by="", halt_reason="")
+            resumed = _resume(run.pk)
+            left = [h.scope for h in holds.holds_on(run)]
+            run_event(
+                run.pk, "run.unhalted", actor=actor, reason=reason, scope="run",
+                resumed=resumed, still_held_by=left,
+            )  # fmt: skip
             for member in members:
-                _resume(member.pk, member.workflow, still, actor, reason)
+                if _resume(member):
+                    run_event(
+                        member, "run.unhalted", actor=actor, reason=reason,
+                        scope=f"parent run {run.pk}", resumed=True,
+                    )  # fmt: skip
             return target
         policy = Policy.objects.select_for_update().filter(scope=target.scope).first()
         if policy is None or policy.halted_at is None:
             raise Conflict(f"{target.label} is not halted")
         Policy.objects.filter(pk=policy.pk).update(halted_at=None, halted_by="", halt_reason="")
         audit(actor, "unhalt", target=target.label, reason=reason)
-        if target.kind == "workflow":
-            cascaded = Run.objects.filter(
-                halt_reason__startswith=_CASCADE.format(target.value), halted_at__isnull=False
-            )
-            cascaded.update(halted_at=None, halted_by="", halt_reason="")
-        still = _halted_scopes()
-        scope = _in_scope(target)
-        if target.kind == "workflow":
-            scope |= Q(pk__in=[m.pk for m in _descendants_outside(target.value)])
-        for run_id, workflow in Run.objects.filter(
-            scope, status=RunStatus.HALTED, halted_at__isnull=True
-        ).values_list("id", "workflow"):
-            _resume(run_id, workflow, still, actor, reason)
+        for run_id in Run.objects.filter(status=RunStatus.HALTED).values_list("id", flat=True):
+            if _resume(run_id):
+                run_event(
+                    run_id, "run.unhalted", actor=actor, reason=reason, scope=target.label,
+                    resumed=True,
+                )  # fmt: skip
     return target
 
 
-def _resume(run_id, workflow: str, still_halted: set[str], actor: str, reason: str) -> None:
-    if GLOBAL in still_halted or workflow in still_halted:
-        return
-    resumed = Run.objects.filter(pk=run_id, status=RunStatus.HALTED, halted_at__isnull=True)
-    if resumed.update(status=RunStatus.PENDING, wake_at=timezone.now()):
-        run_event(run_id, "run.unhalted", actor=actor, reason=reason)
+def _resume(run_id) -> bool:
+    """Make a halted run runnable if no hold covers it any more (checked in the statement)."""
+    resumed = Run.objects.filter(holds.uncovered(), pk=run_id, status=RunStatus.HALTED).update(
+        status=RunStatus.PENDING, wake_at=timezone.now()
+    )
+    if resumed:
         transaction.on_commit(notify_runnable)
+    return bool(resumed)
 
 
 KEEP: Any = object()
@@ -432,6 +433,10 @@ def fork_run(run_id, step, user, reason: str) -> Run:
         unfinished = [s.key for s in kept if s.status != StepStatus.COMPLETED]
         if unfinished:
             raise OperationError(f"steps before the fork point are not completed: {unfinished}")
+        # Forking is no way around a halt: a hold on the origin or its ancestors holds the
+        # fork too (workflow and global holds cover it anyway).
+        held = holds.holds_on(origin)
+        own = next((h for h in held if h.kind in ("run", "ancestor")), None)
         fork = create_run(
             workflow=origin.workflow,
             version=origin.version,
@@ -439,13 +444,14 @@ def fork_run(run_id, step, user, reason: str) -> Run:
             key=None,
             forked_from=origin,
             forked_at_seq=seq,
+            # Every option a user set on the origin, with the budgets it had.
+            max_attempts=origin.max_attempts,
             budget_micros=origin.budget_micros,
             budget_tokens=origin.budget_tokens,
-            # A fork of a halted run is halted too: forking is no way around a halt.
-            halted_at=origin.halted_at,
-            halted_by=origin.halted_by,
-            halt_reason=origin.halt_reason,
-            status=RunStatus.HALTED if origin.halted_at else RunStatus.PENDING,
+            halted_at=own.at if own else None,
+            halted_by=own.by if own else "",
+            halt_reason=own.reason if own else "",
+            status=RunStatus.HALTED if held else RunStatus.PENDING,
         )
         Step.objects.bulk_create([_copy_step(s, fork) for s in kept])
         at = kept[-1].key if kept else None
@@ -480,6 +486,7 @@ def _copy_step(step: Step, fork: Run) -> Step:
         output=step.output,
         idempotency_key=f"{fork.pk}:{step.key}",
         attempt=step.attempt,
+        inherited=True,
         started_at=step.started_at,
         finished_at=step.finished_at,
     )

@@ -9,6 +9,7 @@ from django.db import DatabaseError, transaction
 from approvals.models import ApprovalRequest
 from approvals.services import decide
 from examples.models import Effect
+from runs.engine.holds import holds_on
 from runs.models import BudgetLedger, Event, Run, RunStatus, Step
 from runs.operations import (
     OperationError,
@@ -327,7 +328,9 @@ def test_a_workflow_halt_stops_its_runs_children_of_other_workflows(drive, cast)
     assert drive(limit=1) == ["waiting"]
     halt("workflow:parent", cast["otto"], "freeze")
     child = Run.objects.get(parent=parent)
-    assert child.status == RunStatus.HALTED and child.halted_by == "otto"
+    # Held by its parent's workflow halt, as state: it has no hold of its own.
+    assert child.status == RunStatus.HALTED and child.halted_at is None
+    assert [(h.scope, h.by) for h in holds_on(child)] == [("workflow parent", "otto")]
     assert drive() == []
     unhalt("workflow:parent", cast["otto"], "thaw")
     drive()

@@ -282,7 +282,8 @@ def test_a_run_that_kills_its_worker_every_time_is_failed_after_a_bounded_number
         with pytest.raises(Crash):
             drive()
         expire_lease(run.id)
-    assert drive() == []  # the fourth claim fails the run instead of running it again
+    # The fourth execution fails the run at s0 instead of sending s0 again.
+    assert drive() == ["failed"]
 
     run.refresh_from_db()
     assert run.status == RunStatus.FAILED and run.error["code"] == "worker_lost"

@@ -169,17 +169,28 @@ def release_shared(scopes: list[str], held: tuple[int, int], day) -> None:
     _update(scopes, day, _RELEASE, [held[0], held[0], held[1], held[1]], "scope")
 
 
-def settle_shared(scopes: list[str], usage: Usage, held: tuple[int, int], day=None) -> list[str]:
-    """Release a finished step's hold (on the day it was made) and book its spend today;
-    return the budgets now past the warning threshold for the first time today."""
-    today = _ensure_rows(scopes)
-    if any(held):
-        release_shared(scopes, held, day or today)
+def settle_shared(
+    spend_scopes: list[str],
+    usage: Usage,
+    held_scopes: list[str] = (),
+    held: tuple[int, int] = (0, 0),
+    day=None,
+) -> list[str]:
+    """Release a finished step's hold from the ledgers it was reserved against and book its
+    spend on the day of that hold (today for a step that held nothing), so a day's spend is
+    what that day's holds made room for. Returns the budgets now past the warning threshold
+    for the first time that day."""
+    day = day or timezone.now().date()
+    if any(held) and held_scopes:
+        release_shared(list(held_scopes), held, day)
+    if not spend_scopes or not (usage.micros or usage.tokens):
+        return []
+    _ensure_rows(spend_scopes, day)
     rows = _update(
-        scopes, today, "spent_micros = spent_micros + %s, spent_tokens = spent_tokens + %s",
+        spend_scopes, day, "spent_micros = spent_micros + %s, spent_tokens = spent_tokens + %s",
         [usage.micros, usage.tokens], "scope, spent_micros, spent_tokens, warned",
     )  # fmt: skip
-    limits = _limits(scopes)
+    limits = _limits(spend_scopes)
     warned = []
     threshold = Decimal(str(settings.STEPGUARD_BUDGET_WARN_AT))
     for scope, spent_m, spent_t, already in rows:
@@ -192,7 +203,7 @@ def settle_shared(scopes: list[str], usage: Usage, held: tuple[int, int], day=No
             )
         )
         if crossed and not already:
-            BudgetLedger.objects.filter(scope=scope, day=today).update(warned=True)
+            BudgetLedger.objects.filter(scope=scope, day=day).update(warned=True)
             warned.append(_label(scope))
     return warned
 
@@ -205,19 +216,21 @@ def next_day_start():
     return datetime.combine(tomorrow, time(0), tzinfo=UTC)
 
 
-def release_holds(run_id, workflow: str) -> None:
+def release_holds(run_id) -> None:
     """A run ended: give back what its unfinished steps still hold (a step in flight when its
-    worker died and never re-sent). Inside the transaction that ends the run."""
-    from runs.models import Step, StepStatus
+    worker died and never re-sent), from the ledgers and the day each was reserved against,
+    and zero the run's reservation. Inside the transaction that ends the run."""
+    from runs.models import Run, Step, StepStatus
 
     holding = Step.objects.filter(run_id=run_id, status=StepStatus.STARTED).filter(
         Q(reserved_micros__gt=0) | Q(reserved_tokens__gt=0)
     )
-    holds = list(holding.values_list("reserved_micros", "reserved_tokens", "reserved_on"))
-    if not holds:
-        return
-    holding.update(reserved_micros=0, reserved_tokens=0)
-    scopes = scopes_for(workflow)
-    for micros, tokens, day in holds:
+    holds = list(
+        holding.values_list("reserved_micros", "reserved_tokens", "reserved_on", "reserved_scopes")
+    )
+    if holds:
+        holding.update(reserved_micros=0, reserved_tokens=0, reserved_scopes=[])
+    for micros, tokens, day, scopes in holds:
         if scopes and day:
-            release_shared(scopes, (micros, tokens), day)
+            release_shared(list(scopes), (micros, tokens), day)
+    Run.objects.filter(pk=run_id).update(reserved_micros=0, reserved_tokens=0)

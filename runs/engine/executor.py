@@ -29,17 +29,19 @@ from uuid import UUID
 
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
-from django.db.models import F, Q
+from django.db.models import Case, DateTimeField, F, Q, Value, When
+from django.db.models.functions import Cast
 from django.utils import timezone
 
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
+from runs.engine import holds, registry
 from runs.engine import llm as llm_engine
-from runs.engine import registry
 from runs.engine.budget import (
     Metered,
     Usage,
     next_day_start,
     release_holds,
+    release_shared,
     reserve_shared,
     scopes_for,
     settle_shared,
@@ -74,9 +76,12 @@ from runs.errors import (
     StepMisuse,
     Suspended,
     WaitTimeout,
+    WorkerLost,
 )
 from runs.models import (
+    GLOBAL,
     TERMINAL_STATUSES,
+    Policy,
     Recovery,
     Run,
     RunStatus,
@@ -105,6 +110,8 @@ REPLAY_FIELDS = (
     "reserved_micros",
     "reserved_tokens",
     "reserved_on",
+    "reserved_scopes",
+    "inherited",
 )
 
 
@@ -225,11 +232,20 @@ def _as_timedelta(value: float | timedelta, what: str) -> timedelta:
 
 @dataclass(frozen=True)
 class _Held:
-    """What a running step holds against budgets: its reservation and the shared scopes."""
+    """What a running step holds against budgets: its estimate, the shared budgets and the
+    day it was reserved against. Released from exactly those when the step finishes."""
 
     reserved: tuple[int, int] = (0, 0)
     shared: list[str] = field(default_factory=list)
     day: date | None = None
+
+    @classmethod
+    def of(cls, record: Step | None) -> _Held:
+        """What a recorded step (found `started` after a crash) still holds."""
+        if record is None or not (record.reserved_micros or record.reserved_tokens):
+            return cls()
+        reserved = (record.reserved_micros, record.reserved_tokens)
+        return cls(reserved, list(record.reserved_scopes or []), record.reserved_on)
 
 
 @dataclass
@@ -261,6 +277,11 @@ class RunContext:
         self._in_step: str | None = None
         self._idempotency_key: str | None = None
         self._cancel_requested = run.cancel_requested_at is not None
+        self._forked_from = run.forked_from_id
+        #: Set past the poison-run bound: the first step not yet completed fails the run
+        #: instead of being re-sent, so the compensations run without the step that kept
+        #: killing workers.
+        self._give_up: StepguardError | None = None
         self._compensations: list[tuple[str, Callable, Any]] = []
         self._compensating = False
         self._patches: dict[str, bool] = {}
@@ -332,7 +353,9 @@ class RunContext:
     ) -> Any:
         key, seq, record = self._enter(key, internal=internal)
         if record is not None and record.status == StepStatus.COMPLETED:
-            return self._remember(key, compensate, record.output)
+            # A step copied from the run this one was forked from did its side effect there:
+            # this run undoes only what it did itself.
+            return self._remember(key, None if record.inherited else compensate, record.output)
         idem = f"{self.run_id}:{key}"
         ambiguous = record is not None and record.status == StepStatus.STARTED
         if ambiguous and (reconcile is not None or on_ambiguous == "ask"):
@@ -368,19 +391,22 @@ class RunContext:
             if ambiguous:
                 fields["recovered"] = payload["recovered"] = Recovery.RESENT
         # An estimate is held against the budgets while the step runs; a step re-sent after a
-        # crash still holds what its first attempt reserved.
+        # crash still holds what its first attempt reserved. A hold made on an earlier day (or
+        # against other shared budgets) moves to today's ledgers: the old day's spend is no
+        # reason to refuse the step today.
         want = (estimate.micros, estimate.tokens) if estimate else (0, 0)
-        held = (record.reserved_micros, record.reserved_tokens) if record else (0, 0)
+        old = _Held.of(record)
+        held = old.reserved
         delta = (max(want[0] - held[0], 0), max(want[1] - held[1], 0))
         reserved = (held[0] + delta[0], held[1] + delta[1])
-        day = record.reserved_on if record is not None and any(held) else None
-        if any(delta):
+        shared = [] if self._compensating else scopes_for(self.workflow)
+        today = timezone.now().date()
+        moving = any(held) and (old.day != today or old.shared != shared)
+        if any(reserved):
             fields["reserved_micros"], fields["reserved_tokens"] = reserved
-            day = day or timezone.now().date()
-            fields["reserved_on"] = day
-        shared = scopes_for(self.workflow)
+            fields["reserved_on"], fields["reserved_scopes"] = today, shared
         try:
-            if approval is None and not shared:
+            if approval is None and not shared and not moving:
                 step_pk = fenced_write(
                     self._lease,
                     ("step.started", key, payload),
@@ -393,8 +419,13 @@ class RunContext:
             else:
                 with transaction.atomic():
                     event_seq = fence(self._lease, estimate=delta, held=held, **self._start)
-                    if shared and not self._compensating:
-                        reserve_shared(shared, delta, held, day)
+                    if moving:
+                        release_shared(old.shared, held, old.day)
+                    if shared:
+                        if moving:
+                            reserve_shared(shared, reserved, (0, 0), today)
+                        else:
+                            reserve_shared(shared, delta, held, today)
                     self._check_approval(approval)
                     if record is None:
                         step_pk = Step.objects.create(run_id=self._lease.run_id, **fields).pk
@@ -404,9 +435,9 @@ class RunContext:
                     append_event(self._lease.run_id, event_seq, "step.started", key, **payload)
         except ApprovalRevoked as exc:
             step_pk = record.pk if record is not None else None
-            self._record_failure(step_pk, seq, key, idem, kind, 1, exc)
+            self._record_failure(step_pk, seq, key, idem, kind, 1, exc, old)
         policy = retry or DEFAULT_RETRY
-        held_now = _Held(reserved, shared, day)
+        held_now = _Held(reserved, shared, today) if any(reserved) else _Held()
         output = self._call(
             step_pk, key, idem, fn, args, kwargs, policy, attempt, held_now, approval
         )
@@ -501,7 +532,10 @@ class RunContext:
         self._seq += 1
         if record is None:
             with transaction.atomic():
-                event_seq = fence(self._lease, **self._start)
+                # A marker spends nothing: halts and cancels stop it, a spent budget does not.
+                event_seq = fence(self._lease, starting=True, compensating=True)
+                if self._cancel_requested and not self._compensating:
+                    raise Cancelled("cancel requested")
                 self._new_step(
                     seq, key, StepKind.CALL, StepStatus.COMPLETED, finished_at=timezone.now()
                 )
@@ -872,24 +906,40 @@ class RunContext:
 
     def _admit(self, key: str, seq: int, record: Step | None) -> None:
         """Decide whether the step at this position may go on; raise what replay must raise."""
-        if record is not None and record.key == key and record.status == StepStatus.COMPLETED:
-            return
-        if self._cancel_requested and not self._compensating:
-            raise Cancelled("cancel requested")
-        if record is not None:
-            if record.key != key:
-                raise NonDeterminismError(seq=seq, recorded=record.key, requested=key)
-            # A failure replays as itself, so code that caught it takes the same branch again.
-            # Only the failure that ended an earlier run attempt (the last recorded step) is
-            # attempted afresh when the run is retried.
+        if record is not None and record.key == key:
+            if record.status == StepStatus.COMPLETED:
+                return
+            # A failure replays as itself, so code that caught it takes the same branch again,
+            # even under a cancel: replay must reach every completed step after it, or their
+            # compensations would never be known. Only the failure that ended an earlier run
+            # attempt (the last recorded step) is attempted afresh when the run is retried.
             if record.status == StepStatus.FAILED and (
                 record.run_attempt == self.attempt or seq != self._last_seq
             ):
                 self._raise_recorded(key, record.error or {})
+        if self._give_up is not None and not self._compensating:
+            if record is not None and record.key != key:
+                raise NonDeterminismError(seq=seq, recorded=record.key, requested=key)
+            raise self._give_up
+        if self._cancel_requested and not self._compensating:
+            # Before the determinism check: after a cancel, the positions past this one hold
+            # the compensations, not the steps the code would take next.
+            raise Cancelled("cancel requested")
+        if record is not None and record.key != key:
+            raise NonDeterminismError(seq=seq, recorded=record.key, requested=key)
         if self._lease.lost.is_set():
             raise LeaseLost(f"run {self.run_id}: lease lost")
         if self._lease.stopping.is_set():
             raise Released("worker shutting down")
+
+    def _check_all_replayed(self) -> None:
+        """A run that returns before the positions its history holds took another path than
+        it recorded (steps removed from the end of the code): that is a changed workflow too."""
+        if self._seq <= self._last_seq:
+            recorded = self._history[min(k for k in self._history if k >= self._seq)]
+            raise NonDeterminismError(
+                seq=recorded.seq, recorded=recorded.key, requested="(the workflow returned)"
+            )
 
     @staticmethod
     def _raise_recorded(key: str, error: dict) -> NoReturn:
@@ -930,12 +980,20 @@ class RunContext:
             return
         approval_id = decision.approval_id if isinstance(decision, Decision) else int(decision)
         stands = ApprovalRequest.objects.filter(
-            pk=approval_id, run_id=self._lease.run_id, status=ApprovalStatus.APPROVED
+            pk=approval_id, run_id__in=self._fork_lineage(), status=ApprovalStatus.APPROVED
         ).exists()
         if not stands:
             raise ApprovalRevoked(
                 f"approval #{approval_id} no longer stands; the step did not start"
             )
+
+    def _fork_lineage(self) -> list:
+        """This run and the runs it was forked from: a fork replays their approvals."""
+        chain, origin = [self._lease.run_id], self._forked_from
+        while origin is not None:
+            chain.append(origin)
+            origin = Run.objects.filter(pk=origin).values_list("forked_from_id", flat=True)[0]
+        return chain
 
     def _invoke(self, key: str, idem: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
         self._in_step, self._idempotency_key = key, idem
@@ -1015,9 +1073,12 @@ class RunContext:
         """Finish a step: its row, its event and, if it spent or held anything, the budgets."""
         fields["finished_at"] = timezone.now()
         event = "step.completed" if fields["status"] == StepStatus.COMPLETED else "step.failed"
+        # A step finished is progress (the poison-run count restarts), except the
+        # compensations of a run being given up: they must not make it look healthy again.
+        progress = self._give_up is None
         if usage is None and not any(held.reserved):
             fenced_write(
-                self._lease, (event, key, payload), update_step=(step_pk, fields), progress=True
+                self._lease, (event, key, payload), update_step=(step_pk, fields), progress=progress
             )
             return
         usage = usage or Usage()
@@ -1028,16 +1089,17 @@ class RunContext:
             "cost_micros": usage.micros,
             "reserved_micros": 0,
             "reserved_tokens": 0,
+            "reserved_scopes": [],
         }
         if usage.tokens or usage.micros:
             payload = {**payload, "tokens": usage.tokens, "usd": str(usage.usd)}
         with transaction.atomic():
             fenced_write(
                 self._lease, (event, key, payload), update_step=(step_pk, fields),
-                progress=True, spend=spend,
+                progress=progress, spend=spend,
             )  # fmt: skip
-            warnings = (
-                settle_shared(held.shared, usage, held.reserved, held.day) if held.shared else []
+            warnings = settle_shared(
+                scopes_for(self.workflow), usage, held.shared, held.reserved, held.day
             )
             ratio = settings.STEPGUARD_BUDGET_WARN_AT
             near = Q(budget_micros__isnull=False, cost_micros__gte=F("budget_micros") * ratio) | Q(
@@ -1102,30 +1164,50 @@ class RunContext:
         if found is NOT_FOUND:
             return NOT_FOUND
         output = to_json(found, what=f"the reconciled output of step {record.key!r}")
-        self._write(
+        self._settle_step(
             record.pk,
             record.key,
-            "step.completed",
             {"attempt": record.attempt, "recovered": Recovery.RECONCILED},
-            progress=True,
-            status=StepStatus.COMPLETED,
-            output=output,
-            recovered=Recovery.RECONCILED,
-            finished_at=timezone.now(),
+            {"status": StepStatus.COMPLETED, "output": output, "recovered": Recovery.RECONCILED},
+            None,
+            _Held.of(record),
         )
         return output
 
     def _ask(self, record: Step, idem: str) -> Any:
         """The third ambiguous-outcome policy: a person says what happened."""
         label = f"{record.key}@attempt-{record.attempt}"
-        failure = None
-        with transaction.atomic():
-            event_seq, now = self._wait_fence()
-            request = (
-                ApprovalRequest.objects.select_related("decided_by")
-                .filter(run_id=self._lease.run_id, step_key=label)
-                .first()
+        request = (
+            ApprovalRequest.objects.select_related("decided_by")
+            .filter(run_id=self._lease.run_id, step_key=label)
+            .first()
+        )
+        if request is not None and request.status != ApprovalStatus.PENDING:
+            # Decided: the step leaves `started` like any other, giving back what it held.
+            if request.resolution == Resolution.RESEND:
+                return NOT_FOUND
+            held = _Held.of(record)
+            if request.resolution == Resolution.HAPPENED:
+                self._settle_step(
+                    record.pk,
+                    record.key,
+                    {"recovered": Recovery.CONFIRMED, "approval_id": request.pk},
+                    {
+                        "status": StepStatus.COMPLETED,
+                        "output": request.resolution_output,
+                        "recovered": Recovery.CONFIRMED,
+                    },
+                    None,
+                    held,
+                )
+                return request.resolution_output
+            who = request.decided_by.get_username() if request.decided_by else "an operator"
+            failure = OperatorFailed(f"{who} failed the run at ambiguous step {record.key!r}")
+            self._record_failure(
+                record.pk, None, record.key, idem, None, record.attempt, failure, held
             )
+        with transaction.atomic():
+            event_seq, _ = self._wait_fence()
             if request is None:
                 request = ApprovalRequest.objects.create(
                     run_id=self._lease.run_id,
@@ -1147,36 +1229,12 @@ class RunContext:
                     self._lease.run_id, event_seq, "approval.requested", record.key,
                     approval_id=request.pk, kind=ApprovalKind.AMBIGUOUS,
                 )  # fmt: skip
-                self._suspend(None)
-            elif request.status == ApprovalStatus.PENDING:
-                append_event(
-                    self._lease.run_id,
-                    event_seq,
-                    "approval.waiting",
-                    record.key,
-                    approval_id=request.pk,
-                )
-                self._suspend(None)
-            elif request.resolution == Resolution.HAPPENED:
-                Step.objects.filter(pk=record.pk).update(
-                    status=StepStatus.COMPLETED,
-                    output=request.resolution_output,
-                    recovered=Recovery.CONFIRMED,
-                    finished_at=now,
-                )
-                append_event(
-                    self._lease.run_id, event_seq, "step.completed", record.key,
-                    recovered=Recovery.CONFIRMED, approval_id=request.pk,
-                )  # fmt: skip
-                return request.resolution_output
-            elif request.resolution == Resolution.RESEND:
-                return NOT_FOUND
             else:
-                who = request.decided_by.get_username() if request.decided_by else "an operator"
-                failure = OperatorFailed(f"{who} failed the run at ambiguous step {record.key!r}")
-                self._settle(record, event_seq, now, error=failure)
-        if failure is not None:
-            raise failure
+                append_event(
+                    self._lease.run_id, event_seq, "approval.waiting", record.key,
+                    approval_id=request.pk,
+                )  # fmt: skip
+            self._suspend(None)
         raise Suspended(f"waiting for a person to resolve step {record.key!r}")
 
     def _append_events(self, first_seq: int, events: list[tuple[str, str, dict]]) -> None:
@@ -1259,7 +1317,7 @@ class RunContext:
 def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields) -> None:
     with transaction.atomic():
         if fields.get("status") in TERMINAL_STATUSES:
-            release_holds(lease.run_id, lease.workflow)
+            release_holds(lease.run_id)
             fields |= {"reserved_micros": 0, "reserved_tokens": 0}
         event_seq = fence(lease, progress=True)
         Run.objects.filter(pk=lease.run_id).update(**fields)
@@ -1274,24 +1332,92 @@ def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields
             )
 
 
-def release(lease: Lease, reason: str) -> bool:
-    """Give the run back to the queue now (SIGTERM), bumping the epoch so we cannot write again."""
-    from runs.engine.wakeup import notify_runnable
+def _give_back(
+    lease: Lease,
+    event: str,
+    payload: dict,
+    *,
+    status: str,
+    wake_at: datetime | None,
+    over: OverBudget | None = None,
+    **fields,
+) -> str:
+    """Give the run up without ending it (paused, released, retrying); return its new status.
 
+    Where it goes is decided in the one statement that writes it, against the holds and
+    budgets as they are then, not as the worker saw them: a hold covering the run makes it
+    `halted` whatever the caller asked; an over-budget pause whose limit was changed since the
+    refusal makes it `pending` (the next start re-checks). The rows those decisions read are
+    share-locked first, so an unhalt or a budget raise committed at the same moment is either
+    seen here or sees the paused run and resumes it: never lost.
+    """
+    with transaction.atomic():
+        event_seq = fence(lease, progress=True)
+        run = Run.objects.only("id", "parent_id", "workflow").get(pk=lease.run_id)
+        holds.lock_holds(run)
+        def moment(value: datetime | None):
+            return Cast(Value(value), output_field=DateTimeField())  # a typed NULL too
+
+        status_cases = [When(holds.covered(), then=Value(RunStatus.HALTED))]
+        wake_cases = [When(holds.covered(), then=moment(None))]
+        if over is not None:
+            still = _still_over(run, over)
+            status_cases.append(When(still, then=Value(RunStatus.OVER_BUDGET)))
+            wake = None if over.budget == "run" else next_day_start()
+            wake_cases.append(When(still, then=moment(wake)))
+        Run.objects.filter(pk=lease.run_id).update(
+            status=Case(*status_cases, default=Value(status)),
+            wake_at=Case(*wake_cases, default=moment(wake_at)),
+            worker=None,
+            lease_until=None,
+            **fields,
+        )
+        outcome = Run.objects.filter(pk=lease.run_id).values_list("status", flat=True)[0]
+        if outcome == RunStatus.HALTED and event in ("run.halted", "budget.exceeded"):
+            hold = holds.holds_on(run)[0]
+            event, payload = (
+                "run.halted",
+                {"scope": hold.scope, "by": hold.by, "reason": hold.reason},
+            )
+        elif outcome == RunStatus.PENDING and event in ("run.halted", "budget.exceeded"):
+            lifted = "hold was lifted" if event == "run.halted" else "budget was changed"
+            event, payload = "run.requeued", {"reason": f"the {lifted} as the run paused"}
+        elif outcome == RunStatus.HALTED:
+            payload = {**payload, "halted": [h.as_json() for h in holds.holds_on(run)]}
+        append_event(lease.run_id, event_seq, event, **payload)
+    if outcome == RunStatus.PENDING:
+        from runs.engine.wakeup import notify_runnable
+
+        transaction.on_commit(notify_runnable)
+    return outcome
+
+
+def _still_over(run: Run, stop: OverBudget) -> Q:
+    """The condition under which an over-budget pause still stands: the limit that refused
+    the step is unchanged (a run's own in the statement; a shared one under its row lock)."""
+    if stop.budget == "run":
+        column = "budget_micros" if stop.unit == "micro-USD" else "budget_tokens"
+        return Q(**{column: stop.limit})
+    scope = GLOBAL if stop.budget == "global daily" else run.workflow
+    column = "daily_budget_micros" if stop.unit == "micro-USD" else "daily_budget_tokens"
+    current = Policy.objects.filter(scope=scope).values_list(column, flat=True).first()
+    return Q(pk=run.pk) if current == stop.limit else ~Q(pk=run.pk)
+
+
+def release(lease: Lease, reason: str) -> bool:
+    """Give the run back to the queue now (SIGTERM), bumping the epoch so we cannot write again.
+    A run a hold covers goes to `halted` instead of `pending`."""
     try:
-        _finish(
+        _give_back(
             lease,
             "run.released",
             {"reason": reason},
             status=RunStatus.PENDING,
-            worker=None,
-            lease_until=None,
             wake_at=timezone.now(),
             lease_epoch=F("lease_epoch") + 1,
         )
     except (LeaseLost, Cancelled):
         return False
-    transaction.on_commit(notify_runnable)
     return True
 
 
@@ -1305,12 +1431,20 @@ def execute(run: Run, lease: Lease) -> str:
     checkpoints = Step.objects.filter(run_id=run.id).order_by("seq").only(*REPLAY_FIELDS)
     history = {s.seq: s for s in checkpoints}
     ctx = RunContext(run, history, lease)
+    if run.recoveries >= settings.STEPGUARD_MAX_RECOVERIES:
+        started = next((s.key for s in history.values() if s.status == StepStatus.STARTED), None)
+        ctx._give_up = WorkerLost(
+            f"its worker was lost {run.recoveries} times in a row without progress"
+            + (f", each time during step {started!r}" if started else "")
+            + " (STEPGUARD_MAX_RECOVERIES)"
+        )
     try:
         definition = registry.get(run.workflow, run.version)
         if inspect.iscoroutinefunction(definition.fn):
             result = _run_async(definition.fn, ctx, run.input)
         else:
             result = definition.fn(ctx, run.input)
+        ctx._check_all_replayed()
         output = to_json(result, what=f"the result of workflow {run.workflow!r}")
     except Suspended:
         return "waiting"
@@ -1407,15 +1541,14 @@ def _run_compensations(ctx: RunContext) -> tuple[list[str], dict | None]:
 
 
 def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> str:
-    """Park a run that must not take its next step: halted by a person, or over budget.
+    """Park a run that must not take its next step: halted by a hold, or over budget.
 
-    It holds no worker; only `unhalt` or a raised budget makes it runnable again."""
-    fields = {"worker": None, "lease_until": None}
+    It holds no worker; only an unhalt or a changed budget makes it runnable again (and if
+    either landed while we were pausing, `_give_back` sees it and requeues the run)."""
     try:
         if isinstance(stop, Halted):
             payload = {"scope": stop.scope, "by": stop.by, "reason": stop.reason}
-            _finish(lease, "run.halted", payload, status=RunStatus.HALTED, **fields)
-            return "halted"
+            return _give_back(lease, "run.halted", payload, status=RunStatus.HALTED, wake_at=None)
         payload = {
             "budget": stop.budget,
             "unit": stop.unit,
@@ -1423,11 +1556,13 @@ def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> str:
             "spent": stop.spent,
             "estimate": stop.estimate,
         }
-        # A run's own budget waits for a person; a shared daily one also for the next day.
-        fields["wake_at"] = None if stop.budget == "run" else next_day_start()
-        _finish(lease, "budget.exceeded", payload, status=RunStatus.OVER_BUDGET, **fields)
-        log.warning("run %s paused: %s", run.id, stop)
-        return "over_budget"
+        outcome = _give_back(
+            lease, "budget.exceeded", payload, status=RunStatus.PENDING,
+            wake_at=timezone.now(), over=stop,
+        )  # fmt: skip
+        if outcome == RunStatus.OVER_BUDGET:
+            log.warning("run %s paused: %s", run.id, stop)
+        return outcome
     except LeaseLost:
         return "lost"
 
@@ -1481,17 +1616,17 @@ def _fail(run: Run, ctx: RunContext, lease: Lease, exc: Exception) -> str:
             base = settings.STEPGUARD_RUN_RETRY_BASE_SECONDS * 2 ** (run.attempt - 1)
             delay = min(base, 300) * random.uniform(0.8, 1.2)
             wake_at = timezone.now() + timedelta(seconds=delay)
-            _finish(
+            outcome = _give_back(
                 lease,
                 "run.retrying",
                 {"attempt": run.attempt + 1, "wake_at": wake_at.isoformat(), "error": _brief(exc)},
                 status=RunStatus.PENDING,
+                wake_at=wake_at,
                 attempt=F("attempt") + 1,
                 error=error,
-                worker=None,
-                lease_until=None,
-                wake_at=wake_at,
             )
+            if outcome == RunStatus.HALTED:
+                return "halted"
             log.info(
                 "run %s: attempt %s failed (%s); retrying in %.1fs", run.id, run.attempt, exc, delay
             )

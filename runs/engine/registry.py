@@ -27,6 +27,9 @@ _latest: dict[str, str] = {}
 def register(name: str, version: str, fn: Callable) -> WorkflowDef:
     if not name or not isinstance(name, str):
         raise ValueError("a workflow needs a non-empty name")
+    if "*" in name:
+        # "*" names everything in halts and budgets (Policy scope); a workflow must not alias it.
+        raise ValueError(f"workflow name {name!r} contains '*', which stands for every workflow")
     version = str(version)
     existing = _workflows.get((name, version))
     if existing and existing.fn.__qualname__ != fn.__qualname__:

@@ -15,9 +15,10 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from runs.engine.holds import covered_sql, holds_on
 from runs.engine.wakeup import doorbell
 from runs.errors import Cancelled, Halted, LeaseLost, OverBudget
-from runs.models import GLOBAL, Event, Policy, Run, RunStatus, Step
+from runs.models import Event, Run, RunStatus, Step
 
 
 @dataclass
@@ -32,18 +33,14 @@ class Lease:
 
 
 _TABLE = Run._meta.db_table
-_POLICY = Policy._meta.db_table
 
-# A step may start only if the run is ours, not cancelled and not halted (itself, its workflow
-# or everything), and its estimate fits the run's budget, which must not be spent already (not
-# counting what the step itself holds from an attempt before a crash). Compensations are
+# A step may start only if the run is ours, not cancelled, not covered by a hold (its own, an
+# ancestor's, a workflow's or everything's: see holds.py), and its estimate fits the run's
+# budget, which must not be spent already (not counting what the step itself holds from an
+# attempt before a crash). Compensations are
 # exempt from the cancel and from budgets: undoing must stay possible. Halts stop everything.
 _NOT_CANCELLED = " AND cancel_requested_at IS NULL"
-_NOT_HALTED = (
-    " AND halted_at IS NULL"
-    f" AND NOT EXISTS (SELECT 1 FROM {_POLICY} p WHERE p.halted_at IS NOT NULL"
-    f" AND (p.scope = '*' OR p.scope = {_TABLE}.workflow))"
-)
+_NOT_HALTED = f" AND NOT {covered_sql(_TABLE)}"
 _IN_BUDGET = (
     " AND (budget_micros IS NULL OR (cost_micros + reserved_micros + %s <= budget_micros"
     " AND cost_micros + reserved_micros - %s < budget_micros))"
@@ -150,16 +147,9 @@ def refused(
         raise LeaseLost(f"run {lease.run_id}: lease epoch {lease.epoch} is no longer current")
     if run.cancel_requested_at is not None and not compensating:
         raise Cancelled("cancel requested")
-    if run.halted_at is not None:
-        raise Halted("run", run.halted_by, run.halt_reason)
-    policy = (
-        Policy.objects.filter(scope__in=[GLOBAL, run.workflow], halted_at__isnull=False)
-        .order_by("scope")
-        .first()
-    )
-    if policy is not None:
-        scope = "everything" if policy.scope == GLOBAL else f"workflow {policy.scope}"
-        raise Halted(scope, policy.halted_by, policy.halt_reason)
+    holds = holds_on(run)
+    if holds:
+        raise Halted(holds[0].scope, holds[0].by, holds[0].reason)
     tokens = run.tokens_in + run.tokens_out
     checks = (
         ("micro-USD", run.budget_micros, run.cost_micros, run.reserved_micros, 0),

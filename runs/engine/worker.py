@@ -22,12 +22,12 @@ from django.db import close_old_connections, transaction
 from django.db.models import F, Min, Q
 from django.utils import timezone
 
-from runs.engine import registry
+from runs.engine import holds, registry
 from runs.engine.budget import release_holds
 from runs.engine.executor import execute, release
 from runs.engine.store import Lease, append_event, wake_parent
 from runs.engine.wakeup import Listener, is_postgres
-from runs.models import GLOBAL, Policy, Run, RunStatus, Step, StepStatus, Worker
+from runs.models import GLOBAL, Policy, Run, RunStatus, Worker
 
 log = logging.getLogger("stepguard.worker")
 
@@ -163,15 +163,14 @@ class WorkerProcess:
     def claim(self, limit: int) -> list[Run]:
         now = timezone.now()
         claimed_ids = []
-        halted = set(Policy.objects.filter(halted_at__isnull=False).values_list("scope", flat=True))
-        self._park_halted(now, halted)
-        if GLOBAL in halted:
+        self._park_held(now)
+        if Policy.objects.filter(scope=GLOBAL, halted_at__isnull=False).exists():
             return []  # the kill switch: nothing starts
         with transaction.atomic():
             candidates = list(
                 Run.objects.select_for_update(skip_locked=True)
-                .filter(runnable_filter(now) & self._mine, halted_at__isnull=True)
-                .exclude(workflow__in=halted)
+                .filter(runnable_filter(now) & self._mine)
+                .filter(holds.uncovered())
                 .order_by("wake_at")
                 .values_list("id", "status", "lease_epoch", "event_seq", "recoveries")[:limit]
             )
@@ -185,26 +184,33 @@ class WorkerProcess:
         # Whatever was taken over between our commit and this read is dropped, not adopted.
         return [run for run in runs if run.lease_epoch == epochs[run.id]]
 
-    def _park_halted(self, now, halted_scopes: set[str]) -> None:
-        """Runs whose worker died after they were halted: mark them halted, never resume them."""
-        stopped = Q(halted_at__isnull=False)
-        if GLOBAL in halted_scopes:
-            stopped = Q()
-        elif halted_scopes:
-            stopped |= Q(workflow__in=halted_scopes)
-        stuck = Run.objects.filter(stopped, status=RunStatus.RUNNING, lease_until__lt=now)
+    def _park_held(self, now) -> None:
+        """Runs a hold covers that are due or whose worker died: mark them halted, never run
+        them. Also catches a run requeued at the instant a hold was placed (the hold's own
+        parking saw it running)."""
+        due = Q(status=RunStatus.RUNNING, lease_until__lt=now) | Q(
+            status__in=WAKEABLE, wake_at__lte=now
+        )
+        stuck = Run.objects.filter(due, holds.covered())
         for run_id, epoch, event_seq in stuck.values_list("id", "lease_epoch", "event_seq")[:50]:
-            parked = Run.objects.filter(pk=run_id, lease_epoch=epoch, event_seq=event_seq).update(
-                status=RunStatus.HALTED,
-                worker=None,
-                lease_until=None,
-                lease_epoch=F("lease_epoch") + 1,
-                event_seq=F("event_seq") + 1,
-            )
-            if parked:
-                append_event(
-                    run_id, event_seq + 1, "run.halted", reason="halted while its worker was lost"
+            with transaction.atomic():
+                parked = (
+                    Run.objects.filter(pk=run_id, lease_epoch=epoch, event_seq=event_seq)
+                    .filter(due, holds.covered())
+                    .update(
+                        status=RunStatus.HALTED,
+                        worker=None,
+                        lease_until=None,
+                        lease_epoch=F("lease_epoch") + 1,
+                        event_seq=F("event_seq") + 1,
+                    )
                 )
+                if parked:
+                    held_by = [h.as_json() for h in holds.holds_on(Run.objects.get(pk=run_id))]
+                    append_event(
+                        run_id, event_seq + 1, "run.halted",
+                        reason="a hold covers the run", held_by=held_by,
+                    )  # fmt: skip
 
     def _claim_one(self, run_id, status, epoch, event_seq, recoveries, now) -> bool:
         # Compare-and-swap on (epoch, event_seq): on SQLite there is no row lock, so this is
@@ -213,16 +219,13 @@ class WorkerProcess:
             runnable_filter(now), pk=run_id, lease_epoch=epoch, event_seq=event_seq
         )
         recovering = status == RunStatus.RUNNING
-        if recovering and recoveries + 1 >= settings.STEPGUARD_MAX_RECOVERIES:
-            step = (
-                Step.objects.filter(run_id=run_id, status=StepStatus.STARTED)
-                .values_list("key", flat=True)
-                .first()
-            )
+        # Past the poison-run bound the run is claimed to be failed with its compensations
+        # (see executor.execute); past twice the bound even those kept killing workers, so it
+        # is failed here, where nothing of it runs.
+        if recovering and recoveries + 1 >= 2 * settings.STEPGUARD_MAX_RECOVERIES:
             reason = (
-                f"its worker was lost {recoveries + 1} times in a row without progress"
-                + (f", each time during step {step!r}" if step else "")
-                + " (STEPGUARD_MAX_RECOVERIES)"
+                f"its worker was lost {recoveries + 1} times in a row without progress, "
+                "its compensations included (STEPGUARD_MAX_RECOVERIES)"
             )
             updated = current.update(
                 status=RunStatus.FAILED,
@@ -234,8 +237,7 @@ class WorkerProcess:
                 event_seq=F("event_seq") + 1,
             )
             if updated:
-                workflow = Run.objects.filter(pk=run_id).values_list("workflow", flat=True)[0]
-                release_holds(run_id, workflow)
+                release_holds(run_id)
                 append_event(run_id, event_seq + 1, "run.failed", reason=reason)
                 wake_parent(run_id, RunStatus.FAILED)
                 log.error("run %s failed: %s", run_id, reason)

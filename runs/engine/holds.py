@@ -1,0 +1,149 @@
+"""Holds: what stops a run, kept as state and never inferred from text.
+
+A hold is placed by a person (or automation acting for one) on a run (`Run.halted_at`), on a
+workflow or on everything (`Policy.halted_at`, scope `*`). A run is covered, and may not start
+a step, while any of these holds: its own, an ancestor's (parent chain), its workflow's or an
+ancestor's workflow's, or the kill switch. Lifting one hold lifts no other; a run resumes only
+when none covers it.
+
+The same predicate, `covered_sql`, is used by every statement that decides whether a run may
+go on: the step start (store.fence_statement), the claim, and every write that pauses,
+releases or requeues a run, so a hold placed or lifted concurrently is never lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import connection
+from django.db.models import BooleanField
+from django.db.models.expressions import RawSQL
+
+from runs.models import GLOBAL, Policy, Run
+
+RUN_TABLE = Run._meta.db_table
+POLICY_TABLE = Policy._meta.db_table
+
+
+def covered_sql(alias: str = RUN_TABLE) -> str:
+    """SQL that is true when a hold covers the run row `alias`.
+
+    The run's own hold is read from the row itself (so a statement that waited for the row
+    lock re-checks it on the newest version); ancestors are walked with a recursive query
+    that root runs, having no parent, never start.
+    """
+    return (
+        f"({alias}.halted_at IS NOT NULL"
+        f" OR EXISTS (SELECT 1 FROM {POLICY_TABLE} hp WHERE hp.halted_at IS NOT NULL"
+        f" AND (hp.scope = '{GLOBAL}' OR hp.scope = {alias}.workflow))"
+        f" OR ({alias}.parent_id IS NOT NULL AND EXISTS ("
+        "WITH RECURSIVE up(id, parent_id, workflow, halted_at) AS ("
+        f"SELECT ha.id, ha.parent_id, ha.workflow, ha.halted_at FROM {RUN_TABLE} ha"
+        f" WHERE ha.id = {alias}.parent_id"
+        " UNION ALL"
+        f" SELECT ha.id, ha.parent_id, ha.workflow, ha.halted_at FROM {RUN_TABLE} ha"
+        " JOIN up ON ha.id = up.parent_id)"
+        " SELECT 1 FROM up WHERE up.halted_at IS NOT NULL"
+        f" OR EXISTS (SELECT 1 FROM {POLICY_TABLE} hq WHERE hq.halted_at IS NOT NULL"
+        " AND hq.scope = up.workflow))))"
+    )
+
+
+def covered(negate: bool = False) -> RawSQL:
+    """`covered_sql` as an ORM condition: `Run.objects.filter(covered())`."""
+    sql = covered_sql(f'"{RUN_TABLE}"')
+    return RawSQL(f"NOT {sql}" if negate else sql, [], output_field=BooleanField())
+
+
+def uncovered() -> RawSQL:
+    return covered(negate=True)
+
+
+@dataclass(frozen=True)
+class Hold:
+    """One hold covering a run, as people read it."""
+
+    kind: str  # "run", "ancestor", "workflow" or "global"
+    scope: str  # "run <id>", "parent run <id>", "workflow <name>", "everything"
+    by: str
+    at: datetime
+    reason: str
+
+    def as_json(self) -> dict:
+        return {"kind": self.kind, "scope": self.scope, "by": self.by, "reason": self.reason}
+
+
+def lineage(run: Run) -> list[Run]:
+    """The run and its ancestors, nearest first (one query per level; trees are shallow)."""
+    chain, current = [run], run
+    while current.parent_id is not None:
+        current = Run.objects.only(
+            "id", "parent_id", "workflow", "halted_at", "halted_by", "halt_reason"
+        ).get(pk=current.parent_id)
+        chain.append(current)
+    return chain
+
+
+def holds_on(run: Run) -> list[Hold]:
+    """Every hold covering `run`: its own first, then its ancestors', workflows', global."""
+    chain = lineage(run)
+    found = []
+    for member in chain:
+        if member.halted_at is not None:
+            own = member.pk == run.pk
+            found.append(
+                Hold(
+                    "run" if own else "ancestor",
+                    f"run {member.pk}" if own else f"parent run {member.pk}",
+                    member.halted_by,
+                    member.halted_at,
+                    member.halt_reason,
+                )
+            )
+    workflows = list(dict.fromkeys(m.workflow for m in chain))
+    policies = {
+        p.scope: p
+        for p in Policy.objects.filter(scope__in=[*workflows, GLOBAL], halted_at__isnull=False)
+    }
+    for name in workflows:
+        if (p := policies.get(name)) is not None:
+            found.append(
+                Hold("workflow", f"workflow {name}", p.halted_by, p.halted_at, p.halt_reason)
+            )
+    if (p := policies.get(GLOBAL)) is not None:
+        found.append(Hold("global", "everything", p.halted_by, p.halted_at, p.halt_reason))
+    return found
+
+
+def lock_holds(run: Run) -> None:
+    """Share-lock the rows whose holds cover `run` (its ancestors, their and its workflows'
+    policies, the global policy) until the caller's transaction ends.
+
+    An unhalt or a budget change locks the same rows to update them, so it is ordered wholly
+    before or after a worker's pause: the pause either sees the hold lifted, or the unhalt
+    sees the run paused and resumes it. SQLite needs nothing: its writers are serialised.
+    """
+    if connection.vendor != "postgresql":
+        return
+    chain = lineage(run)
+    with connection.cursor() as cursor:
+        ancestors = [Run._meta.pk.get_db_prep_value(m.pk, connection) for m in chain[1:]]
+        if ancestors:
+            marks = ", ".join(["%s"] * len(ancestors))
+            cursor.execute(f"SELECT 1 FROM {RUN_TABLE} WHERE id IN ({marks}) FOR SHARE", ancestors)
+        scopes = list(dict.fromkeys([GLOBAL, *(m.workflow for m in chain)]))
+        marks = ", ".join(["%s"] * len(scopes))
+        cursor.execute(
+            f"SELECT 1 FROM {POLICY_TABLE} WHERE scope IN ({marks}) ORDER BY scope FOR SHARE",
+            scopes,
+        )
+
+
+def descendants(run_id) -> list:
+    """Ids of the run's descendants, deepest first (read without locks)."""
+    levels, frontier = [], [run_id]
+    while frontier:
+        frontier = list(Run.objects.filter(parent_id__in=frontier).values_list("id", flat=True))
+        levels.append(frontier)
+    return [run for level in reversed(levels) for run in level]

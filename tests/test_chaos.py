@@ -1,0 +1,403 @@
+"""Chaos: real workers keep going while their PostgreSQL server restarts under them.
+
+The test starts a PostgreSQL server of its own (so restarting it disturbs nobody else), migrates
+a database there, starts three `runworker` processes and thirty `ledger` runs, and restarts the
+server five times (fast and immediate shutdowns) while the runs are stepping. Then every run
+must complete with the right output, no completed step may have run again, and every worker must
+have reconnected by itself.
+"""
+
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.conftest import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+
+RUNS = 30
+STEPS = 20
+STEP_SLEEP = 0.15
+WORKERS = 3
+RESTARTS = ("immediate", "fast", "immediate", "fast", "immediate")
+EXPECTED_OUTPUT = sum(range(STEPS))
+#: Steps that must complete between restarts, so the restarts hit every phase of the runs.
+GAP = RUNS * STEPS // (len(RESTARTS) + 2)
+
+
+def pg_bindir() -> Path:
+    versions = [
+        p
+        for p in Path("/usr/lib/postgresql").glob("*")
+        if p.name.isdigit() and (p / "bin").is_dir()
+    ]
+    if versions:
+        return max(versions, key=lambda p: int(p.name)) / "bin"
+    pg_ctl = shutil.which("pg_ctl")
+    if pg_ctl is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) on this machine")
+    return Path(pg_ctl).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ChaosServer:
+    bindir: Path
+    base: Path
+    port: int
+    #: When the fixture began (before initdb), for the summary's total.
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def data(self) -> Path:
+        return self.base / "data"
+
+    @property
+    def log(self) -> Path:
+        return self.base / "server.log"
+
+    def as_postgres(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """Server binaries refuse to run as root: run them as the `postgres` OS user then."""
+        prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        return subprocess.run(
+            [*prefix, *argv], capture_output=True, text=True, timeout=timeout, check=False
+        )
+
+    def pg_ctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return self.as_postgres(
+            str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), *args,
+            timeout=timeout,
+        )  # fmt: skip
+
+    def is_ready(self) -> bool:
+        ready = subprocess.run(
+            [str(self.bindir / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)],
+            timeout=10,
+            check=False,
+        )
+        return ready.returncode == 0
+
+    def url(self, dbname: str) -> str:
+        return f"postgres://postgres@127.0.0.1:{self.port}/{dbname}"
+
+    def connect(self, dbname: str) -> psycopg.Connection:
+        return psycopg.connect(
+            host="127.0.0.1", port=self.port, user="postgres", dbname=dbname, autocommit=True
+        )
+
+    def restart(self, mode: str) -> None:
+        done = self.pg_ctl("-m", mode, "-w", "-t", "60", "restart", timeout=90)
+        assert done.returncode == 0, (
+            f"pg_ctl restart -m {mode}: {done.stdout}{done.stderr}\n{self.log_tail()}"
+        )
+        wait_until(self.is_ready, timeout=60, what=f"PostgreSQL to accept connections ({mode})")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+@pytest.fixture
+def chaos_server():
+    """A small PostgreSQL server of the test's own on a free port; always stopped and removed."""
+    if os.geteuid() == 0:
+        try:
+            owner = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no `postgres` user to run the server as")
+    bindir = pg_bindir()
+    base = Path(tempfile.mkdtemp(prefix="stepguard-chaos-"))
+    server = ChaosServer(bindir, base, free_port())
+    try:
+        if os.geteuid() == 0:
+            os.chown(base, owner.pw_uid, owner.pw_gid)
+        done = server.as_postgres(
+            str(server.bindir / "initdb"), "-D", str(server.data), "-U", "postgres",
+            "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync", "--no-instructions",
+            timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, f"initdb failed: {done.stdout}{done.stderr}"
+        with (server.data / "postgresql.conf").open("a") as conf:
+            conf.write(
+                "\n# stepguard chaos test\n"
+                "listen_addresses = '127.0.0.1'\n"
+                f"port = {server.port}\n"
+                f"unix_socket_directories = '{base}'\n"
+                "shared_buffers = 16MB\n"
+                "max_connections = 80\n"
+                "max_wal_size = 256MB\n"
+            )
+        done = server.pg_ctl("-w", "-t", "60", "start", timeout=90)
+        assert done.returncode == 0, f"pg_ctl start: {done.stdout}{done.stderr}{server.log_tail()}"
+        wait_until(server.is_ready, timeout=30, what="the chaos PostgreSQL server to start")
+        yield server
+    finally:
+        try:
+            stopped = server.pg_ctl("-m", "immediate", "-w", "-t", "30", "stop", timeout=60)
+            pidfile = server.data / "postmaster.pid"
+            if stopped.returncode != 0 and pidfile.exists():
+                # SIGQUIT is an immediate shutdown, in case pg_ctl could not do it.
+                os.kill(int(pidfile.read_text().split()[0]), signal.SIGQUIT)
+                wait_until(lambda: not pidfile.exists(), timeout=15, what="postmaster to exit")
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def django_env(url: str) -> dict[str, str]:
+    env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+    return env
+
+
+def manage(env: dict[str, str], *args: str, timeout: float = 120) -> str:
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, f"manage.py {args[0]} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+START_RUNS = f"""
+import json
+import tests.workflows
+from runs.sdk import start_run
+ids = [
+    str(start_run("ledger", {{"steps": {STEPS}, "sleep": {STEP_SLEEP}}}, key=f"chaos-{{i}}").id)
+    for i in range({RUNS})
+]
+print("RUN IDS " + json.dumps(ids))
+"""
+
+
+class Reader:
+    """Reads the chaos database with a connection of its own, reconnecting after a restart."""
+
+    def __init__(self, server: ChaosServer, dbname: str):
+        self.server, self.dbname = server, dbname
+        self.conn: psycopg.Connection | None = None
+
+    def query(self, sql: str, params=()) -> list[tuple]:
+        for attempt in (1, 2):
+            try:
+                if self.conn is None or self.conn.closed:
+                    self.conn = self.server.connect(self.dbname)
+                return self.conn.execute(sql, params).fetchall()
+            except psycopg.OperationalError:
+                if self.conn is not None:
+                    self.conn.close()
+                self.conn = None
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def try_query(self, sql: str, params=()) -> list[tuple] | None:
+        """Like `query`, but None while the server is not answering (for polling)."""
+        try:
+            return self.query(sql, params)
+        except psycopg.OperationalError:
+            return None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+
+def completed_steps(reader: Reader) -> int | None:
+    rows = reader.try_query("SELECT count(*) FROM runs_step WHERE status = 'completed'")
+    return None if rows is None else rows[0][0]
+
+
+#: A record `log.exception(...)` (or a warning with exc_info) prints before its traceback.
+LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (ERROR|WARNING|CRITICAL) ")
+CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
+
+
+def fatal_tracebacks(text: str) -> list[str]:
+    """Tracebacks the logging module did not print: an uncaught one, in a thread or the process.
+
+    `log.exception(...)` prints a timestamped record, then the traceback (with its chained
+    causes, each introduced by "The above exception..."). A traceback that follows anything else
+    was printed by a dying thread or a dying process.
+    """
+    lines = text.splitlines()
+    fatal = []
+    for i, line in enumerate(lines):
+        if line.startswith("Exception in thread"):
+            fatal.append("\n".join(lines[i : i + 30]))
+        elif line.startswith("Traceback") and not lines[i - 1].startswith("Exception in thread"):
+            before = next((b for b in reversed(lines[:i]) if b.strip()), "")
+            if not (LOG_RECORD.match(before) or before.startswith(CHAINED)):
+                fatal.append("\n".join(lines[max(0, i - 2) : i + 30]))
+    return fatal
+
+
+@pytest.mark.postgres
+def test_runs_survive_database_restarts(chaos_server, tmp_path):
+    dbname = "stepguard_chaos_run"
+    with chaos_server.connect("postgres") as admin:
+        admin.execute(f"CREATE DATABASE {dbname}")
+    env = django_env(chaos_server.url(dbname))
+    manage(env, "migrate", "--noinput", "-v", "0")
+    reader = Reader(chaos_server, dbname)
+
+    workers: list[tuple[subprocess.Popen, Path]] = []
+    try:
+        for n in range(WORKERS):
+            log_path = tmp_path / f"chaos-worker-{n}.log"
+            with log_path.open("w") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "manage.py", "runworker", "--concurrency", "4",
+                     "--lease-seconds", "2", "--poll-interval", "0.1"],
+                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            workers.append((proc, log_path))
+
+        def registered():
+            for proc, log_path in workers:
+                assert proc.poll() is None, f"worker exited early:\n{log_path.read_text()}"
+            rows = reader.query("SELECT pid FROM runs_worker WHERE stopped_at IS NULL")
+            return {proc.pid for proc, _ in workers} <= {pid for (pid,) in rows}
+
+        wait_until(registered, timeout=30, what="the workers to register")
+
+        out = manage(env, "shell", "-v", "0", "-c", START_RUNS)
+        match = re.search(r"^RUN IDS (.*)$", out, re.MULTILINE)
+        assert match, out
+        run_ids = json.loads(match.group(1))
+        assert len(set(run_ids)) == RUNS
+        runs_started = time.monotonic()
+
+        def unfinished() -> int:
+            rows = reader.query("SELECT count(*) FROM runs_run WHERE status <> 'completed'")
+            return rows[0][0]
+
+        # Restarts are spread over the runs' lifetime: before each one, at least GAP more
+        # steps must have completed than right after the previous restart (or since the start).
+        unfinished_at_restart = []
+        baseline = 0
+        for n, mode in enumerate(RESTARTS):
+            wait_until(
+                lambda b=baseline: (completed_steps(reader) or 0) >= b + GAP,
+                timeout=60,
+                what=f"{GAP} more steps to complete before restart {n + 1}",
+            )
+            unfinished_at_restart.append(unfinished())
+            reader.close()
+            chaos_server.restart(mode)
+            (baseline,) = wait_until(
+                lambda: [c for c in [completed_steps(reader)] if c is not None],
+                timeout=30,
+                what=f"the step count after restart {n + 1}",
+            )
+
+        def all_finished():
+            for proc, log_path in workers:
+                assert proc.poll() is None, f"a worker exited:\n{log_path.read_text()[-5000:]}"
+            rows = reader.try_query(
+                "SELECT count(*) FILTER (WHERE status = 'completed'),"
+                " count(*) FILTER (WHERE status IN ('failed', 'cancelled')) FROM runs_run"
+            )
+            if rows is None:
+                return False
+            done, broken = rows[0]
+            if broken:
+                bad = reader.query(
+                    "SELECT id, status, error FROM runs_run WHERE status IN ('failed', 'cancelled')"
+                )
+                pytest.fail(f"runs ended without completing: {bad}")
+            return done == RUNS
+
+        wait_until(all_finished, timeout=120, what=f"all {RUNS} runs to complete")
+        chaos_seconds = time.monotonic() - runs_started
+
+        # Every run completed with the ledger's sum.
+        runs = reader.query("SELECT id::text, status, output FROM runs_run")
+        assert sorted(r[0] for r in runs) == sorted(run_ids)
+        assert all(status == "completed" for _, status, _ in runs), runs
+        assert all(output == EXPECTED_OUTPUT for _, _, output in runs), runs
+
+        # Every step completed once, as a checkpoint with a finish time.
+        steps = reader.query(
+            "SELECT run_id::text, key, status, idempotency_key, finished_at, recovered"
+            " FROM runs_step"
+        )
+        assert len(steps) == RUNS * STEPS
+        assert all(status == "completed" and finished for _, _, status, _, finished, _ in steps)
+        finished_at = {ikey: finished for _, _, _, ikey, finished, _ in steps}
+        recovered = {ikey: how for _, _, _, ikey, _, how in steps}
+        assert len(finished_at) == RUNS * STEPS, "idempotency keys are not unique per step"
+
+        # Effects: each step ran at least once, and never again after it completed.
+        effects = reader.query(
+            "SELECT idempotency_key, label, pid, created_at FROM examples_effect ORDER BY id"
+        )
+        per_key: dict[str, list[tuple]] = {}
+        for ikey, label, pid, created in effects:
+            per_key.setdefault(ikey, []).append((label, pid, created))
+        assert set(per_key) == set(finished_at), "effects without a step, or steps without one"
+        late = {
+            ikey: (finished_at[ikey], calls)
+            for ikey, calls in per_key.items()
+            if any(created > finished_at[ikey] for _, _, created in calls)
+        }
+        assert not late, f"completed steps ran again after completing: {late}"
+        # A step called more than once was re-sent after a crash, and is shown as such; each
+        # crash can interrupt a step once at most.
+        again = {ikey: calls for ikey, calls in per_key.items() if len(calls) > 1}
+        unmarked = {ikey: recovered[ikey] for ikey in again if recovered[ikey] != "resent"}
+        assert not unmarked, f"steps called again without being marked re-sent: {unmarked}"
+        too_many = {k: calls for k, calls in again.items() if len(calls) > 1 + len(RESTARTS)}
+        assert not too_many, f"steps called more often than there were crashes: {too_many}"
+        resent = len(effects) - len(steps)
+        many = {ikey: calls for ikey, calls in again.items() if len(calls) > 2}
+
+        # The workers reconnected by themselves: all alive, none printed a fatal traceback.
+        for proc, log_path in workers:
+            text = log_path.read_text()
+            assert proc.poll() is None, f"worker {proc.pid} exited:\n{text[-5000:]}"
+            assert not fatal_tracebacks(text), f"worker {proc.pid}:\n{fatal_tracebacks(text)}"
+        assert all(unfinished_at_restart), (
+            f"runs had all finished before a restart, nothing was tested: {unfinished_at_restart}"
+        )
+        abandoned = sum(log.read_text().count("abandoning the run") for _, log in workers)
+        print(
+            f"\nchaos: {RUNS} runs, {len(steps)} steps, {resent} re-sent "
+            f"({len(effects)} effect rows, {len(many)} steps called 3+ times), "
+            f"{len(RESTARTS)} restarts ({'/'.join(RESTARTS)}), "
+            f"unfinished runs at each restart {unfinished_at_restart}, "
+            f"{abandoned} runs abandoned to lease recovery; "
+            f"{chaos_seconds:.1f}s from start to all completed, "
+            f"{time.monotonic() - chaos_server.created:.1f}s in all (with initdb)"
+        )
+    finally:
+        reader.close()
+        for proc, _ in workers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
