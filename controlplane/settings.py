@@ -91,10 +91,12 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     # WAL lets readers and one writer overlap; IMMEDIATE takes the write lock at BEGIN so two
     # processes never deadlock upgrading a read lock; the timeout waits out short writes.
+    # synchronous=FULL: a completed step is on disk when its commit returns, as the docs
+    # promise (NORMAL in WAL mode can lose the last commits to a power cut or an OS crash).
     _db["OPTIONS"] = {
         "transaction_mode": "IMMEDIATE",
         "timeout": 30,
-        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;",
     }
     # Tests share the database with worker subprocesses, so it must be a file, not :memory:.
     _db["TEST"] = {"NAME": str(VAR_DIR / "test-stepguard.sqlite3")}

@@ -15,7 +15,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Case, Q, Value, When
 from django.utils import timezone
 
 from runs.engine import holds
@@ -57,39 +57,64 @@ def lock_run(run_id) -> Run:
 
 
 def cancel_run(run_id, user, reason: str) -> Run:
-    """Cancel a run: it stops at its next step boundary (or wait), the compensations of its
-    completed steps run newest first, and it ends `cancelled`."""
+    """Cancel a run and its unfinished descendants: each stops at its next step boundary (or
+    wait), the compensations of its completed steps run newest first, and it ends `cancelled`.
+    """
     user = require(user, "runs.cancel_run", "cancel runs")
     if not reason or not reason.strip():
         raise OperationError("a cancel needs a reason")
     actor = user.get_username()
     with transaction.atomic():
-        run = lock_run(run_id)
+        root = _find_run(run_id)
+        # Children first, deepest first (the order a finishing child locks: itself, then its
+        # parent), so they stop spending and undo their own steps; the parent is woken by them.
+        for member in holds.descendants(root.pk):
+            _request_cancel(lock_run(member), actor, f"parent run {root.pk} cancelled: {reason}")
+        run = lock_run(root.pk)
         if run.is_terminal:
             raise Conflict(f"run {run.pk} is already {run.status}")
         if run.cancel_requested_at is not None:
             raise Conflict(
                 f"run {run.pk} is already being cancelled (by {run.cancel_requested_by})"
             )
-        now = timezone.now()
-        fields = {"cancel_requested_at": now, "cancel_requested_by": actor, "cancel_reason": reason}
-        never_ran = run.status == RunStatus.PENDING and not Step.objects.filter(run=run).exists()
-        if never_ran:
-            # Nothing to stop or undo, and perhaps no worker that serves it: end it here.
-            Run.objects.filter(pk=run.pk).update(
-                status=RunStatus.CANCELLED, finished_at=now, event_seq=run.event_seq + 1, **fields
-            )
-            append_event(run.pk, run.event_seq + 1, "run.cancelled", "", actor, reason=reason)
-            wake_parent(run.pk, RunStatus.CANCELLED)
-        else:
-            # A run paused over budget wakes too: cancelling is how its compensations run.
-            if run.status == RunStatus.OVER_BUDGET:
-                fields |= {"status": RunStatus.PENDING, "wake_at": now}
-                transaction.on_commit(notify_runnable)
-            Run.objects.filter(pk=run.pk).update(**fields)
-            run_event(run.pk, "run.cancel_requested", wake=True, actor=actor, reason=reason)
+        _request_cancel(run, actor, reason)
     run.refresh_from_db()
     return run
+
+
+def _request_cancel(run: Run, actor: str, reason: str) -> None:
+    """Record a cancel on a locked run (unless it ended or is being cancelled already)."""
+    if run.is_terminal or run.cancel_requested_at is not None:
+        return
+    now = timezone.now()
+    fields = {"cancel_requested_at": now, "cancel_requested_by": actor, "cancel_reason": reason}
+    never_ran = (
+        run.status in (RunStatus.PENDING, RunStatus.HALTED)
+        and not Step.objects.filter(run=run).exists()
+    )
+    if never_ran:
+        # Nothing to stop or undo, and perhaps no worker that serves it: end it here.
+        Run.objects.filter(pk=run.pk).update(
+            status=RunStatus.CANCELLED, finished_at=now, event_seq=run.event_seq + 1, **fields
+        )
+        append_event(run.pk, run.event_seq + 1, "run.cancelled", "", actor, reason=reason)
+        wake_parent(run.pk, RunStatus.CANCELLED)
+        return
+    if run.status == RunStatus.OVER_BUDGET:
+        # A run paused over budget wakes too: cancelling is how its compensations run (a hold
+        # still stops them: the run goes to `halted` if one covers it).
+        fields |= {"status": _requeued(), "wake_at": now}
+        transaction.on_commit(notify_runnable)
+    Run.objects.filter(pk=run.pk).update(**fields)
+    run_event(run.pk, "run.cancel_requested", wake=True, actor=actor, reason=reason)
+
+
+def _requeued() -> Case:
+    """The status of a run made runnable again: `halted` if a hold covers it (checked in the
+    statement that writes it), else `pending`."""
+    return Case(
+        When(holds.covered(), then=Value(RunStatus.HALTED)), default=Value(RunStatus.PENDING)
+    )
 
 
 def unserved_reason(run: Run) -> str | None:
@@ -366,7 +391,7 @@ def set_budget(
             affected = Run.objects.filter(_in_scope(target))
         for run_id in affected.filter(status=RunStatus.OVER_BUDGET).values_list("id", flat=True):
             Run.objects.filter(pk=run_id, status=RunStatus.OVER_BUDGET).update(
-                status=RunStatus.PENDING, wake_at=timezone.now()
+                status=_requeued(), wake_at=timezone.now()
             )
             run_event(run_id, "run.resumed", actor=actor, reason="budget raised")
             transaction.on_commit(notify_runnable)

@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from runs.engine import registry
 from runs.engine.agent import AgentLoopExhausted, Tool
-from runs.engine.budget import Metered, Usage, to_micros
+from runs.engine.budget import Metered, Usage, default_run_budget, to_micros
 from runs.engine.executor import NOT_FOUND, Decision, RetryPolicy, RunContext
 from runs.engine.serialization import to_json
 from runs.engine.store import create_run, run_event
@@ -42,7 +42,7 @@ from runs.errors import (
     UnknownWorkflow,
     WaitTimeout,
 )
-from runs.models import GLOBAL, Policy, Run, Signal
+from runs.models import Run, Signal
 from runs.operations import cancel_run, lock_run
 
 __all__ = [
@@ -144,18 +144,7 @@ def _run_budget(workflow: str, usd, tokens) -> dict:
     """The run's own budget: as given, else the workflow's default, else the global one."""
     if tokens is not None and (not isinstance(tokens, int) or tokens < 0):
         raise ValueError("budget_tokens is a non-negative integer")
-    budget = {
-        "budget_micros": None if usd is None else to_micros(usd),
-        "budget_tokens": tokens,
-    }
-    defaults = {p.scope: p for p in Policy.objects.filter(scope__in=[workflow, GLOBAL])}
-    for scope in (workflow, GLOBAL):
-        policy = defaults.get(scope)
-        if policy is not None:
-            for field in ("budget_micros", "budget_tokens"):
-                if budget[field] is None:
-                    budget[field] = getattr(policy, field.replace("budget", "run_budget"))
-    return budget
+    return default_run_budget(workflow, None if usd is None else to_micros(usd), tokens)
 
 
 def send_signal(run_id: str | UUID, name: str, payload: Any = None, *, sent_by: str = "system"):

@@ -468,3 +468,77 @@ def city_loop(ctx: RunContext, input: dict):
     for i, city in enumerate(plan):
         ctx.step(f"book-{i}", effect, ctx, f"book-{city}")
     return list(plan)
+
+
+# -- correctness regressions ---------------------------------------------------------------------
+
+
+def _undo(ctx: RunContext, label: str):
+    return lambda output: effect(ctx, f"undo-{label}")
+
+
+@workflow("catch-saga")
+def catch_saga(ctx: RunContext, input):
+    """Compensated steps around a failure the code catches, then a wait."""
+    from runs.sdk import StepFailed
+
+    ctx.step("reserve", effect, ctx, "reserve", compensate=_undo(ctx, "reserve"))
+    with contextlib.suppress(StepFailed):
+        ctx.step("flaky", lambda: 1 / 0, retry=NO_RETRY)
+    ctx.step("charge", effect, ctx, "charge", compensate=_undo(ctx, "charge"))
+    return ctx.wait_for_event("wait", "confirm")
+
+
+@workflow("metered-ambiguous")
+def metered_ambiguous(ctx: RunContext, input: dict):
+    """One step with an estimate whose outcome, after a crash, is reconciled or asked."""
+    from decimal import Decimal
+
+    from runs.sdk import Metered, Usage
+
+    cost = Usage(tokens_in=10, tokens_out=10, usd=Decimal("1"))
+
+    def call():
+        effect(ctx, "paid")
+        return Metered("paid", cost)
+
+    options = {"reconcile": find_effect} if input["policy"] == "reconcile" else {}
+    if input["policy"] == "ask":
+        options = {"on_ambiguous": "ask"}
+    return ctx.step("pay", call, estimate=cost, **options)
+
+
+@workflow("tail")
+def tail(ctx: RunContext, input):
+    """a, b, c; `variant["tail"] = "short"` removes b and c from the end of the code."""
+    first = ctx.step("a", effect, ctx, "a")
+    if variant.get("tail") == "short":
+        return [first]
+    return [first, ctx.step("b", effect, ctx, "b"), ctx.step("c", effect, ctx, "c")]
+
+
+@workflow("spend-then-patch")
+def spend_then_patch(ctx: RunContext, input):
+    """Spends exactly its budget, then reaches a patch marker (which costs nothing)."""
+    from decimal import Decimal
+
+    from runs.sdk import Metered, Usage
+
+    cost = Usage(usd=Decimal("1"))
+    ctx.step("spend", lambda: Metered("spent", cost), estimate=cost)
+    return ctx.patched("after-spend")
+
+
+@workflow("fails-once")
+def fails_once(ctx: RunContext, input):
+    """A step that fails without step retries (so the run is retried), calling a hook first."""
+
+    def call():
+        calls["fails-once"] = calls.get("fails-once", 0) + 1
+        if "fails-once" in hooks:
+            hooks.pop("fails-once")()
+        if calls["fails-once"] == 1:
+            raise ConnectionError("down once")
+        return "ok"
+
+    return ctx.step("call", call, retry=NO_RETRY)

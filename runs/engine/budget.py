@@ -208,6 +208,20 @@ def settle_shared(
     return warned
 
 
+def default_run_budget(workflow: str, micros: int | None = None, tokens: int | None = None):
+    """A new run's own budget: as given, else its workflow's default, else the global one.
+    Every way a run is created (start_run, children, the API) goes through this."""
+    budget = {"budget_micros": micros, "budget_tokens": tokens}
+    defaults = {p.scope: p for p in Policy.objects.filter(scope__in=[workflow, GLOBAL])}
+    for scope in (workflow, GLOBAL):
+        policy = defaults.get(scope)
+        if policy is not None:
+            for name in ("budget_micros", "budget_tokens"):
+                if budget[name] is None:
+                    budget[name] = getattr(policy, name.replace("budget", "run_budget"))
+    return budget
+
+
 def next_day_start():
     """When a paused run's shared daily budgets reset: the next UTC midnight."""
     from datetime import UTC, datetime, time, timedelta

@@ -39,6 +39,7 @@ from runs.engine import llm as llm_engine
 from runs.engine.budget import (
     Metered,
     Usage,
+    default_run_budget,
     next_day_start,
     release_holds,
     release_shared,
@@ -819,6 +820,7 @@ class RunContext:
                         input=data,
                         key=f"{self.run_id}:{e.key}",
                         parent_id=self._lease.run_id,
+                        **default_run_budget(definition.name),
                     )
                     e.record = self._new_step(
                         e.seq, e.key, StepKind.CHILD, StepStatus.WAITING,
@@ -1355,6 +1357,7 @@ def _give_back(
         event_seq = fence(lease, progress=True)
         run = Run.objects.only("id", "parent_id", "workflow").get(pk=lease.run_id)
         holds.lock_holds(run)
+
         def moment(value: datetime | None):
             return Cast(Value(value), output_field=DateTimeField())  # a typed NULL too
 
@@ -1428,8 +1431,14 @@ def execute(run: Run, lease: Lease) -> str:
     abandoned. Costs one query to load every checkpoint, then at most two transactions per
     new step.
     """
-    checkpoints = Step.objects.filter(run_id=run.id).order_by("seq").only(*REPLAY_FIELDS)
-    history = {s.seq: s for s in checkpoints}
+    try:
+        checkpoints = Step.objects.filter(run_id=run.id).order_by("seq").only(*REPLAY_FIELDS)
+        history = {s.seq: s for s in checkpoints}
+    except DatabaseError:
+        log.exception(
+            "run %s: database error loading checkpoints; lease recovery resumes it", run.id
+        )
+        return "abandoned"
     ctx = RunContext(run, history, lease)
     if run.recoveries >= settings.STEPGUARD_MAX_RECOVERIES:
         started = next((s.key for s in history.values() if s.status == StepStatus.STARTED), None)
@@ -1548,7 +1557,10 @@ def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> str:
     try:
         if isinstance(stop, Halted):
             payload = {"scope": stop.scope, "by": stop.by, "reason": stop.reason}
-            return _give_back(lease, "run.halted", payload, status=RunStatus.HALTED, wake_at=None)
+            # `pending` unless a hold still covers the run when the pause is written.
+            return _give_back(
+                lease, "run.halted", payload, status=RunStatus.PENDING, wake_at=timezone.now()
+            )
         payload = {
             "budget": stop.budget,
             "unit": stop.unit,

@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from runs.engine.holds import covered_sql, holds_on
+from runs.engine.holds import covered, covered_sql, holds_on
 from runs.engine.wakeup import doorbell
 from runs.errors import Cancelled, Halted, LeaseLost, OverBudget
 from runs.models import Event, Run, RunStatus, Step
@@ -236,6 +236,11 @@ def create_run(
         **fields,
     )
     append_event(run.id, 1, "run.created", workflow=f"{workflow}@{version}", key=key)
+    # A run created under a hold (its workflow's, its parent's, the kill switch) is halted
+    # from the start: its status says what stops it.
+    Run.objects.filter(covered(), pk=run.pk, status=RunStatus.PENDING).update(
+        status=RunStatus.HALTED
+    )
     from runs.engine.wakeup import notify_runnable
 
     transaction.on_commit(notify_runnable)
