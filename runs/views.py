@@ -29,6 +29,7 @@ from approvals.models import ApprovalRequest
 from approvals.services import decide
 from runs import operations
 from runs.engine.budget import to_usd
+from runs.engine.holds import holds_on
 from runs.errors import Forbidden, StepguardError
 from runs.models import GLOBAL, Event, Policy, Run, RunStatus, Step, StepKind, StepStatus
 
@@ -326,6 +327,8 @@ def run_detail(request, run_id: UUID):
             "last_step": steps[-1].seq if steps else -1,
             "shown_rows": ",".join(str(s.seq) for s in steps),
             "children": list(run.children.order_by("created_at")[:100]),
+            # Every hold covering the run, its own first: what must be lifted, and by whom.
+            "holds": holds_on(run) if not run.is_terminal else [],
             "percent": budget_percent(run),
             "usd": to_usd(run.cost_micros),
             "budget_usd": to_usd(run.budget_micros),

@@ -14,13 +14,14 @@ from hypothesis import strategies as st
 
 from approvals.models import ApprovalRequest
 from examples.models import Effect
-from runs.engine.executor import Lease
+from runs.engine.executor import Lease, execute
 from runs.engine.serialization import to_json
 from runs.errors import Halted, OperationError, OverBudget
 from runs.models import BudgetLedger, Event, Run, RunStatus, Step, StepStatus
 from runs.operations import cancel_run, fork_run, halt, set_budget, unhalt
 from runs.sdk import send_signal, start_run
 from tests import workflows
+from tests.conftest import wait_until
 from tests.workflows import Crash
 
 pytestmark = pytest.mark.django_db
@@ -491,3 +492,72 @@ def test_a_patch_marker_does_not_pause_a_run_whose_budget_is_exactly_spent(drive
     run = start_run("spend-then-patch", budget_usd=Decimal("1"))
     assert drive() == ["completed"]
     assert Run.objects.get(pk=run.pk).output is True
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_halting_a_parent_while_its_child_finishes_does_not_deadlock(cast, monkeypatch):
+    """A finishing child locks itself, then its parent (to wake it); a halt of the parent must
+    never wait for the child while holding the parent. The child's finish is held between its
+    two locks until the halt either completes or is seen waiting for a lock."""
+    import threading
+
+    from django.db import connections
+
+    from runs.engine import executor
+    from runs.engine.worker import WorkerProcess
+
+    parent = start_run("parent", {"n": 1, "child": "ledger", "steps": 1})
+    worker = WorkerProcess(concurrency=1)
+    worker.register()
+    (claimed,) = worker.claim(1)
+    assert execute(claimed, Lease(claimed.id, claimed.lease_epoch)) == "waiting"
+
+    child_locked, go_on, outcome = threading.Event(), threading.Event(), {}
+    wake_parent = executor.run_event
+
+    def held_between_locks(*args, **kwargs):
+        child_locked.set()
+        go_on.wait(10)
+        return wake_parent(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "run_event", held_between_locks)
+
+    def finish_child():
+        try:
+            (child,) = worker.claim(1)
+            outcome["child"] = execute(child, Lease(child.id, child.lease_epoch))
+        finally:
+            connections.close_all()
+
+    def halt_parent():
+        try:
+            halt(parent, cast["otto"], "stop the tree")
+            outcome["halt"] = "done"
+        except Exception as exc:  # a deadlock victim
+            outcome["halt"] = repr(exc)
+        finally:
+            connections.close_all()
+
+    child_thread = threading.Thread(target=finish_child)
+    child_thread.start()
+    assert child_locked.wait(10)
+    halt_thread = threading.Thread(target=halt_parent)
+    halt_thread.start()
+
+    def halt_done_or_blocked():
+        if not halt_thread.is_alive():
+            return True
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND datname = current_database()"
+            )
+            return cursor.fetchone()[0] > 0
+
+    wait_until(halt_done_or_blocked, what="the halt to finish or wait for a lock")
+    go_on.set()
+    child_thread.join(20)
+    halt_thread.join(20)
+    assert outcome == {"child": "completed", "halt": "done"}
+    assert status(parent) == RunStatus.HALTED

@@ -389,3 +389,21 @@ def test_the_run_page_reads_its_event_cursor_before_the_run(browser_as, drive):
     tables = [q["sql"].split(" FROM ")[1].split()[0] for q in queries if " FROM " in q["sql"]]
     first = {t: tables.index(t) for t in ('"runs_event"', '"runs_run"', '"runs_step"')}
     assert first['"runs_event"'] < first['"runs_run"'] < first['"runs_step"']
+
+
+def test_a_run_page_names_every_hold_that_stops_the_run_and_offers_unhalt_only_for_its_own(
+    browser_as, drive, cast
+):
+    from runs.operations import halt
+
+    parent = start_run("parent", {"n": 1, "child": "waiter"})
+    drive()
+    child = Run.objects.get(parent=parent)
+    halt("workflow:parent", cast["otto"], "bad deploy")
+    otto = browser_as("otto")
+    page = otto.get(f"/runs/{child.pk}").content.decode()
+    assert "Halted</strong> by otto (workflow parent)" in page and "bad deploy" in page
+    assert "Unhalt</button>" not in page  # the child has no hold of its own to lift
+    halt(child, cast["otto"], "this one too")
+    page = otto.get(f"/runs/{child.pk}").content.decode()
+    assert "Halted</strong> by otto at" in page and "Unhalt</button>" in page

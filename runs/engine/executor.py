@@ -402,7 +402,9 @@ class RunContext:
         reserved = (held[0] + delta[0], held[1] + delta[1])
         shared = [] if self._compensating else scopes_for(self.workflow)
         today = timezone.now().date()
-        moving = any(held) and (old.day != today or old.shared != shared)
+        moving = (
+            any(held) and bool(old.shared or shared) and (old.day != today or old.shared != shared)
+        )
         if any(reserved):
             fields["reserved_micros"], fields["reserved_tokens"] = reserved
             fields["reserved_on"], fields["reserved_scopes"] = today, shared
@@ -420,7 +422,7 @@ class RunContext:
             else:
                 with transaction.atomic():
                     event_seq = fence(self._lease, estimate=delta, held=held, **self._start)
-                    if moving:
+                    if moving and old.shared:
                         release_shared(old.shared, held, old.day)
                     if shared:
                         if moving:
