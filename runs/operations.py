@@ -410,7 +410,7 @@ def retry_run(run_id, user, reason: str) -> Run:
         if run.steps.filter(key__startswith="undo:").exists():
             raise OperationError(f"run {run.pk} was compensated; fork it from a step instead")
         Run.objects.filter(pk=run.pk).update(
-            status=RunStatus.PENDING,
+            status=_requeued(),  # halted if a hold covers it: a retry lifts no halt
             attempt=run.attempt + 1,
             max_attempts=max(run.max_attempts, run.attempt + 1),
             recoveries=0,

@@ -420,6 +420,18 @@ def test_a_run_retried_after_a_failure_under_a_halt_is_halted_not_pending(drive,
     assert drive() == ["completed"]
 
 
+def test_a_failed_run_retried_by_a_person_under_a_workflow_halt_is_halted(drive, cast):
+    from runs.operations import retry_run
+
+    run = start_run("saga", {"fail": True}, max_attempts=1)
+    Run.objects.filter(pk=run.pk).update(status=RunStatus.FAILED)  # failed, not compensated
+    halt("workflow:saga", cast["otto"], "incident")
+    retry_run(run.pk, cast["otto"], "try again")
+    assert status(run) == RunStatus.HALTED
+    unhalt("workflow:saga", cast["otto"], "over")
+    assert status(run) == RunStatus.PENDING
+
+
 def test_a_run_released_at_shutdown_under_a_halt_is_halted_not_pending(db, cast):
     from runs.engine.executor import release
     from runs.engine.worker import WorkerProcess
