@@ -573,3 +573,13 @@ def test_halting_a_parent_while_its_child_finishes_does_not_deadlock(cast, monke
     halt_thread.join(20)
     assert outcome == {"child": "completed", "halt": "done"}
     assert status(parent) == RunStatus.HALTED
+
+
+def test_a_transaction_step_does_not_start_once_a_shared_daily_budget_is_spent(drive, cast):
+    """Found by the model-based suite: transactional steps skipped the shared budgets."""
+    set_budget("workflow:txn-only", cast["otto"], "cap", usd=Decimal("1"))
+    today = datetime.now(UTC).date()
+    BudgetLedger.objects.create(scope="txn-only", day=today, spent_micros=1_000_000)
+    start_run("txn-only")
+    assert drive() == ["over_budget"]
+    assert not Effect.objects.filter(label="txn").exists()

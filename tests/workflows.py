@@ -542,3 +542,12 @@ def fails_once(ctx: RunContext, input):
         return "ok"
 
     return ctx.step("call", call, retry=NO_RETRY)
+
+
+@workflow("txn-only")
+def txn_only(ctx: RunContext, input):
+    def write():
+        Effect.objects.create(idempotency_key=ctx.idempotency_key, label="txn", pid=os.getpid())
+        return "written"
+
+    return ctx.transaction("write", write)

@@ -466,6 +466,9 @@ class RunContext:
             try:
                 with transaction.atomic():
                     event_seq = fence(self._lease, progress=True, **self._start)
+                    if shared := scopes_for(self.workflow):
+                        # Like any step: none starts once a shared daily budget is spent.
+                        reserve_shared(shared, (0, 0), (0, 0), timezone.now().date())
                     value = self._invoke(key, idem, fn, args, kwargs)
                     output = to_json(value, what=f"the output of step {key!r}")
                     now = timezone.now()
