@@ -11,6 +11,7 @@ SECURE_SSL_REDIRECT = False
 SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = False
 STEPGUARD_WORKFLOW_MODULES = [
     "tests.workflows",
+    "tests.model_workflows",
     "examples.flight_booking",
     "examples.research",
     "examples.outreach",

@@ -1,0 +1,253 @@
+"""Workflows of the model-based test (tests/test_model.py) and the probe their steps report to.
+
+Every step function reports to `probe`, in-process: that it is starting (the test checks, at
+that very moment, that no hold, cancel, revoked approval or spent budget should have stopped
+it), the side effect it makes under its idempotency key (as a downstream service would record
+it), and the value it returns live, which the test compares with what replay hands back to the
+workflow code. A step may also crash, after its side effect happened, as if the process died
+mid-call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+
+from examples.models import Effect
+from runs.sdk import (
+    NOT_FOUND,
+    ApprovalExpired,
+    ApprovalRejected,
+    ChildFailed,
+    Metered,
+    RetryPolicy,
+    RunContext,
+    StepFailed,
+    Usage,
+    WaitTimeout,
+    workflow,
+)
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+ONE_RETRY = RetryPolicy(max_attempts=2, initial_interval=timedelta(0), jitter=0.0)
+#: What every costed step spends (and, with an estimate, declares up front).
+COST = Usage(tokens_in=10, tokens_out=5, usd=Decimal("1"))
+#: Step keys whose steps have a compensation.
+COMPENSABLE = frozenset({"reserve", "charge", "pay", "prep", "work"})
+#: Step keys of transactional steps (their write is an examples.models.Effect row).
+TRANSACTIONAL = frozenset({"ledger"})
+
+
+class Crash(BaseException):
+    """The process dying: not an Exception, so nothing in the engine records it."""
+
+
+def canon(value: Any) -> Any:
+    """A comparable form of a JSON value that keeps types and key order (1 != 1.0 here)."""
+    if value is None or isinstance(value, bool | str):
+        return (type(value).__name__, value)
+    if isinstance(value, int):
+        return ("int", value)
+    if isinstance(value, float):
+        return ("float", value + 0.0)  # -0.0 and 0.0 are one number
+    if isinstance(value, list | tuple):
+        return ("list", tuple(canon(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, canon(v)) for k, v in value.items()))
+    return ("other", repr(value))
+
+
+class Probe:
+    """What the step functions saw and did, for the test to check against the database."""
+
+    def __init__(self) -> None:
+        #: Called as observer(run_id, workflow, step_key, info) when a step function starts.
+        self.observer: Callable[..., None] | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        #: idempotency key -> the logical calls made under it (a service's request log).
+        self.effects: dict[str, set] = {}
+        #: idempotency key -> the value the service produced (what a reconcile finds).
+        self.results: dict[str, Any] = {}
+        #: idempotency key -> canon(value) the step function returned live.
+        self.live: dict[str, Any] = {}
+        #: (run id, step key, canon(value)) as the workflow code received it, live or replayed.
+        self.received: list[tuple[str, str, Any]] = []
+        #: payload id -> the Python value steps return (never round-tripped through the DB).
+        self.payloads: dict[str, Any] = {}
+        self.calls: dict[str, int] = {}
+        #: Crash in the n-th step function called from now on (None: never).
+        self.crash_countdown: int | None = None
+        self.outage = False
+        #: Compensations that undid a step their own run never performed: (run id, key).
+        self.foreign_undos: list[tuple[str, str]] = []
+
+    def started(self, ctx: RunContext, key: str, **info: Any) -> None:
+        if self.observer is not None:
+            self.observer(ctx.run_id, ctx.workflow, key, info)
+
+    def crash_now(self) -> bool:
+        if self.crash_countdown is None:
+            return False
+        self.crash_countdown -= 1
+        if self.crash_countdown > 0:
+            return False
+        self.crash_countdown = None
+        return True
+
+
+probe = Probe()
+
+
+def _payload(ctx: RunContext) -> Any:
+    data = ctx.input if isinstance(ctx.input, dict) else {}
+    return probe.payloads.get(data.get("payload"))
+
+
+def _call(ctx: RunContext, key: str, args: Any, usage: Usage | None, fail: str | None, info):
+    """The body of every step: a call to a downstream service keyed by the idempotency key."""
+    idem = ctx.idempotency_key
+    probe.started(ctx, key, **info)
+    calls = probe.calls[idem] = probe.calls.get(idem, 0) + 1
+    if fail == "always" or (fail == "outage" and probe.outage) or (fail == "first" and calls == 1):
+        raise ValueError(f"{key}: the service refused the call")
+    value = {"step": key, "data": _payload(ctx)}
+    probe.effects.setdefault(idem, set()).add((ctx.workflow, key, args))
+    probe.results[idem] = value
+    if probe.crash_now():
+        raise Crash(key)
+    probe.live[idem] = canon(value)
+    return Metered(value, usage) if usage is not None else value
+
+
+def _undo(ctx: RunContext, key: str) -> Callable[[Any], Any]:
+    def compensate(output):
+        idem = ctx.idempotency_key
+        probe.started(ctx, f"undo:{key}", compensation=True, estimated=False, approval=None)
+        if f"{ctx.run_id}:{key}" not in probe.effects:
+            probe.foreign_undos.append((ctx.run_id, key))
+        probe.effects.setdefault(idem, set()).add(("undo", key, canon(output)))
+        if probe.crash_now():
+            raise Crash(f"undo:{key}")
+        return {"undone": key}
+
+    return compensate
+
+
+def _lookup(idempotency_key: str) -> Any:
+    return probe.results.get(idempotency_key, NOT_FOUND)
+
+
+def _transaction(ctx: RunContext, key: str) -> Any:
+    """A write to Stepguard's own database that commits with its checkpoint or not at all."""
+
+    def write():
+        idem = ctx.idempotency_key
+        probe.started(ctx, key, transaction=True, estimated=False, approval=None)
+        Effect.objects.create(idempotency_key=idem, label=key, pid=0)
+        value = {"step": key, "data": _payload(ctx)}
+        if probe.crash_now():
+            raise Crash(key)  # inside the transaction: the write goes with the checkpoint
+        probe.live[idem] = canon(value)
+        return value
+
+    value = ctx.transaction(key, write)
+    probe.received.append((ctx.run_id, key, canon(value)))
+    return value
+
+
+def _step(
+    ctx: RunContext,
+    key: str,
+    *,
+    args: Any = None,
+    usage: Usage | None = None,
+    estimate: Usage | None = None,
+    fail: str | None = None,
+    compensate: bool = False,
+    approval=None,
+    reconcile: bool = False,
+    retry: RetryPolicy = NO_RETRY,
+) -> Any:
+    info = {
+        "compensation": False,
+        "estimated": estimate is not None,
+        "approval": approval.approval_id if approval is not None else None,
+    }
+    value = ctx.step(
+        key,
+        lambda: _call(ctx, key, args, usage, fail, info),
+        retry=retry,
+        estimate=estimate,
+        approval=approval,
+        compensate=_undo(ctx, key) if compensate else None,
+        reconcile=_lookup if reconcile else None,
+    )
+    probe.received.append((ctx.run_id, key, canon(value)))
+    return value
+
+
+@workflow("model-saga")
+def saga(ctx: RunContext, input: dict):
+    """Compensated steps around a failure the code catches, a signal, then a step that fails
+    while the outage is on."""
+    reserved = _step(ctx, "reserve", compensate=True)
+    with contextlib.suppress(StepFailed):  # replayed as the same failure, caught again
+        _step(ctx, "probe", fail="always")
+    charged = _step(
+        ctx, "charge", args=canon(reserved), compensate=True, fail="first", retry=ONE_RETRY
+    )
+    ctx.wait_for_event("confirm", "confirm")
+    return _step(ctx, "ship", args=canon(charged), fail="outage")
+
+
+@workflow("model-metered")
+def metered(ctx: RunContext, input: dict):
+    """Costed steps with and without an estimate, one that reconciles, a transactional one,
+    and a sleep."""
+    first = _step(ctx, "llm-0", usage=COST, estimate=COST)
+    _step(ctx, "llm-1", args=canon(first), usage=COST)
+    _step(ctx, "book", usage=COST, estimate=COST, reconcile=True)
+    _transaction(ctx, "ledger")
+    ctx.sleep("nap", 60)
+    return _step(ctx, "llm-2", usage=COST)
+
+
+@workflow("model-approval")
+def approval(ctx: RunContext, input: dict):
+    """A person approves, then the guarded (costed, compensated) step; a receipt may come."""
+    try:
+        decision = ctx.approval("ok", action="pay the invoice", timeout=90)
+    except (ApprovalRejected, ApprovalExpired):
+        return "refused"
+    paid = _step(ctx, "pay", usage=COST, estimate=COST, approval=decision, compensate=True)
+    try:
+        receipt = ctx.wait_for_event("receipt", "receipt", timeout=60)
+    except WaitTimeout:
+        receipt = None
+    return _step(ctx, "file", args=(canon(paid), canon(receipt)))
+
+
+@workflow("model-parent")
+def parent(ctx: RunContext, input: dict):
+    """Two child runs of another workflow, between compensated and plain steps."""
+    _step(ctx, "prep", compensate=True)
+    child_input = {"payload": input.get("payload") if isinstance(input, dict) else None}
+    try:
+        results = ctx.children(
+            [("c0", "model-child", child_input), ("c1", "model-child", child_input)]
+        )
+    except ChildFailed:
+        results = None
+    return _step(ctx, "after", args=canon(results))
+
+
+@workflow("model-child")
+def child(ctx: RunContext, input: dict):
+    work = _step(ctx, "work", usage=COST, estimate=COST, compensate=True)
+    ctx.sleep("nap", 30)
+    return _step(ctx, "done", args=canon(work), fail="outage")
