@@ -460,8 +460,19 @@ def fork_run(run_id, step, user, reason: str) -> Run:
             raise OperationError(f"steps before the fork point are not completed: {unfinished}")
         # Forking is no way around a halt: a hold on the origin or its ancestors holds the
         # fork too (workflow and global holds cover it anyway).
-        held = holds.holds_on(origin)
-        own = next((h for h in held if h.kind in ("run", "ancestor")), None)
+        # A fork has no parent, so a hold that covers the origin through its ancestors (their
+        # own, or their workflow's) would not cover the fork: it becomes the fork's own hold.
+        # Its own workflow's hold and the kill switch cover it anyway (create_run parks it).
+        inherited = ("run", "ancestor")
+        own = next(
+            (
+                h
+                for h in holds.holds_on(origin)
+                if h.kind in inherited
+                or (h.kind == "workflow" and h.scope != f"workflow {origin.workflow}")
+            ),
+            None,
+        )
         fork = create_run(
             workflow=origin.workflow,
             version=origin.version,
@@ -476,7 +487,7 @@ def fork_run(run_id, step, user, reason: str) -> Run:
             halted_at=own.at if own else None,
             halted_by=own.by if own else "",
             halt_reason=own.reason if own else "",
-            status=RunStatus.HALTED if held else RunStatus.PENDING,
+            status=RunStatus.HALTED if own else RunStatus.PENDING,
         )
         Step.objects.bulk_create([_copy_step(s, fork) for s in kept])
         at = kept[-1].key if kept else None

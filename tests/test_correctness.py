@@ -583,3 +583,20 @@ def test_a_transaction_step_does_not_start_once_a_shared_daily_budget_is_spent(d
     start_run("txn-only")
     assert drive() == ["over_budget"]
     assert not Effect.objects.filter(label="txn").exists()
+
+
+def test_a_fork_of_a_child_held_by_its_parents_workflow_halt_is_held_by_a_hold_of_its_own(
+    drive, cast
+):
+    """Found by the model-based suite: the fork was `halted` with no hold covering it."""
+    parent = start_run("parent", {"n": 1, "child": "ledger", "steps": 2})
+    drive(limit=2)
+    child = Run.objects.get(parent=parent)
+    halt("workflow:parent", cast["otto"], "bad deploy")
+    fork = fork_run(child.pk, 0, cast["otto"], "again")
+    assert status(fork) == RunStatus.HALTED
+    assert [(h.kind, h.by, h.reason) for h in holds_on(Run.objects.get(pk=fork.pk))] == [
+        ("run", "otto", "bad deploy")
+    ]
+    unhalt(fork, cast["otto"], "the fork may go")
+    assert status(fork) == RunStatus.PENDING
