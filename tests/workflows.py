@@ -5,6 +5,7 @@ test can count how often each step's function really ran.
 """
 
 import contextlib
+import json
 import os
 import time
 from datetime import timedelta
@@ -58,6 +59,48 @@ def ledger(ctx: RunContext, input: dict):
         reconcile = find_effect if i in input.get("reconcile", []) else None
         out = ctx.step(f"s{i}", effect, ctx, f"s{i}", i, sleep, reconcile=reconcile)
         total += out if isinstance(out, int) else i
+    return total
+
+
+def file_effect(ctx: RunContext, directory: str, label: str, value: int, sleep: float) -> int:
+    """A side effect kept outside the database, so no database crash can take its record back."""
+    line = {"key": ctx.idempotency_key, "label": label, "value": value, "pid": os.getpid()}
+    with (Path(directory) / f"effects-{os.getpid()}.jsonl").open("a") as ledger:
+        ledger.write(json.dumps({**line, "at": time.time()}) + "\n")
+    if sleep:
+        time.sleep(sleep)
+    return value
+
+
+def file_effects(directory: str, pattern: str = "effects-*.jsonl") -> list[dict]:
+    return [
+        json.loads(line)
+        for path in sorted(Path(directory).glob(pattern))
+        for line in path.read_text().splitlines()
+    ]
+
+
+def find_file_effect(directory: str):
+    """A `reconcile=` function for `file_effect`: looks the key up, and notes that it was asked."""
+
+    def reconcile(idempotency_key: str):
+        found = [e for e in file_effects(directory) if e["key"] == idempotency_key]
+        with (Path(directory) / f"asked-{os.getpid()}.jsonl").open("a") as asked:
+            asked.write(json.dumps({"key": idempotency_key, "found": bool(found)}) + "\n")
+        return found[0]["value"] if found else NOT_FOUND
+
+    return reconcile
+
+
+@workflow("file_ledger")
+def file_ledger(ctx: RunContext, input: dict):
+    """Like `ledger`, with its effects in files under `dir`; `reconcile` looks them up there."""
+    directory = input["dir"]
+    reconcile = find_file_effect(directory) if input.get("reconcile") else None
+    total = 0
+    for i in range(input["steps"]):
+        label, sleep = f"s{i}", input.get("sleep", 0)
+        total += ctx.step(label, file_effect, ctx, directory, label, i, sleep, reconcile=reconcile)
     return total
 
 

@@ -47,6 +47,7 @@ from runs.engine.budget import (
     scopes_for,
     settle_shared,
 )
+from runs.engine.outage import is_disconnect
 from runs.engine.serialization import describe_input, to_json
 from runs.engine.store import (
     Lease,
@@ -417,6 +418,9 @@ class RunContext:
                     update_step=None if record is None else (record.pk, fields),
                     estimate=delta,
                     held=held,
+                    # Without its started row a crashed step is not ambiguous: it would be
+                    # re-sent, skipping the reconcile or the question it was promised.
+                    durable=reconcile is not None or on_ambiguous == "ask",
                     **self._start,
                 )
             else:
@@ -1432,18 +1436,17 @@ def release(lease: Lease, reason: str) -> bool:
 def execute(run: Run, lease: Lease) -> str:
     """Run one claimed run until it completes, fails, waits, is cancelled or released.
 
-    Returns what happened: completed, failed, retrying, waiting, cancelled, released, lost or
-    abandoned. Costs one query to load every checkpoint, then at most two transactions per
+    Returns what happened: completed, failed, retrying, waiting, cancelled, released, lost,
+    disconnected (the database connection broke: the caller may wait for it and execute the
+    run again under the same lease) or abandoned (any other database error: lease recovery
+    resumes it). Costs one query to load every checkpoint, then at most two transactions per
     new step.
     """
     try:
         checkpoints = Step.objects.filter(run_id=run.id).order_by("seq").only(*REPLAY_FIELDS)
         history = {s.seq: s for s in checkpoints}
-    except DatabaseError:
-        log.exception(
-            "run %s: database error loading checkpoints; lease recovery resumes it", run.id
-        )
-        return "abandoned"
+    except DatabaseError as exc:
+        return _database_error(run, exc, "loading checkpoints")
     ctx = RunContext(run, history, lease)
     if run.recoveries >= settings.STEPGUARD_MAX_RECOVERIES:
         started = next((s.key for s in history.values() if s.status == StepStatus.STARTED), None)
@@ -1471,11 +1474,8 @@ def execute(run: Run, lease: Lease) -> str:
         return _cancelled(run, ctx, lease)
     except (Halted, OverBudget) as stop:
         return _pause(run, lease, stop)
-    except DatabaseError:
-        # Our own checkpoint write failed (database down?): nothing is recorded, the lease will
-        # expire and any live worker resumes the run through the normal claim path.
-        log.exception("run %s: database error, abandoning the run to lease recovery", run.id)
-        return "abandoned"
+    except DatabaseError as exc:
+        return _database_error(run, exc, "writing a checkpoint")
     except Exception as exc:
         return _fail(run, ctx, lease, exc)
     try:
@@ -1494,6 +1494,17 @@ def execute(run: Run, lease: Lease) -> str:
     except LeaseLost:
         return "lost"
     return "completed"
+
+
+def _database_error(run: Run, exc: DatabaseError, doing: str) -> str:
+    """A checkpoint read or write failed, so nothing of it is recorded. A broken connection
+    (the server restarting) is the caller's to wait out; anything else is logged in full and
+    left to lease recovery, which resumes the run through the normal claim path."""
+    if is_disconnect(exc):
+        log.debug("run %s: connection lost %s: %s", run.id, doing, exc)
+        return "disconnected"
+    log.exception("run %s: database error %s, abandoning the run to lease recovery", run.id, doing)
+    return "abandoned"
 
 
 class AsyncRunContext:

@@ -276,6 +276,7 @@ def fenced_write(
     estimate: tuple[int, int] = (0, 0),
     held: tuple[int, int] = (0, 0),
     spend: Spend | None = None,
+    durable: bool = False,
 ) -> int | None:
     """One fenced checkpoint write: insert or update a step and append its event, atomically.
 
@@ -334,10 +335,11 @@ def fenced_write(
         f"SELECT %s, f.event_seq, {', '.join(['%s'] * len(event_columns))} FROM f)"
     )
     params += [run_id, *event_params]
-    if starting and not settings.STEPGUARD_DURABLE_START:
-        # The write-ahead row only marks a step in flight; losing it takes a crash of the
-        # database server itself (not of a worker) in the next ~0.2 s, and then the step is
-        # just re-sent with its same idempotency key. Completions always commit durably.
+    if starting and not durable and not settings.STEPGUARD_DURABLE_START:
+        # Opted out of (STEPGUARD_DURABLE_START=0): the write-ahead row then only marks a step
+        # in flight, and a crash of the database server itself in the next ~0.2 s loses it,
+        # so the step is re-sent as if it never started. A step that must be reconciled or
+        # asked about (`durable`) never takes that risk. Completions always commit durably.
         sql.append(", c AS (SELECT set_config('synchronous_commit', 'off', true) AS v)")
         sql.append(" SELECT (SELECT event_seq FROM f), (SELECT id FROM s), (SELECT v FROM c)")
     else:

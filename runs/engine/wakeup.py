@@ -37,18 +37,26 @@ class Listener(threading.Thread):
         self.connected = threading.Event()
 
     def run(self) -> None:
+        lost = False  # one line when the connection goes, one when it is back
         while not self.stop.is_set():
             try:
                 with psycopg.connect(**self.params, autocommit=True) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     self.connected.set()
+                    if lost:
+                        log.info("listener reconnected")
+                        lost = False
+                    self.bell.set()  # a NOTIFY sent while we were away is lost: look now
                     while not self.stop.is_set():
                         for _ in conn.notifies(timeout=1.0, stop_after=1):
                             self.bell.set()
             except Exception as exc:
                 self.connected.clear()
-                log.warning("listener connection lost (%s); polling until it reconnects", exc)
-                self.stop.wait(1.0)
+                if not lost:
+                    cause = str(exc).strip().splitlines()[0] if str(exc).strip() else exc
+                    log.warning("listener connection lost (%s); polling until it reconnects", cause)
+                lost = True
+                self.stop.wait(0.5)
 
 
 EVENTS_CHANNEL = "stepguard_events"

@@ -25,6 +25,7 @@ from django.utils import timezone
 from runs.engine import holds, registry
 from runs.engine.budget import release_holds
 from runs.engine.executor import execute, release
+from runs.engine.outage import is_disconnect, outage, reconnect, wait_for_database
 from runs.engine.store import Lease, append_event, wake_parent
 from runs.engine.wakeup import Listener, is_postgres
 from runs.models import GLOBAL, Policy, Run, RunStatus, Worker
@@ -33,6 +34,9 @@ log = logging.getLogger("stepguard.worker")
 
 
 WAKEABLE = (RunStatus.PENDING, RunStatus.WAITING, RunStatus.OVER_BUDGET)
+#: Times one claim of a run is taken up again after its connection broke; past that, a
+#: connection that breaks whatever we do is left to lease recovery and its poison-run bound.
+MAX_CARRY_ON = 10
 
 
 def runnable_filter(now) -> Q:
@@ -102,10 +106,14 @@ class WorkerProcess:
             try:
                 if not self.tick():
                     self.bell.wait(self.idle_wait())
-            except Exception:
-                # A database restart or a locked SQLite file: log, reconnect, poll again.
-                log.exception("worker loop error; retrying after a poll interval")
-                close_old_connections()
+            except Exception as exc:
+                # A database restart: said once, then quiet until it is back. Anything else
+                # (a locked SQLite file, a bug) is logged in full. Reconnect, poll again.
+                if not is_disconnect(exc):
+                    log.exception("worker loop error; retrying after a poll interval")
+                    close_old_connections()
+                elif reconnect("claiming runs"):
+                    continue  # the restart was already over: claim again at once
                 self.stopping.wait(self.poll_interval)
         self.shutdown()
 
@@ -164,6 +172,7 @@ class WorkerProcess:
         now = timezone.now()
         claimed_ids = []
         self._park_held(now)
+        outage.ok()  # the database answered
         if Policy.objects.filter(scope=GLOBAL, halted_at__isnull=False).exists():
             return []  # the kill switch: nothing starts
         with transaction.atomic():
@@ -267,7 +276,22 @@ class WorkerProcess:
     def _execute(self, run: Run, lease: Lease) -> None:
         try:
             close_old_connections()
-            outcome = execute(run, lease)
+            for _ in range(MAX_CARRY_ON + 1):
+                try:
+                    outcome = execute(run, lease)
+                except Exception as exc:
+                    if not is_disconnect(exc):
+                        raise
+                    outcome = "disconnected"  # in a final write: the same as in a step
+                if outcome != "disconnected":
+                    break
+                current = self._carry_on(run, lease)
+                if current is None:
+                    outcome = "disconnected; no longer ours, or stopping"
+                    break
+                run = current
+            else:
+                outcome = f"disconnected {MAX_CARRY_ON + 1} times; left to lease recovery"
             log.info("run %s (%s@%s): %s", run.id, run.workflow, run.version, outcome)
         except Exception:
             log.exception("run %s: unexpected error in the executor", run.id)
@@ -278,6 +302,27 @@ class WorkerProcess:
                 if self.active.get(run.id) is lease:
                     del self.active[run.id]
             self.bell.set()
+
+    def _carry_on(self, run: Run, lease: Lease) -> Run | None:
+        """After a broken connection, wait for the database and take the run up again.
+
+        Nothing the run did after its last commit is recorded, so executing it again under the
+        same lease is exactly a crash recovery without the wait for the lease to expire: steps
+        replay, a step caught in flight is re-sent with its same key (or reconciled, or asked
+        about). Every write is still fenced by the lease epoch, so if another worker claimed the
+        run meanwhile, the first write says so. Returns the run as it is now, or None when it
+        is no longer ours (or the worker is stopping: the lease then expires as usual).
+        """
+        give_up = lambda: self.stopping.is_set() or lease.lost.is_set()  # noqa: E731
+        if not wait_for_database(give_up):
+            return None
+        ours = Run.objects.filter(pk=run.id, lease_epoch=lease.epoch, status=RunStatus.RUNNING)
+        # The outage may have outlasted the lease: renew it before anything else.
+        if not ours.update(lease_until=timezone.now() + self.lease):
+            lease.lost.set()
+            return None
+        log.info("run %s: database back, carrying on under the same lease", run.id)
+        return ours.first()
 
     # -- heartbeats ----------------------------------------------------------------------------
 
@@ -302,11 +347,17 @@ class WorkerProcess:
     def _heartbeat_loop(self) -> None:
         interval = self.lease.total_seconds() / 3
         while not self.stopped.wait(interval):
-            try:
-                self.heartbeat()
-            except Exception:
-                log.exception("heartbeat failed; retrying next interval")
-                close_old_connections()
+            for _ in range(2):  # again on a new connection if a restart broke the old one
+                try:
+                    self.heartbeat()
+                    outage.ok()
+                except Exception as exc:
+                    if is_disconnect(exc) and reconnect("heartbeat"):
+                        continue
+                    if not is_disconnect(exc):
+                        log.exception("heartbeat failed; retrying next interval")
+                        close_old_connections()
+                break
 
     def _report_unknown(self) -> None:
         waiting = (

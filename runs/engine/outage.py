@@ -1,0 +1,111 @@
+"""A lost database connection: how to recognise one, wait it out, and say so once.
+
+A PostgreSQL restart breaks every connection a worker holds at once: the claim loop, the
+heartbeat, the listener and each run thread all fail, and keep failing until the server is
+back. One line says the database went away (with the cause), one says it is back and after how
+long; the failures in between are logged at DEBUG, not as a traceback a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import psycopg
+from django.db import InterfaceError, OperationalError, connection
+
+log = logging.getLogger("stepguard.database")
+
+
+#: SQLSTATEs of a server shutting down or not yet accepting connections (class 57P).
+_SHUTDOWN = {"57P01", "57P02", "57P03"}
+
+
+def is_disconnect(exc: BaseException) -> bool:
+    """A connection-level failure on PostgreSQL (server gone, restarting, unreachable,
+    connection closed), as opposed to a statement the database refused or cancelled: only
+    these are worth waiting out. A SQLite error never is (there is no server to come back)."""
+    if not isinstance(exc, OperationalError | InterfaceError):
+        return False
+    if connection.vendor != "postgresql":
+        return False
+    if isinstance(exc, InterfaceError):
+        return True  # "connection already closed": Django's own, or the driver's
+    cause = exc.__cause__
+    if not isinstance(cause, psycopg.Error):
+        return False
+    state = cause.sqlstate
+    # A client-side failure (no SQLSTATE: the socket closed, the server is unreachable),
+    # a connection exception (class 08) or a shutdown; not a timeout or a cancelled query.
+    return state is None or state.startswith("08") or state in _SHUTDOWN
+
+
+class Outage:
+    """Process-wide: the first failure opens an outage, the first success after it closes it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: float | None = None
+
+    @property
+    def ongoing(self) -> bool:
+        return self._since is not None
+
+    def failed(self, exc: BaseException, where: str) -> None:
+        with self._lock:
+            first = self._since is None
+            if first:
+                self._since = time.monotonic()
+        if first:
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            log.error("database unreachable (%s: %s); retrying until it answers", where, cause)
+        else:
+            log.debug("database still unreachable (%s): %s", where, exc)
+
+    def ok(self) -> None:
+        if self._since is None:  # the common case: no lock
+            return
+        with self._lock:
+            since, self._since = self._since, None
+        if since is not None:
+            log.warning("database back after %.1f s", time.monotonic() - since)
+
+
+outage = Outage()
+
+
+def reconnect(where: str) -> bool:
+    """Replace this thread's broken connection; True if the database answers on a new one.
+
+    Only a failed attempt to connect opens an outage: a connection broken by a restart that is
+    already over is replaced without a word, so each outage is said once, not once per thread.
+    """
+    connection.close()
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except Exception as exc:
+        if not is_disconnect(exc):
+            raise
+        outage.failed(exc, where)
+        return False
+    outage.ok()
+    return True
+
+
+def wait_for_database(give_up: Callable[[], bool], *, first: float = 0.05, most: float = 0.5):
+    """Block this thread until a new database connection answers, or `give_up()` is true.
+
+    The pause between attempts doubles from `first` to `most`: a restarted server is found
+    well within a second of accepting connections, and a long outage costs at most two
+    connection attempts a second per thread.
+    """
+    pause = first
+    while not give_up():
+        if reconnect("a run thread reconnecting"):
+            return True
+        time.sleep(pause)
+        pause = min(pause * 2, most)
+    return False
