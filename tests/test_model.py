@@ -60,6 +60,7 @@ from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import (
     RuleBasedStateMachine,
+    initialize,
     invariant,
     precondition,
     rule,
@@ -152,7 +153,11 @@ CONCURRENT = st.none() | st.tuples(
     st.integers(1, 8), st.lists(CONCURRENT_ACTION, min_size=1, max_size=3)
 )
 #: A crash: in the n-th step function called, or right after the n-th commit point.
-CRASH = st.none() | st.tuples(st.sampled_from(["in-step", "after-commit"]), st.integers(1, 6))
+CRASH = (
+    st.none()
+    | st.tuples(st.just("in-step"), st.integers(1, 4))
+    | st.tuples(st.just("after-commit"), st.integers(1, 8))
+)
 
 # -- the clock ----------------------------------------------------------------------------------
 
@@ -390,6 +395,9 @@ class EngineModel(RuleBasedStateMachine):
                 "failed": statuses.get("failed", 0),
                 "running": statuses.get("running", 0),
                 "runnable": runs.filter(runnable_filter(timezone.now())).count(),
+                "resumable": runs.filter(
+                    Q(runnable_filter(timezone.now())) | Q(status="running")
+                ).count(),
                 "steps": Step.objects.count(),
                 "pending": decisions.get("pending", 0),
                 "approved": decisions.get("approved", 0),
@@ -725,6 +733,12 @@ class EngineModel(RuleBasedStateMachine):
 
     # -- rules ------------------------------------------------------------------------------------
 
+    @initialize(workflows=st.lists(st.sampled_from(TOP_WORKFLOWS), min_size=1, max_size=2))
+    def begin(self, workflows):
+        """Every example starts with a run or two, so that most rules have one to act on."""
+        for workflow in workflows:
+            self.start_one(workflow, None, 1, None)
+
     @_rule(
         workflow=st.sampled_from(TOP_WORKFLOWS),
         budget=st.sampled_from([None, "1", "2", "3", "5"]),
@@ -732,6 +746,9 @@ class EngineModel(RuleBasedStateMachine):
         payload=JSON,
     )
     def start(self, workflow, budget, attempts, payload):
+        self.start_one(workflow, budget, attempts, payload)
+
+    def start_one(self, workflow: str, budget: str | None, attempts: int, payload) -> None:
         pid = f"p{len(probe.payloads)}"
         probe.payloads[pid] = payload
         usd = None if budget is None else Decimal(budget)
@@ -775,13 +792,14 @@ class EngineModel(RuleBasedStateMachine):
     def signal(self, ref, name):
         self.perform(("signal", ref, name))
 
-    @_rule(seconds=st.sampled_from([1, 31, 61, 91, 3600]))
-    def advance_clock(self, seconds):
-        self.clock.advance(seconds)
-
-    @_rule()
-    def cross_midnight(self):
-        self.clock.to_next_midnight()
+    @_rule(by=st.sampled_from([1, 31, 61, 91, 3600, "midnight"]))
+    def move_clock(self, by):
+        """Past leases (30 s), sleeps and waits (30-90 s), or to just past the next UTC
+        midnight, where shared daily budgets start afresh."""
+        if by == "midnight":
+            self.clock.to_next_midnight()
+        else:
+            self.clock.advance(by)
 
     @_rule()
     def toggle_outage(self):
@@ -794,10 +812,15 @@ class EngineModel(RuleBasedStateMachine):
             past = timezone.now() - timedelta(seconds=1)
             Run.objects.filter(pk=run_id, status="running").update(lease_until=past)
 
-    @_rule(when="runnable", ref=st.integers(0, 3), crash=CRASH, concurrent=CONCURRENT)
+    @_rule(when="resumable", ref=st.integers(0, 3), crash=CRASH, concurrent=CONCURRENT)
     def execute(self, ref, crash, concurrent):
-        run_id = self.pick(ref, Run.objects.filter(runnable_filter(timezone.now())))
+        """Execute a runnable run; or resume one whose execution crashed (no worker holds it
+        here), its lease made to lapse first."""
+        resumable = Q(runnable_filter(timezone.now())) | Q(status="running")
+        run_id = self.pick(ref, Run.objects.filter(resumable))
         if run_id is not None:
+            past = timezone.now() - timedelta(seconds=1)
+            Run.objects.filter(pk=run_id, status="running").update(lease_until=past)
             self.claim_and_execute(run_id, crash, concurrent)
 
     def claim_and_execute(self, run_id, crash, concurrent) -> None:
