@@ -6,7 +6,9 @@ With tools offered, it calls them in the order a `SCRIPT: tool_a, tool_b` line i
 message names (arguments from `ARGS tool_a: {...}` lines, or the last tool result's "next"),
 then answers with a summary of what the tools returned. Without tools it writes a
 deterministic paragraph about the last user message. It counts every call, by the request's
-Idempotency-Key header, so tests can tell which calls were paid twice.
+Idempotency-Key header, so tests can tell which calls were paid twice, and keeps each request's
+body; `fail_next(status, ...)` makes the next calls fail as a provider would (a 429 with
+`Retry-After`, a 400), so tests can see what the client and Stepguard do with errors.
 """
 
 from __future__ import annotations
@@ -23,8 +25,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 MODEL = "stepguard-demo"
 
 
+_BASE64 = re.compile(r"[A-Za-z0-9+/=]{1000,}")
+
+
 def _tokens(text: str) -> int:
-    return len(text) // 4 + 1
+    """About 4 characters a token, and an image (a long run of base64) about 1,000 tokens."""
+    text, images = _BASE64.subn("", text)
+    return len(text) // 4 + 1 + 1_000 * images
 
 
 def _text_of(content) -> str:
@@ -58,10 +65,10 @@ def plan(messages: list[dict], tools: list[dict]):
     if not remaining:
         return None
     name = remaining[0]
-    args = re.search(rf"ARGS {re.escape(name)}:\s*(\{{.*\}})", system)
+    args = re.search(rf"ARGS {re.escape(name)}:\s*([{{\[].*[}}\]])", system)
     arguments = json.loads(args.group(1)) if args else {}
     last = next((m for m in reversed(messages) if m.get("role") == "tool"), None)
-    if last is not None:
+    if last is not None and isinstance(arguments, dict):
         with contextlib.suppress(ValueError, AttributeError):
             arguments |= json.loads(last.get("content") or "{}").get("next", {}).get(name, {})
     return name, arguments
@@ -71,12 +78,37 @@ class DemoModel:
     def __init__(self):
         self.calls: Counter[str] = Counter()
         self.total = 0
+        self.bodies: list[dict] = []
+        self._failures: list[tuple[int, dict[str, str], dict]] = []
+        self._cached: set[str] = set()
         self._lock = threading.Lock()
 
-    def record(self, key: str | None) -> None:
+    def record(self, key: str | None, body: dict) -> tuple[int, dict[str, str], dict] | None:
+        """Count a call; returns the failure to answer it with, if one is queued."""
         with self._lock:
             self.total += 1
             self.calls[key or "-"] += 1
+            self.bodies.append(body)
+            return self._failures.pop(0) if self._failures else None
+
+    def fail_next(
+        self, status: int, *, times: int = 1, headers: dict[str, str] | None = None
+    ) -> None:
+        """Answer the next `times` calls with `status` and an error body in both providers'
+        shapes, instead of a completion."""
+        error = {"message": f"demo model: scripted {status}", "type": "scripted_error"}
+        with self._lock:
+            self._failures += [(status, headers or {}, {"type": "error", "error": error})] * times
+
+    def cache(self, prefix: str) -> tuple[int, int]:
+        """Prompt caching as the providers report it: (tokens read, tokens written) of a
+        prefix, read if an earlier request wrote it."""
+        tokens = _tokens(prefix)
+        with self._lock:
+            if prefix in self._cached:
+                return tokens, 0
+            self._cached.add(prefix)
+            return 0, tokens
 
     def chat(self, body: dict) -> dict:
         messages, tools = body.get("messages", []), body.get("tools") or []
@@ -108,6 +140,8 @@ class DemoModel:
             message = {"role": "assistant", "content": text}
             reason, out = "stop", text
         usage_in, usage_out = _tokens(prompt), _tokens(out)
+        # With a prompt_cache_key, everything before the last message is a cacheable prefix.
+        cached = self.cache(json.dumps(messages[:-1]))[0] if "prompt_cache_key" in body else 0
         return {
             "id": f"chatcmpl-{created}",
             "object": "chat.completion",
@@ -120,6 +154,7 @@ class DemoModel:
                 "prompt_tokens": usage_in,
                 "completion_tokens": usage_out,
                 "total_tokens": usage_in + usage_out,
+                "prompt_tokens_details": {"cached_tokens": cached},
             },
         }
 
@@ -160,6 +195,10 @@ class DemoModel:
         user = _text_of(messages[-1].get("content")) if messages else ""
         text = write(user)
         prompt = json.dumps(messages) + json.dumps(body.get("system", ""))
+        read = written = 0
+        if "cache_control" in json.dumps(body.get("system")):  # a cached system prompt
+            read, written = self.cache(json.dumps(body["system"]))
+            prompt = json.dumps(messages)
         return {
             "id": f"msg_{int(time.time())}",
             "type": "message",
@@ -168,7 +207,12 @@ class DemoModel:
             "content": [{"type": "text", "text": text}],
             "stop_reason": "end_turn",
             "stop_sequence": None,
-            "usage": {"input_tokens": _tokens(prompt), "output_tokens": _tokens(text)},
+            "usage": {
+                "input_tokens": _tokens(prompt),
+                "output_tokens": _tokens(text),
+                "cache_read_input_tokens": read,
+                "cache_creation_input_tokens": written,
+            },
         }
 
 
@@ -177,12 +221,21 @@ def serve(port: int = 0) -> tuple[ThreadingHTTPServer, DemoModel]:
     model = DemoModel()
 
     class Handler(BaseHTTPRequestHandler):
+        # Keep-alive, as the providers do: clients pool the connection between calls.
+        protocol_version = "HTTP/1.1"
+
         def log_message(self, *args):
             pass
 
-        def _send(self, status: int, body: dict) -> None:
+        def handle(self):
+            with contextlib.suppress(ConnectionError):  # a client that went away
+                super().handle()
+
+        def _send(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
             data = json.dumps(body).encode()
             self.send_response(status)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -207,7 +260,10 @@ def serve(port: int = 0) -> tuple[ThreadingHTTPServer, DemoModel]:
             handler = next((h for path, h in routes.items() if self.path.endswith(path)), None)
             if handler is None:
                 return self._send(404, {"error": {"message": f"no route {self.path}"}})
-            model.record(self.headers.get("Idempotency-Key"))
+            failure = model.record(self.headers.get("Idempotency-Key"), body)
+            if failure is not None:
+                status, headers, error = failure
+                return self._send(status, error, headers)
             return self._send(200, handler(body))
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)

@@ -62,6 +62,22 @@ class StepMisuse(StepguardError, RuntimeError):
     retryable = False
 
 
+class ModelRequestRejected(StepguardError):
+    """The model provider refused the request itself (400, 401, 403, 404, 422...): the same
+    request gets the same answer, so neither the step nor the run sends it again."""
+
+    code = "model_request_rejected"
+    retryable = False
+
+
+class UnpricedModel(StepguardError):
+    """A model with no price was about to be called under a USD budget, which it could then
+    never trip (STEPGUARD_REFUSE_UNPRICED_MODELS)."""
+
+    code = "unpriced_model"
+    retryable = False
+
+
 class ControlFlow(BaseException):
     """Base of the signals that stop workflow code; never caught by `except Exception`."""
 

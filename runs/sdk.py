@@ -32,6 +32,7 @@ from runs.errors import (
     ChildFailed,
     Conflict,
     DecisionError,
+    ModelRequestRejected,
     NonDeterminismError,
     OperationError,
     OperatorFailed,
@@ -40,6 +41,7 @@ from runs.errors import (
     StepguardError,
     StepMisuse,
     UnknownWorkflow,
+    UnpricedModel,
     WaitTimeout,
 )
 from runs.models import Run, Signal
@@ -55,6 +57,7 @@ __all__ = [
     "Decision",
     "DecisionError",
     "Metered",
+    "ModelRequestRejected",
     "NonDeterminismError",
     "OperationError",
     "OperatorFailed",
@@ -66,6 +69,7 @@ __all__ = [
     "StepguardError",
     "Tool",
     "UnknownWorkflow",
+    "UnpricedModel",
     "Usage",
     "WaitTimeout",
     "cancel_run",

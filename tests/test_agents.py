@@ -1,6 +1,7 @@
 """Model calls, tools and the agent loop, against the scripted demo model on 127.0.0.1."""
 
 import json
+from decimal import ROUND_CEILING, Decimal
 
 import pytest
 
@@ -9,9 +10,9 @@ from approvals.services import decide
 from examples import flight_agent, outreach, research  # noqa: F401  (registers them)
 from examples.models import Booking, Effect
 from runs.engine.llm import cost
-from runs.models import Run, RunStatus, Step
+from runs.models import Event, Run, RunStatus, Step
 from runs.sdk import start_run
-from tests import workflows
+from tests import agent_workflows, workflows
 
 pytestmark = pytest.mark.django_db
 
@@ -128,3 +129,262 @@ def test_the_agent_loop_is_bounded(drive, demo_model):
     run.refresh_from_db()
     assert run.error["code"] == "agent_loop_exhausted" and "2 turns" in run.error["message"]
     assert demo_model.total == 2
+
+
+# -- issue 19: the bugs found using the agent layer as a production team would ------------------
+
+
+HI = {"role": "user", "content": "hi"}
+
+
+@pytest.fixture
+def llm_options():
+    agent_workflows.options.clear()
+    yield agent_workflows.options
+    agent_workflows.options.clear()
+
+
+def test_a_sync_workflow_with_an_async_client_sends_each_call_once(drive, demo_model):
+    # One event loop per execution: the client's pooled connection stays usable, so no call
+    # goes out on a connection whose loop is closed (sent, paid, then lost).
+    run = start_run("sync-with-async-client", {"turns": 4})
+    assert drive() == ["completed"]
+    steps = Step.objects.filter(run=run, kind="llm")
+    assert demo_model.total == 4  # 7 before: 3 calls sent twice, the first copy lost
+    assert [s.attempt for s in steps] == [1, 1, 1, 1]
+    assert all(demo_model.calls[s.idempotency_key] == 1 for s in steps)
+
+
+@pytest.mark.parametrize(
+    ("protocol", "method", "request_options"),
+    [
+        ("chat", "create", {"stream": True}),
+        ("responses", "create", {"stream": True}),
+        ("anthropic", "create", {"stream": True}),
+        ("anthropic", "stream", {}),
+    ],
+)
+def test_a_streamed_model_call_is_refused_before_anything_is_sent(
+    drive, demo_model, llm_options, protocol, method, request_options
+):
+    prompt = {"input": "hi"} if protocol == "responses" else {"messages": [HI]}
+    llm_options.update(protocol=protocol, method=method, request=request_options | prompt)
+    run = start_run("llm-options")
+    assert drive() == ["failed"]
+    run.refresh_from_db()
+    assert run.error["code"] == "sdk_misuse" and "stream" in run.error["message"]
+    assert run.attempt == 1  # not retried: it cannot work the next time either
+    assert demo_model.total == 0
+    assert not Step.objects.filter(run=run).exists()
+
+
+def test_sdk_objects_in_messages_are_sent_and_recorded_as_the_client_sends_them(drive, demo_model):
+    run = start_run("sdk-objects-in-messages")
+    assert drive() == ["completed"]
+    steps = {s.key: s for s in Step.objects.filter(run=run)}
+    sent = {body["messages"][-1]["content"]: body for body in demo_model.bodies}
+    assert steps["chat-1"].input[0]["messages"] == sent["second"]["messages"]
+    assert steps["chat-1"].input[0]["messages"][1]["role"] == "assistant"
+    assert steps["claude-1"].input[0]["messages"] == sent["b"]["messages"]
+    assert steps["claude-1"].input[0]["messages"][1]["content"][0]["type"] == "text"
+    assert demo_model.total == 4 and all(s.attempt == 1 for s in steps.values())
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ('["LIS"]', "must be a JSON object"),  # valid JSON, not an object
+        ('{"city": "LIS"}', "missing 'amount'"),  # the approval predicate cannot judge it
+    ],
+)
+def test_tool_arguments_the_tool_cannot_take_go_back_to_the_model(drive, demo_model, args, error):
+    run = start_run("odd-tool-calls", {"args": args})
+    assert drive() == ["completed"]
+    run.refresh_from_db()
+    tool_result = json.loads(run.output["messages"][-2]["content"])
+    assert error in tool_result["error"]
+    assert run.output["answer"].startswith("Done.") and error in run.output["answer"]
+    assert [s.key for s in Step.objects.filter(run=run)] == ["think-0", "think-1"]
+    assert not ApprovalRequest.objects.filter(run=run).exists()
+
+
+IMAGE = "data:image/png;base64," + "iVBORw0KGgo" * 37_000  # about 400 KB
+
+
+@pytest.mark.parametrize(
+    ("protocol", "content"),
+    [
+        ("chat", [{"type": "image_url", "image_url": {"url": IMAGE}}]),
+        ("responses", [{"type": "input_image", "image_url": IMAGE}]),
+        (
+            "anthropic",
+            [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                          "data": IMAGE.split(",")[1]}}],
+        ),
+    ],
+)  # fmt: skip
+def test_an_image_is_estimated_as_an_image_not_as_its_base64(
+    drive, demo_model, llm_options, protocol, content
+):
+    # Its base64 counted as text was ~100,000 tokens: the run paused before the call.
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, *content]}]
+    prompt = {"input": messages} if protocol == "responses" else {"messages": messages}
+    llm_options.update(protocol=protocol, request=prompt)
+    run = start_run("llm-options", budget_tokens=20_000)
+    assert drive() == ["completed"]
+    assert demo_model.total == 1
+    assert Step.objects.get(run=run).tokens_in < 2_000
+
+
+def test_the_responses_apis_instructions_count_in_the_estimate(drive, demo_model, llm_options):
+    # 40,000 characters of instructions were estimated at 17 tokens: the call went out.
+    request = {"instructions": "Be thorough. " * 3_000, "input": "hi", "max_output_tokens": 100}
+    llm_options.update(protocol="responses", request=request)
+    run = start_run("llm-options", budget_tokens=5_000)
+    assert drive() == ["over_budget"]
+    event = Event.objects.get(run=run, type="budget.exceeded")
+    assert event.payload["estimate"] > 9_750  # the instructions alone: 39,000 characters
+    assert demo_model.total == 0
+
+
+def test_a_large_request_is_recorded_whole_up_to_the_output_limit(
+    drive, demo_model, llm_options, settings
+):
+    # Over 64 KB it was recorded as its first 2,000 characters: what the model saw was lost.
+    turns = [{"role": "tool" if i % 2 else "user", "content": "x" * 8_000} for i in range(12)]
+    llm_options.update(request={"messages": turns})
+    run = start_run("llm-options")
+    assert drive() == ["completed"]
+    assert Step.objects.get(run=run).input[0]["messages"] == demo_model.bodies[0]["messages"]
+
+    settings.STEPGUARD_MAX_OUTPUT_BYTES = 50_000
+    run = start_run("llm-options")
+    assert drive() == ["completed"]
+    recorded = Step.objects.get(run=run).input
+    assert "over the 50,000 recorded" in recorded["truncated"]
+
+
+def micros(usd) -> int:
+    return int((Decimal(str(usd)) * 1_000_000).to_integral_value(rounding=ROUND_CEILING))
+
+
+SYSTEM = "You are a careful travel agent. " * 200
+CACHED_SYSTEM = {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}
+
+
+@pytest.mark.parametrize(
+    ("protocol", "request_options", "price"),
+    [
+        (
+            "chat",
+            {"messages": [{"role": "system", "content": SYSTEM}, HI], "prompt_cache_key": "k"},
+            # gpt-4o-mini: $0.15 input, $0.075 cached input, $0.60 output per million
+            lambda u: (
+                (u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"]) * Decimal("0.15")
+                + u["prompt_tokens_details"]["cached_tokens"] * Decimal("0.075")
+                + u["completion_tokens"] * Decimal("0.60")
+            ),
+        ),
+        (
+            "anthropic",
+            {"system": [CACHED_SYSTEM], "messages": [HI]},
+            # claude-3-5-haiku: $0.80 input, $0.08 cache read, $1.00 cache write, $4.00 output
+            lambda u: (
+                u["input_tokens"] * Decimal("0.80")
+                + u["cache_read_input_tokens"] * Decimal("0.08")
+                + u["cache_creation_input_tokens"] * Decimal("1.00")
+                + u["output_tokens"] * Decimal("4.00")
+            ),
+        ),
+    ],
+)
+def test_cached_and_cache_write_tokens_are_priced_at_their_own_rates(
+    drive, demo_model, llm_options, protocol, request_options, price
+):
+    llm_options.update(protocol=protocol, request=request_options)
+    runs = [start_run("llm-options"), start_run("llm-options")]  # the 2nd reads the 1st's cache
+    assert drive() == ["completed", "completed"]
+    for run in runs:
+        step = only_llm_step(run)
+        usage = step.output["usage"]
+        assert step.cost_micros == micros(price(usage) / 1_000_000)
+    assert json.dumps(only_llm_step(runs[1]).output["usage"]) != json.dumps(
+        only_llm_step(runs[0]).output["usage"]
+    )  # the first wrote the cache (or read nothing), the second read it
+
+
+@pytest.mark.parametrize(
+    ("model", "rates"),
+    [
+        ("o3-mini", (1.10, 4.40)),  # was priced as o3, its prefix ($2 / $8)
+        ("openai/gpt-4o", (2.50, 10.00)),  # a gateway's name for gpt-4o: was $0
+        ("gpt-4o-mini-2024-07-18", (0.15, 0.60)),  # a dated snapshot
+    ],
+)
+def test_a_model_is_priced_by_its_exact_name(drive, demo_model, llm_options, model, rates):
+    llm_options.update(request={"model": model, "messages": [HI]})
+    run = start_run("llm-options")
+    assert drive() == ["completed"]
+    step = only_llm_step(run)
+    usd = Decimal(str(rates[0])) * step.tokens_in + Decimal(str(rates[1])) * step.tokens_out
+    assert step.cost_micros == micros(usd / 1_000_000)
+    assert not Event.objects.filter(run=run, type="model.unpriced").exists()
+
+
+def test_an_unpriced_model_is_flagged_and_refused_under_a_usd_budget_if_so_set(
+    drive, demo_model, llm_options, settings
+):
+    llm_options.update(request={"model": "my-finetune", "messages": [HI]})
+    run = start_run("llm-options", budget_usd="1")
+    assert drive() == ["completed"]
+    assert Event.objects.get(run=run, type="model.unpriced").payload == {"model": "my-finetune"}
+    assert only_llm_step(run).cost_micros == 0
+
+    settings.STEPGUARD_REFUSE_UNPRICED_MODELS = True
+    run = start_run("llm-options", budget_usd="1")
+    assert drive() == ["failed"]
+    run.refresh_from_db()
+    assert run.error["cause"]["code"] == "unpriced_model" and run.attempt == 1
+    assert demo_model.total == 1  # the refused call was never sent
+    unbudgeted = start_run("llm-options")
+    assert drive() == ["completed"] and only_llm_step(unbudgeted).status == "completed"
+
+
+@pytest.mark.parametrize(
+    ("protocol", "status"),
+    [("chat", 400), ("chat", 422), ("responses", 404), ("anthropic", 401), ("anthropic", 403)],
+)
+def test_a_request_the_provider_refuses_is_not_sent_again(
+    drive, demo_model, llm_options, protocol, status
+):
+    # It was retried 3 times a step, and the run 3 times: 9 requests for one bad request.
+    prompt = {"input": "hi"} if protocol == "responses" else {"messages": [HI]}
+    llm_options.update(protocol=protocol, request=prompt)
+    demo_model.fail_next(status, times=9)
+    run = start_run("llm-options")
+    assert drive() == ["failed"]
+    run.refresh_from_db()
+    assert run.error["cause"]["code"] == "model_request_rejected"
+    assert str(status) in run.error["cause"]["message"]
+    assert demo_model.total == 1
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "delay"),
+    [
+        (429, {"retry-after-ms": "250"}, 0.25),
+        (429, {"retry-after": "1"}, 1.0),
+        (503, {"retry-after": "0"}, 0.0),
+        (408, {}, 0.0),  # the policy's own backoff: none in this workflow
+    ],
+)
+def test_a_busy_provider_is_retried_after_the_delay_it_asks_for(
+    drive, demo_model, llm_options, status, headers, delay
+):
+    llm_options.update(request={"messages": [HI]})
+    demo_model.fail_next(status, headers=headers)
+    run = start_run("llm-options")
+    assert drive() == ["completed"]
+    retrying = Event.objects.get(run=run, type="step.retrying")
+    assert retrying.payload["delay_s"] == delay
+    assert only_llm_step(run).attempt == 2 and demo_model.total == 2

@@ -98,11 +98,25 @@ def _call_tool(ctx, tools: dict[str, Tool], name: str, arguments: str, turn: int
         args = json.loads(arguments)
     except ValueError:
         return {"error": f"the arguments for {name} are not JSON"}
+    if not isinstance(args, dict):
+        return {"error": f"the arguments for {name} must be a JSON object, not {arguments[:200]}"}
+    # The model wrote these arguments: a predicate that cannot judge them (a missing field) is
+    # the model's mistake to correct, not a reason to fail the run.
+    needed = tool.requires_approval
+    if callable(needed):
+        try:
+            needed = bool(needed(args))
+        except Exception as exc:
+            return {"error": f"the arguments for {name} were not accepted: {_describe(exc)}"}
     try:
-        return ctx.tool(
-            f"tool-{name}-{turn}", tool.fn, args, requires_approval=tool.requires_approval
-        )
+        return ctx.tool(f"tool-{name}-{turn}", tool.fn, args, requires_approval=needed)
     except (ApprovalRejected, ApprovalExpired, ApprovalRevoked) as refused:
         return {"refused": str(refused)}
     except StepFailed as failed:
         return {"error": failed.error.get("message", str(failed))}
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, KeyError):
+        return f"missing {exc}"
+    return f"{type(exc).__name__}: {exc}"

@@ -48,7 +48,7 @@ from runs.engine.budget import (
     settle_shared,
 )
 from runs.engine.outage import is_disconnect
-from runs.engine.serialization import describe_input, to_json
+from runs.engine.serialization import INPUT_LIMIT, describe_input, to_json
 from runs.engine.store import (
     Lease,
     Spend,
@@ -77,6 +77,7 @@ from runs.errors import (
     StepguardError,
     StepMisuse,
     Suspended,
+    UnpricedModel,
     WaitTimeout,
     WorkerLost,
 )
@@ -98,6 +99,8 @@ __all__ = ["NOT_FOUND", "Decision", "Lease", "RetryPolicy", "RunContext", "execu
 log = logging.getLogger("stepguard.executor")
 
 MAX_KEY_LENGTH = 200
+#: The longest a step sleeps for a provider's Retry-After while holding its worker thread.
+MAX_RETRY_AFTER = 300.0
 #: What replay reads of each checkpoint; the rest (input, timestamps) loads only if needed.
 REPLAY_FIELDS = (
     "id",
@@ -288,6 +291,9 @@ class RunContext:
         self._compensating = False
         self._patches: dict[str, bool] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: asyncio.Runner | None = None  # a sync workflow's event loop, see _await
+        self._usd_budget = run.budget_micros is not None
+        self._unpriced_models: set[str] = set()
         lease.workflow = run.workflow
         self._last_seq = max(history, default=-1)
 
@@ -352,6 +358,7 @@ class RunContext:
         estimate: Usage | None = None,
         kind: str = StepKind.CALL,
         internal: bool = False,
+        input_limit: int = INPUT_LIMIT,
     ) -> Any:
         key, seq, record = self._enter(key, internal=internal)
         if record is not None and record.status == StepStatus.COMPLETED:
@@ -375,7 +382,7 @@ class RunContext:
                 "key": key,
                 "kind": kind,
                 "status": StepStatus.STARTED,
-                "input": describe_input(args, kwargs),
+                "input": describe_input(args, kwargs, limit=input_limit),
                 "idempotency_key": idem,
                 "run_attempt": self.attempt,
                 "started_at": timezone.now(),
@@ -575,23 +582,51 @@ class RunContext:
         the prompt plus `max_tokens` is reserved against the budgets first (`estimate=False`
         to skip, or a Usage of your own).
         """
+        llm_engine.refuse_streaming(call, request)
         model = str(request.get("model", ""))
         guess = llm_engine.estimate(model, request) if estimate is True else (estimate or None)
 
         def invoke(recorded):
+            if llm_engine.price_of(model) is None:
+                self._unpriced(key, model)
             kwargs = request
             if _accepts(call, "extra_headers"):  # the SDKs' create() methods do
                 headers = {"Idempotency-Key": self.idempotency_key}
                 headers |= request.get("extra_headers") or {}
                 kwargs = {**request, "extra_headers": headers}
-            response = self._await(call(**kwargs))
+            try:
+                response = self._await(call(**kwargs))
+            except Exception as exc:
+                if (refused := llm_engine.rejected(exc)) is not None:
+                    raise refused from exc
+                raise
             data = llm_engine.as_json(response)
             return Metered(data, llm_engine.usage_of(data, model))
 
         recorded = llm_engine.recorded_request(request)
         return self._run_step(
-            key, invoke, (recorded,), {}, retry=retry, estimate=guess, kind=StepKind.LLM
-        )
+            key, invoke, (recorded,), {}, retry=retry, estimate=guess, kind=StepKind.LLM,
+            input_limit=settings.STEPGUARD_MAX_OUTPUT_BYTES,
+        )  # fmt: skip
+
+    def _unpriced(self, key: str, model: str) -> None:
+        """A model with no price spends nothing in USD, so a USD budget can never stop it: say
+        so on the timeline (once an execution), or refuse it under a USD budget if told to."""
+        if settings.STEPGUARD_REFUSE_UNPRICED_MODELS and self._under_usd_budget():
+            raise UnpricedModel(
+                f"model {model!r} has no price (STEPGUARD_MODEL_PRICES) and this run has a USD "
+                "budget it could never trip (STEPGUARD_REFUSE_UNPRICED_MODELS)"
+            )
+        if model not in self._unpriced_models:
+            self._unpriced_models.add(model)
+            log.warning("run %s: model %r has no price; its calls count as $0", self.run_id, model)
+            fenced_write(self._lease, ("model.unpriced", key, {"model": model}))
+
+    def _under_usd_budget(self) -> bool:
+        if self._usd_budget:
+            return True
+        scopes = scopes_for(self.workflow)
+        return Policy.objects.filter(scope__in=scopes, daily_budget_micros__isnull=False).exists()
 
     def tool(
         self,
@@ -1015,16 +1050,26 @@ class RunContext:
 
     def _await(self, value: Any) -> Any:
         """Run an `async def` step (or an async client's call) to completion: on the
-        workflow's event loop for an async workflow, on a fresh one otherwise."""
+        workflow's event loop for an async workflow; otherwise on one loop kept for the whole
+        execution, because an async client's pooled connection belongs to the loop that opened
+        it (on a fresh loop per call, a call goes out on the old connection and its answer is
+        lost with the closed loop: sent, paid, then sent again)."""
         if not inspect.isawaitable(value):
             return value
 
         async def wait():
             return await value
 
-        if self._loop is None:
-            return asyncio.run(wait())
-        return asyncio.run_coroutine_threadsafe(wait(), self._loop).result()
+        if self._loop is not None:
+            return asyncio.run_coroutine_threadsafe(wait(), self._loop).result()
+        if self._runner is None:
+            self._runner = asyncio.Runner()
+        return self._runner.run(wait())
+
+    def _close_loop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.close()
 
     def _write(
         self, step_pk: int, key: str, event: str, payload: dict, *, progress=False, **fields
@@ -1049,7 +1094,9 @@ class RunContext:
                 raise
             except Exception as exc:
                 if _retryable(exc) and policy.retries(exc) and tries < policy.max_attempts:
-                    delay = policy.delay(tries)
+                    # A provider's Retry-After wins over the policy's backoff.
+                    delay = llm_engine.retry_after(exc)
+                    delay = policy.delay(tries) if delay is None else min(delay, MAX_RETRY_AFTER)
                     attempt += 1
                     payload = {"attempt": attempt, "delay_s": round(delay, 3), "error": _brief(exc)}
                     self._sleep(delay)
@@ -1460,7 +1507,7 @@ def execute(run: Run, lease: Lease) -> str:
         if inspect.iscoroutinefunction(definition.fn):
             result = _run_async(definition.fn, ctx, run.input)
         else:
-            result = definition.fn(ctx, run.input)
+            result = _run_sync(definition.fn, ctx, run.input)
         ctx._check_all_replayed()
         output = to_json(result, what=f"the result of workflow {run.workflow!r}")
     except Suspended:
@@ -1557,12 +1604,21 @@ def _run_async(fn: Callable, ctx: RunContext, input: Any) -> Any:
         db.shutdown()
 
 
+def _run_sync(fn: Callable, ctx: RunContext, input: Any) -> Any:
+    try:
+        return fn(ctx, input)
+    finally:
+        ctx._close_loop()  # the loop its async steps ran on, if any
+
+
 def _run_compensations(ctx: RunContext) -> tuple[list[str], dict | None]:
     """Returns the undone step keys and, if an undo failed, its error. Control flow passes."""
     try:
         return ctx._compensate(), None
     except Exception as exc:
         return [], error_record(exc)
+    finally:
+        ctx._close_loop()
 
 
 def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> str:

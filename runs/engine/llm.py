@@ -7,32 +7,46 @@ Works with the official `openai` client (chat completions and responses) and the
 from __future__ import annotations
 
 import json
+import re
+import time
+from dataclasses import dataclass
 from decimal import Decimal
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 from django.conf import settings
 
 from runs.engine.budget import Usage
+from runs.errors import ModelRequestRejected, OutputNotSerializable, StepMisuse
 
-#: USD per million tokens (input, output). Override or extend with STEPGUARD_MODEL_PRICES,
-#: a JSON object {"model-name": [input, output]}; a model matches its longest listed prefix.
-DEFAULT_PRICES: dict[str, tuple[str, str]] = {
-    "gpt-4.1": ("2.00", "8.00"),
-    "gpt-4.1-mini": ("0.40", "1.60"),
-    "gpt-4.1-nano": ("0.10", "0.40"),
-    "gpt-4o": ("2.50", "10.00"),
-    "gpt-4o-mini": ("0.15", "0.60"),
-    "o3": ("2.00", "8.00"),
-    "o4-mini": ("1.10", "4.40"),
-    "claude-opus-4": ("15.00", "75.00"),
-    "claude-sonnet-4": ("3.00", "15.00"),
-    "claude-3-7-sonnet": ("3.00", "15.00"),
-    "claude-3-5-sonnet": ("3.00", "15.00"),
-    "claude-3-5-haiku": ("0.80", "4.00"),
-    "claude-haiku-4": ("1.00", "5.00"),
+#: USD per million tokens: (input, output[, cached input[, cache write]]); cached input and
+#: cache writes cost the input price where not given (OpenAI charges nothing extra to write
+#: its cache). A string is an alias: the model it is priced as. Override or extend with
+#: STEPGUARD_MODEL_PRICES, a JSON object of the same shape. Names match exactly, after a
+#: gateway's provider prefix (`openai/gpt-4o`) and then a snapshot suffix (`-2024-08-06`,
+#: `-20241022`, `-latest`) are dropped, so `o3-mini` is never priced as `o3`.
+DEFAULT_PRICES: dict[str, tuple[str, ...] | str] = {
+    "gpt-4.1": ("2.00", "8.00", "0.50"),
+    "gpt-4.1-mini": ("0.40", "1.60", "0.10"),
+    "gpt-4.1-nano": ("0.10", "0.40", "0.025"),
+    "gpt-4o": ("2.50", "10.00", "1.25"),
+    "gpt-4o-mini": ("0.15", "0.60", "0.075"),
+    "o3": ("2.00", "8.00", "0.50"),
+    "o3-mini": ("1.10", "4.40", "0.55"),
+    "o4-mini": ("1.10", "4.40", "0.275"),
+    "claude-opus-4-1": ("15.00", "75.00", "1.50", "18.75"),
+    "claude-opus-4": ("15.00", "75.00", "1.50", "18.75"),
+    "claude-opus-4-0": "claude-opus-4",
+    "claude-sonnet-4-5": ("3.00", "15.00", "0.30", "3.75"),
+    "claude-sonnet-4": ("3.00", "15.00", "0.30", "3.75"),
+    "claude-sonnet-4-0": "claude-sonnet-4",
+    "claude-3-7-sonnet": ("3.00", "15.00", "0.30", "3.75"),
+    "claude-3-5-sonnet": ("3.00", "15.00", "0.30", "3.75"),
+    "claude-haiku-4-5": ("1.00", "5.00", "0.10", "1.25"),
+    "claude-3-5-haiku": ("0.80", "4.00", "0.08", "1.00"),
     # The scripted demo model served on 127.0.0.1 (examples/model_server.py): priced like a
     # small real model so the budget demos have something to stop.
-    "stepguard-demo": ("1.00", "4.00"),
+    "stepguard-demo": ("1.00", "4.00", "0.10", "1.25"),
 }
 
 REQUEST_FIELDS = (
@@ -40,53 +54,150 @@ REQUEST_FIELDS = (
     "max_tokens", "max_output_tokens", "max_completion_tokens", "temperature",
 )  # fmt: skip
 
+#: What an image (or a base64 document) in a prompt is reserved as: about the most a provider
+#: charges for one image (Anthropic: ~1,600 tokens at 1568 px; OpenAI high detail: ~1,100).
+#: Counting its base64 characters instead would make a 400 KB image 100,000 tokens.
+IMAGE_TOKENS = 1_600
 
-def prices() -> dict[str, tuple[Decimal, Decimal]]:
+_SNAPSHOT = re.compile(r"-(\d{4}-\d{2}-\d{2}|\d{8}|latest)$")
+
+
+@dataclass(frozen=True)
+class Price:
+    """USD per million tokens of each kind."""
+
+    input: Decimal
+    output: Decimal
+    cached_input: Decimal
+    cache_write: Decimal
+
+    @classmethod
+    def of(cls, entry: tuple | list) -> Price:
+        values = [Decimal(str(v)) for v in entry]
+        if not 2 <= len(values) <= 4 or any(v < 0 for v in values):
+            raise ValueError(f"a model price is [input, output, cached?, cache write?]: {entry}")
+        values += [values[0]] * (4 - len(values))
+        return cls(*values)
+
+
+def price_of(*models: str | None) -> Price | None:
+    """The price of the first of `models` that has one (the response's model, then the
+    request's), or None."""
     table = {**DEFAULT_PRICES, **settings.STEPGUARD_MODEL_PRICES}
-    return {model: (Decimal(str(p[0])), Decimal(str(p[1]))) for model, p in table.items()}
-
-
-def price_of(model: str) -> tuple[Decimal, Decimal] | None:
-    table = prices()
-    matches = [name for name in table if model == name or model.startswith(f"{name}-")]
-    return table[max(matches, key=len)] if matches else None
+    for model in filter(None, models):
+        bare = model.rsplit("/", 1)[-1]
+        for name in dict.fromkeys((model, bare, _SNAPSHOT.sub("", bare))):
+            entry, seen = table.get(name), {name}
+            while isinstance(entry, str) and entry not in seen:  # an alias
+                seen.add(entry)
+                entry = table.get(entry)
+            if entry is not None and not isinstance(entry, str):
+                return Price.of(entry)
+    return None
 
 
 def cost(model: str, tokens_in: int, tokens_out: int) -> Decimal:
+    """USD of uncached input and output tokens of `model`; 0 if it has no price."""
     price = price_of(model)
     if price is None:
         return Decimal(0)
-    return (tokens_in * price[0] + tokens_out * price[1]) / Decimal(1_000_000)
+    return (tokens_in * price.input + tokens_out * price.output) / Decimal(1_000_000)
 
 
 def as_json(response: Any) -> dict:
-    """The response as plain JSON: SDK objects are pydantic models."""
+    """The response as plain JSON: SDK objects are pydantic models (a raw response is parsed
+    into one first)."""
     if isinstance(response, dict):
         return response
+    if not hasattr(response, "model_dump") and callable(getattr(response, "parse", None)):
+        response = response.parse()  # `.with_raw_response.create(...)`
     dump = getattr(response, "model_dump", None)
     if dump is None:
-        raise TypeError(f"cannot read a model response of type {type(response).__name__}")
+        # Not retryable: the call was made and paid; making it again gets the same type back.
+        raise OutputNotSerializable(
+            f"cannot read a model response of type {type(response).__name__}"
+        )
     return dump(mode="json", exclude_none=True)
 
 
+def plain(value: Any) -> Any:
+    """`value` as the client sends it: SDK objects (the previous response's message, its
+    content blocks) become the JSON the client makes of them, nested anywhere."""
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(item) for item in value]
+    if callable(dump := getattr(value, "model_dump", None)):
+        return plain(dump(mode="json", exclude_unset=True))
+    if callable(to_dict := getattr(value, "to_dict", None)):
+        return plain(to_dict())
+    return value
+
+
+def token_kinds(usage: dict) -> dict[str, int]:
+    """`usage` of any of the three protocols as tokens per kind: fresh and cached input, cache
+    writes (Anthropic's 1-hour ones apart) and output. OpenAI counts cached tokens inside its
+    input tokens; Anthropic reports them beside its input tokens."""
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    total_in = usage.get("prompt_tokens", usage.get("input_tokens")) or 0
+    cached = details.get("cached_tokens") or 0
+    read = usage.get("cache_read_input_tokens") or 0
+    write = usage.get("cache_creation_input_tokens") or 0
+    write_1h = (usage.get("cache_creation") or {}).get("ephemeral_1h_input_tokens") or 0
+    return {
+        "input": total_in - min(cached, total_in),
+        "cached_input": min(cached, total_in) + read,
+        "cache_write": write - min(write_1h, write),
+        "cache_write_1h": min(write_1h, write),
+        "output": usage.get("completion_tokens", usage.get("output_tokens")) or 0,
+    }
+
+
 def usage_of(data: dict, model: str) -> Usage:
-    """Tokens and USD from `usage`: chat completions (prompt/completion tokens), the responses
-    API and Anthropic (input/output tokens; Anthropic's cache reads and writes count as input)."""
-    usage = data.get("usage") or {}
-    tokens_in = usage.get("prompt_tokens", usage.get("input_tokens")) or 0
-    tokens_in += (usage.get("cache_creation_input_tokens") or 0) + (
-        usage.get("cache_read_input_tokens") or 0
-    )
-    tokens_out = usage.get("completion_tokens", usage.get("output_tokens")) or 0
-    model = data.get("model") or model
-    return Usage(tokens_in, tokens_out, cost(model, tokens_in, tokens_out))
+    """Tokens and USD from `usage`, each kind of token at its own price: cache reads at the
+    cached-input price, cache writes at the cache-write price (Anthropic's 1-hour writes at
+    twice the input price). Tokens in count every input token, cached or not."""
+    kinds = token_kinds(data.get("usage") or {})
+    tokens_in = kinds["input"] + kinds["cached_input"] + kinds["cache_write"]
+    tokens_in += kinds["cache_write_1h"]
+    price = price_of(data.get("model"), model)
+    if price is None:
+        return Usage(tokens_in, kinds["output"], Decimal(0))
+    usd = (
+        kinds["input"] * price.input
+        + kinds["cached_input"] * price.cached_input
+        + kinds["cache_write"] * price.cache_write
+        + kinds["cache_write_1h"] * 2 * price.input
+        + kinds["output"] * price.output
+    ) / Decimal(1_000_000)
+    return Usage(tokens_in, kinds["output"], usd)
+
+
+def _prompt_size(value: Any) -> tuple[int, int]:
+    """(characters of text, images) in a prompt: an image or base64 document (a data: URL, a
+    base64 source) counts as an image, whatever its size."""
+    if isinstance(value, str):
+        image = value.startswith("data:") and ";base64," in value[:100]
+        return (0, 1) if image else (len(value), 0)
+    if isinstance(value, dict):
+        if value.get("type") == "base64" and isinstance(value.get("data"), str):
+            return 0, 1
+        parts = [_prompt_size(item) for item in value.values()]
+        parts.append((sum(len(str(key)) + 6 for key in value), 0))  # keys and punctuation
+    elif isinstance(value, list | tuple):
+        parts = [_prompt_size(item) for item in value]
+    else:
+        return len(json.dumps(value, default=str)), 0
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
 
 def estimate(model: str, request: dict) -> Usage:
-    """A budget estimate before the call: the prompt (about 4 characters a token) plus the
-    most the model may answer (`max_tokens` and its variants; 1,024 if none is given)."""
-    prompt = json.dumps({k: request.get(k) for k in ("messages", "input", "system", "tools")})
-    tokens_in = len(prompt) // 4 + 1
+    """A budget estimate before the call: the prompt (instructions or system, messages or
+    input, tools: about 4 characters a token, an image IMAGE_TOKENS) plus the most the model
+    may answer (`max_tokens` and its variants; 1,024 if none is given)."""
+    prompt = {k: plain(request.get(k)) for k in ("instructions", "system", "messages", "input")}
+    chars, images = _prompt_size([prompt, plain(request.get("tools"))])
+    tokens_in = chars // 4 + 1 + images * IMAGE_TOKENS
     tokens_out = next(
         (request[k] for k in ("max_tokens", "max_output_tokens", "max_completion_tokens")
          if isinstance(request.get(k), int)),
@@ -96,4 +207,49 @@ def estimate(model: str, request: dict) -> Usage:
 
 
 def recorded_request(kwargs: dict) -> dict:
-    return {k: kwargs[k] for k in REQUEST_FIELDS if k in kwargs}
+    return {k: plain(kwargs[k]) for k in REQUEST_FIELDS if k in kwargs}
+
+
+def refuse_streaming(call: Any, request: dict) -> None:
+    """A streamed response cannot be checkpointed yet: refuse before anything is sent, rather
+    than pay for a call whose answer the step cannot read (and then retry it)."""
+    if request.get("stream") or getattr(call, "__name__", "") == "stream":
+        raise StepMisuse(
+            "ctx.llm cannot record a streamed response yet: call the client's create() "
+            "without stream=True (and not its .stream() helper)"
+        )
+
+
+#: Statuses worth sending the same request again for: the provider was busy or broken.
+RETRYABLE_STATUSES = frozenset({408, 409, 429})
+
+
+def rejected(exc: Exception) -> ModelRequestRejected | None:
+    """The error to fail the step with if the provider refused the request itself (a 4xx
+    other than 408, 409 and 429): sending it again would get the same answer. Timeouts,
+    connection errors and 5xx stay retryable."""
+    status = getattr(exc, "status_code", None)
+    if not isinstance(status, int) or status < 400 or status >= 500:
+        return None
+    if status in RETRYABLE_STATUSES:
+        return None
+    return ModelRequestRejected(f"the model provider refused the request: {exc}")
+
+
+def retry_after(exc: BaseException) -> float | None:
+    """Seconds the provider asked to wait before the next attempt (`retry-after-ms`,
+    `retry-after` in seconds or as an HTTP date), if the error carries a response saying so."""
+    headers = getattr(getattr(exc, "response", None), "headers", None)
+    if headers is None:
+        return None
+    try:
+        if (ms := headers.get("retry-after-ms")) is not None:
+            return max(float(ms) / 1000, 0.0)
+        if (value := headers.get("retry-after")) is None:
+            return None
+        try:
+            return max(float(value), 0.0)
+        except ValueError:
+            return max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
+    except (TypeError, ValueError, OverflowError):
+        return None

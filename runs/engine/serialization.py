@@ -54,7 +54,12 @@ def to_json(value: Any, *, what: str, limit: int | None = None) -> Any:
     return json.loads(text)
 
 
-def describe_input(args: tuple, kwargs: dict) -> Any:
+#: Bytes of JSON of a step's arguments recorded whole (a model call's request: up to
+#: STEPGUARD_MAX_OUTPUT_BYTES); beyond that the first 2,000 characters, marked as cut.
+INPUT_LIMIT = 65536
+
+
+def describe_input(args: tuple, kwargs: dict, *, limit: int = INPUT_LIMIT) -> Any:
     """Best-effort JSON of a step's arguments, for people reading the timeline."""
     if not args and not kwargs:
         return None
@@ -63,6 +68,10 @@ def describe_input(args: tuple, kwargs: dict) -> Any:
         text = json.dumps(value, default=repr, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError):
         return {"repr": repr(value)[:2000]}
-    if len(text) > 65536 or "\\u0000" in text:
+    size = len(text.encode("utf-8", "replace"))
+    if size > limit:
+        cut = f"{size:,} bytes of JSON, over the {limit:,} recorded; the first 2,000 characters"
+        return {"truncated": cut, "repr": text[:2000] + "…"}
+    if "\\u0000" in text:
         return {"repr": text[:2000] + "…"}
     return json.loads(text)

@@ -1,0 +1,102 @@
+"""Agent workflows for tests/test_agents.py, written the way the providers' own guides write
+them, each against the demo model on 127.0.0.1 with the official client libraries."""
+
+import os
+from datetime import timedelta
+
+from runs.sdk import RetryPolicy, RunContext, Tool, workflow
+
+#: Set by a test: the request options of the workflow's next model call.
+options: dict = {}
+
+
+def base_url() -> str:
+    return os.environ["STEPGUARD_MODEL_BASE_URL"]
+
+
+def openai_client(*, asynchronous: bool = False):
+    from openai import AsyncOpenAI, OpenAI
+
+    return (AsyncOpenAI if asynchronous else OpenAI)(
+        base_url=base_url(), api_key="k", max_retries=0
+    )
+
+
+def anthropic_client():
+    from anthropic import Anthropic
+
+    return Anthropic(base_url=base_url().removesuffix("/v1"), api_key="k", max_retries=0)
+
+
+@workflow("sync-with-async-client")
+def sync_with_async_client(ctx: RunContext, input: dict):
+    """A sync workflow with AsyncOpenAI: every call on the same pooled connection."""
+    client = openai_client(asynchronous=True)
+    answers = []
+    for turn in range(input["turns"]):
+        response = ctx.llm(
+            f"ask-{turn}",
+            client.chat.completions.create,
+            model="gpt-4o-mini",
+            messages=[{"role": "user", "content": f"question {turn}"}],
+            max_tokens=20,
+        )
+        answers.append(response["choices"][0]["message"]["content"])
+    return answers
+
+
+@workflow("llm-options")
+def llm_options(ctx: RunContext, input: dict):
+    """One model call with the options a test put in `options` (protocol, request, retry)."""
+    protocol = options.get("protocol", "chat")
+    retry = options.get("retry", RetryPolicy(max_attempts=3, initial_interval=timedelta(0)))
+    request = options.get("request", {})
+    if protocol == "anthropic":
+        client = anthropic_client()
+        call = getattr(client.messages, options.get("method", "create"))
+        request = {"model": "claude-3-5-haiku-20241022", "max_tokens": 64} | request
+    elif protocol == "responses":
+        call = openai_client().responses.create
+        request = {"model": "gpt-4.1-mini"} | request
+    else:
+        call = getattr(openai_client().chat.completions, options.get("method", "create"))
+        request = {"model": "gpt-4o-mini", "max_tokens": 50} | request
+    return ctx.llm("ask", call, retry=retry, **request)
+
+
+def book(city: str, amount: int) -> dict:
+    return {"booked": city, "amount": amount}
+
+
+@workflow("odd-tool-calls")
+def odd_tool_calls(ctx: RunContext, input: dict):
+    """The model's tool arguments are whatever the script says: a list, or no `amount`."""
+    system = f"SCRIPT: book\nARGS book: {input['args']}"
+    return ctx.agent_loop(
+        client=openai_client(),
+        model="gpt-4o-mini",
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "go"}],
+        tools={"book": Tool(book, requires_approval=lambda args: args["amount"] > 100)},
+        max_turns=3,
+    )
+
+
+@workflow("sdk-objects-in-messages")
+def sdk_objects_in_messages(ctx: RunContext, input):
+    """Both guides' pattern: the SDK's own response objects go back into `messages`."""
+    from anthropic.types import Message
+    from openai.types.chat import ChatCompletion
+
+    client, claude = openai_client(), anthropic_client()
+    chat = [{"role": "user", "content": "first"}]
+    first = ctx.llm("chat-0", client.chat.completions.create, model="gpt-4o-mini", messages=chat)
+    chat.append(ChatCompletion.model_validate(first).choices[0].message)  # OpenAI's guide
+    chat.append({"role": "user", "content": "second"})
+    ctx.llm("chat-1", client.chat.completions.create, model="gpt-4o-mini", messages=chat)
+
+    turns = [{"role": "user", "content": "a"}]
+    request = {"model": "claude-3-5-haiku-20241022", "max_tokens": 64}
+    reply = ctx.llm("claude-0", claude.messages.create, messages=turns, **request)
+    turns.append({"role": "assistant", "content": Message.model_validate(reply).content})
+    turns.append({"role": "user", "content": "b"})
+    return ctx.llm("claude-1", claude.messages.create, messages=turns, **request)["content"]
