@@ -6,12 +6,13 @@ from datetime import datetime
 from typing import Any, Literal
 from uuid import UUID
 
+from django.conf import settings
 from ninja import Field, Query, Router, Schema
 
 from approvals.models import ApprovalRequest
 from approvals.services import decide, resolve, revoke
 from runs.api import ERRORS_422, TEXT, In, viewer
-from runs.errors import NotFound
+from runs.errors import Forbidden, NotFound
 
 router = Router(tags=["approvals"])
 
@@ -85,10 +86,21 @@ def get_approval(request, approval_id: int):
     return ApprovalOut.of(_get(approval_id))
 
 
+def person_deciding(request) -> None:
+    """With STEPGUARD_API_KEYS_DECIDE off, decisions take a person at the dashboard or the API
+    with a session: a leaked or automated key cannot approve what an agent asks for."""
+    key = getattr(request, "api_key", None)
+    if key is not None and not settings.STEPGUARD_API_KEYS_DECIDE:
+        raise Forbidden(
+            f"API keys may not decide approvals here (key {key.prefix}; STEPGUARD_API_KEYS_DECIDE)"
+        )
+
+
 @router.post("/{approval_id}/decide", response={200: ApprovalOut, **ERRORS_422})
 def decide_approval(request, approval_id: int, body: DecideIn):
     """Approve or reject. The first decision wins; a second one is a 409 naming the first."""
     _get(approval_id)
+    person_deciding(request)
     return ApprovalOut.of(decide(approval_id, body.decision, request.user, body.comment))
 
 
@@ -96,6 +108,7 @@ def decide_approval(request, approval_id: int, body: DecideIn):
 def resolve_approval(request, approval_id: int, body: ResolveIn):
     """For a step whose outcome is unknown: it happened (with output), resend, or fail."""
     _get(approval_id)
+    person_deciding(request)
     return ApprovalOut.of(
         resolve(approval_id, body.choice, request.user, body.comment, body.output)
     )

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs.engine.serialization import to_json
 from runs.engine.store import run_event
-from runs.errors import Conflict, DecisionError, NotFound, OperationError
+from runs.errors import Conflict, DecisionError, Forbidden, NotFound, OperationError
+from runs.models import Run
 from runs.operations import lock_run, require
 
 DECIDE = "approvals.decide_approvalrequest"
@@ -39,7 +41,28 @@ def _already(request: ApprovalRequest) -> Conflict:
     return Conflict(f"approval #{request.pk} was already {request.status} by {who}{when}")
 
 
+def four_eyes(request: ApprovalRequest, user) -> None:
+    """The person who started a run (or any run above it) may not decide what it asks: an
+    approval is a second person's yes. STEPGUARD_FOUR_EYES=0 turns the rule off."""
+    if not settings.STEPGUARD_FOUR_EYES:
+        return
+    run_id = request.run_id
+    for _ in range(100):  # ancestors; a tree deeper than that is not a real one
+        run = Run.objects.filter(pk=run_id).values("started_by_id", "parent_id").first()
+        if run is None:
+            return
+        if run["started_by_id"] == user.pk:
+            raise Forbidden(
+                f"{user.get_username()} started run {run_id} and may not also decide "
+                f"approval #{request.pk}: another person must (STEPGUARD_FOUR_EYES)"
+            )
+        if run["parent_id"] is None:
+            return
+        run_id = run["parent_id"]
+
+
 def _decide(request, user, status: str, comment: str, event: str, **fields) -> ApprovalRequest:
+    four_eyes(request, user)
     now = timezone.now()
     with transaction.atomic():
         lock_run(request.run_id)

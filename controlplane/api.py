@@ -4,6 +4,8 @@ Every route needs a user: an API key (`Authorization: Bearer sg_...`, bound to a
 browser session (with its CSRF token). Only /api/health answers anonymously.
 """
 
+import logging
+
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import Http404, HttpRequest, JsonResponse
@@ -12,15 +14,25 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer, django_auth
 
 from approvals.api import router as approvals_router
+from controlplane import security
 from runs.api import router as runs_router
 from runs.apikeys import check_key
 from runs.errors import Conflict, Forbidden, NotFound, StepguardError, UnknownWorkflow
 
+log = logging.getLogger("stepguard.api")
+
+
+class Throttled(Exception):
+    """Too many bad API keys from this address (django-axes counts them like failed logins)."""
+
 
 class ApiKeyAuth(HttpBearer):
     def authenticate(self, request: HttpRequest, token: str):
+        if not security.api_key_allowed(request):
+            raise Throttled()
         key = check_key(token)
         if key is None:
+            security.bad_api_key(request)
             return None
         request.user = key.user
         request.api_key = key
@@ -104,6 +116,19 @@ def not_found(request, exc):
 def too_big(request, exc):
     limit = settings.STEPGUARD_API_MAX_BODY
     return error(413, "payload_too_large", f"request body over the {limit}-byte limit")
+
+
+@api.exception_handler(Throttled)
+def throttled(request, exc):
+    return security.locked_out(request, security.API_KEY_CREDENTIALS)
+
+
+@api.exception_handler(Exception)
+def unexpected(request, exc: Exception):
+    """A bug, not bad input: logged with its traceback here, answered in the documented shape
+    (never a traceback page, even with DEBUG on)."""
+    log.exception("API %s %s failed", request.method, request.path)
+    return error(500, "server_error", "the server failed to answer; the error was logged")
 
 
 @api.get("/health", auth=None, tags=["health"])

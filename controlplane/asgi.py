@@ -11,16 +11,29 @@ if settings.SERVE_STATIC:
 
     http_app = ASGIStaticFilesHandler(http_app)
 
+import sys  # noqa: E402
+
+from controlplane.bodylimit import BodyLimit, limit_daphne  # noqa: E402
+
+http_app = BodyLimit(http_app)  # before Django spools a body to disk
+if "daphne.server" in sys.modules:
+    limit_daphne()  # and before daphne does
+
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.urls import path  # noqa: E402
 
+from controlplane.wsorigin import SameOrigin  # noqa: E402
 from runs.consumers import RunConsumer  # noqa: E402
 
 websockets = URLRouter([path("ws/runs/<uuid:run_id>/", RunConsumer.as_asgi())])
 
-# Websockets need a logged-in session and an Origin among ALLOWED_HOSTS.
+# Websockets need a logged-in session and an Origin that is this very site (scheme, host among
+# ALLOWED_HOSTS, and port) or one of CSRF_TRUSTED_ORIGINS.
 application = ProtocolTypeRouter(
-    {"http": http_app, "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(websockets))}
+    {
+        "http": http_app,
+        "websocket": AllowedHostsOriginValidator(SameOrigin(AuthMiddlewareStack(websockets))),
+    }
 )

@@ -2,9 +2,11 @@
 
 import os
 import secrets
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
+import django
 from django.core.exceptions import ImproperlyConfigured
 
 from controlplane.env import env_bool, env_float, env_int, env_json, env_list
@@ -50,7 +52,12 @@ INSTALLED_APPS = [
     "ninja",
     "django_htmx",
     "template_partials",
+    "axes",
 ]
+if DJANGO_6 := django.VERSION >= (6, 0):
+    from django.utils.csp import CSP
+else:
+    INSTALLED_APPS.append("csp")
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -62,7 +69,54 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "controlplane.security.SessionTimeouts",
+    "controlplane.security.PermissionsPolicy",
+    "django.middleware.csp.ContentSecurityPolicyMiddleware"
+    if DJANGO_6
+    else "csp.middleware.CSPMiddleware",
+    # Last, as django-axes asks: it turns a locked-out login into AXES_LOCKOUT_CALLABLE's answer.
+    "axes.middleware.AxesMiddleware",
 ]
+
+# A Content-Security-Policy with no inline script or style anywhere (templates have none;
+# htmx is told not to inject its indicator styles) and no framing.
+_CSP = {
+    "default-src": ["'self'"],
+    "script-src": ["'self'"],
+    "style-src": ["'self'"],
+    "img-src": ["'self'", "data:"],
+    "connect-src": ["'self'"],
+    "object-src": ["'none'"],
+    "base-uri": ["'self'"],
+    "form-action": ["'self'"],
+    "frame-ancestors": ["'none'"],
+}
+if DJANGO_6:
+    SECURE_CSP = {k: [CSP.SELF if v == "'self'" else CSP.NONE if v == "'none'" else v for v in vs]
+                  for k, vs in _CSP.items()}  # fmt: skip
+else:
+    CONTENT_SECURITY_POLICY = {"DIRECTIVES": _CSP}
+
+# Login throttling (django-axes): a username from one address is locked out after
+# AXES_FAILURE_LIMIT failures for AXES_COOLOFF_TIME; bad API keys count per address.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("AXES_COOLOFF_MINUTES", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "controlplane.security.locked_out"
+AXES_VERBOSE = False
+# Behind a proxy, the client address is the proxy's unless it is told where to look.
+AXES_IPWARE_META_PRECEDENCE_ORDER = env_list("AXES_IP_HEADERS", ["REMOTE_ADDR"])
+
+# Sessions end after STEPGUARD_SESSION_IDLE_SECONDS without a request (8 hours) or
+# STEPGUARD_SESSION_MAX_SECONDS after login (14 days), whichever comes first.
+STEPGUARD_SESSION_IDLE_SECONDS = env_int("STEPGUARD_SESSION_IDLE_SECONDS", 8 * 3600, minimum=60)
+STEPGUARD_SESSION_MAX_SECONDS = env_int("STEPGUARD_SESSION_MAX_SECONDS", 14 * 86400, minimum=60)
+SESSION_COOKIE_AGE = STEPGUARD_SESSION_MAX_SECONDS
 
 ROOT_URLCONF = "controlplane.urls"
 ASGI_APPLICATION = "controlplane.asgi.application"
@@ -176,3 +230,10 @@ STEPGUARD_MODEL_PRICES = env_json("STEPGUARD_MODEL_PRICES", {})
 STEPGUARD_REFUSE_UNPRICED_MODELS = env_bool("STEPGUARD_REFUSE_UNPRICED_MODELS", False)
 STEPGUARD_API_MAX_BODY = env_int("STEPGUARD_API_MAX_BODY", 1_048_576, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = STEPGUARD_API_MAX_BODY
+# About how much JSON one API page of steps may carry, and one value the dashboard shows inline.
+STEPGUARD_API_MAX_RESPONSE = env_int("STEPGUARD_API_MAX_RESPONSE", 8_388_608, minimum=65_536)
+STEPGUARD_UI_MAX_JSON = env_int("STEPGUARD_UI_MAX_JSON", 65_536, minimum=1024)
+STEPGUARD_LIVE_MAX_SOCKETS = env_int("STEPGUARD_LIVE_MAX_SOCKETS", 20, minimum=1)
+# Approvals: the person who started a run may not decide its requests; API keys may decide.
+STEPGUARD_FOUR_EYES = env_bool("STEPGUARD_FOUR_EYES", True)
+STEPGUARD_API_KEYS_DECIDE = env_bool("STEPGUARD_API_KEYS_DECIDE", True)

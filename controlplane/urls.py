@@ -22,6 +22,9 @@ urlpatterns = [
     path("runs/<uuid:run_id>/fork-preview", views.fork_preview_view, name="run-fork-preview"),
     path("runs/<uuid:run_id>/steps", views.earlier_steps, name="run-earlier-steps"),
     path("runs/<uuid:run_id>/steps/<int:seq>", views.step_body, name="run-step"),
+    path(
+        "runs/<uuid:run_id>/steps/<int:seq>/<str:part>.json", views.step_json, name="run-step-json"
+    ),
     path("runs/<uuid:run_id>/events", views.earlier_events, name="run-earlier-events"),
     path("runs/<uuid:run_id>/<str:action>", views.run_action, name="run-action"),
     path("workers", views.workers_page, name="workers"),
@@ -31,6 +34,9 @@ urlpatterns = [
     path("halts/<str:action>", views.halt_scope, name="halt-scope"),
     path("approvals", views.approvals_inbox, name="approvals"),
     path("approvals/<int:approval_id>/decide", views.decide_view, name="decide"),
+    path(
+        "approvals/<int:approval_id>/payload.json", views.approval_payload, name="approval-payload"
+    ),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

@@ -1,4 +1,7 @@
-from django.contrib import admin, messages
+from django.contrib import admin
+from django.contrib.auth import get_user_model
+from django.core.exceptions import PermissionDenied
+from django.template.response import TemplateResponse
 
 from runs.apikeys import create_key
 from runs.models import ApiKey, BudgetLedger, Event, Policy, Run, Signal, Step, Worker
@@ -121,10 +124,30 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def has_change_permission(self, request, obj=None):
         return False
 
+    def formfield_for_foreignkey(self, db_field, request, **kwargs):
+        # Only a superuser mints keys for someone else: a key acts with its user's permissions.
+        if db_field.name == "user" and not request.user.is_superuser:
+            kwargs["queryset"] = get_user_model().objects.filter(pk=request.user.pk)
+            kwargs["initial"] = request.user.pk
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
+
     def save_model(self, request, obj, form, change):
+        if obj.user_id != request.user.pk and not request.user.is_superuser:
+            raise PermissionDenied("only a superuser may create API keys for another user")
         key, text = create_key(obj.user, obj.name)
         obj.pk = key.pk
-        messages.warning(request, f"New API key for {key.user} (shown only now): {text}")
+        request._new_api_key = (key, text)
+
+    def response_add(self, request, obj, post_url_continue=None):
+        """The secret is shown once, on this page, never stored (not in a messages cookie)."""
+        key, text = request._new_api_key
+        response = TemplateResponse(
+            request,
+            "admin/runs/apikey/created.html",
+            {**self.admin_site.each_context(request), "key": key, "text": text,
+             "opts": self.model._meta, "title": "API key created"},
+        )  # fmt: skip
+        return response  # the admin already sends it with Cache-Control: no-store
 
     @admin.action(description="Revoke the selected API keys")
     def revoke(self, request, queryset):

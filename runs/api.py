@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
+from django.conf import settings
 from django.db.models import Q
 from django.http import HttpRequest
 from ninja import Field, Query, Router, Schema, Status
@@ -20,14 +22,14 @@ from runs.engine import registry
 from runs.engine.budget import to_usd
 from runs.errors import Forbidden, NotFound, OperationError
 from runs.models import GLOBAL, Event, Policy, Run, Worker
-from runs.operations import KEEP, Target
+from runs.operations import KEEP, Target, in_utc
 from runs.sdk import send_signal, start_run
 
 router = Router(tags=["runs"])
 
 TEXT = r"^[^\x00]*$"  # PostgreSQL text cannot hold NUL
 # USD travels as a decimal string (no float rounding), at most 8 + 6 digits.
-USD = r"^\d{1,8}(\.\d{1,6})?$"
+USD = r"^[0-9]{1,8}(\.[0-9]{1,6})?$"  # ASCII digits: "\d" would take "٣" as 3
 
 
 class In(Schema):
@@ -248,8 +250,8 @@ def _cursor(run: Run) -> str:
 def _after(cursor: str) -> Q:
     try:
         when, pk = base64.urlsafe_b64decode(cursor.encode()).decode().split("|")
-        when, pk = datetime.fromisoformat(when), UUID(pk)
-    except (ValueError, UnicodeDecodeError):
+        when, pk = in_utc(datetime.fromisoformat(when), "cursor"), UUID(pk)
+    except (ValueError, UnicodeDecodeError, OperationError):
         raise OperationError("cursor is not one this API returned") from None
     return Q(created_at__lt=when) | Q(created_at=when, pk__lt=pk)
 
@@ -270,6 +272,8 @@ def create_run(request, body: StartIn):
         version=body.version,
         budget_usd=None if body.budget_usd is None else Decimal(body.budget_usd),
         budget_tokens=body.budget_tokens,
+        started_by=request.user,
+        api_key=getattr(getattr(request, "api_key", None), "prefix", None),
     )
     return Status(201 if run.was_created else 200, RunOut.of(run))
 
@@ -286,9 +290,9 @@ def list_runs(request, filters: Query[Filters]):
     if filters.parent:
         runs = runs.filter(parent_id=filters.parent)
     if filters.created_after:
-        runs = runs.filter(created_at__gte=filters.created_after)
+        runs = runs.filter(created_at__gte=in_utc(filters.created_after, "created_after"))
     if filters.created_before:
-        runs = runs.filter(created_at__lt=filters.created_before)
+        runs = runs.filter(created_at__lt=in_utc(filters.created_before, "created_before"))
     if filters.q:
         match = Q(key__icontains=filters.q)
         with contextlib.suppress(ValueError):
@@ -312,9 +316,29 @@ def get_run(request, run_id: UUID):
 
 
 @router.get("/runs/{run_id}/steps", response={200: list[StepOut], **ERRORS_422})
-def list_steps(request, run_id: UUID):
+def list_steps(
+    request,
+    run_id: UUID,
+    after: int = Query(-1, ge=-1, le=2**62, description="the last seq you have (steps start at 0)"),
+    limit: int = Query(100, ge=1, le=500),
+):
+    """The run's steps after `after` (a seq), in order, a page at a time: ask again with the last
+    seq until the list is empty. A page also ends before its input, output and error pass
+    STEPGUARD_API_MAX_RESPONSE bytes (one step always fits), so no run, however long or large
+    its steps, makes a response that a server cannot hold."""
     viewer(request)
-    return list(run_or_404(run_id).steps.order_by("seq"))
+    steps = run_or_404(run_id).steps.filter(seq__gt=after).order_by("seq")[:limit]
+    page, size = [], 0
+    for step in steps.iterator(chunk_size=10):
+        size += sum(json_size(v) for v in (step.input, step.output, step.error))
+        if page and size > settings.STEPGUARD_API_MAX_RESPONSE:
+            break
+        page.append(step)
+    return page
+
+
+def json_size(value: Any) -> int:
+    return 4 if value is None else len(json.dumps(value, ensure_ascii=False).encode())
 
 
 @router.get("/runs/{run_id}/events", response={200: list[EventOut], **ERRORS_422})

@@ -11,14 +11,18 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections import Counter
+from importlib import import_module
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
+from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
 from django.db import connection
 from django.db.models import Q
 from django.template.loader import render_to_string
+from django.utils.crypto import constant_time_compare
 
 from runs.engine.wakeup import EventsListener
 from runs.models import Event, Run, Step, StepStatus
@@ -28,6 +32,8 @@ log = logging.getLogger("stepguard.live")
 
 # Polling is the source of truth; the doorbell only makes it prompt.
 POLL_SECONDS = float(os.environ.get("STEPGUARD_LIVE_POLL", "0.5"))
+#: How often an open feed asks again whether its session and permission still stand.
+RECHECK_SECONDS = float(os.environ.get("STEPGUARD_LIVE_RECHECK", "3"))
 BATCH = 200
 MAX_ROWS = 5000  # rows a filtered page may name (it shows 200 per chunk)
 
@@ -39,15 +45,48 @@ def _number(raw: str | None, default: int) -> int:
         return default
 
 
+def still_allowed(session_key: str | None, user_id) -> bool:
+    """The session is still there and still this user's, active and allowed to view runs.
+
+    Read afresh from the session store and the user table: a logout deletes the session, an
+    expiry or a password change invalidates it, a deactivation or a lost permission shows in
+    the user row. The live feed asks again every few seconds while it is open."""
+    if not session_key:
+        return False
+    data = import_module(settings.SESSION_ENGINE).SessionStore(session_key=session_key).load()
+    if str(data.get(SESSION_KEY)) != str(user_id):
+        return False
+    user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
+    if user is None:
+        return False
+    stored = data.get(HASH_SESSION_KEY)
+    if not stored or not constant_time_compare(stored, user.get_session_auth_hash()):
+        return False
+    return user.has_perm("runs.view_run")
+
+
+#: Open live feeds per user, in this process (a page keeps one; a user rarely needs many).
+_open: Counter = Counter()
+
+
 class RunConsumer(AsyncWebsocketConsumer):
+    counted = False
+
     async def connect(self):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             await self.close()
             return
-        if not await database_sync_to_async(user.has_perm)("runs.view_run"):
+        self.session_key = self.scope["session"].session_key
+        if not await database_sync_to_async(still_allowed)(self.session_key, user.pk):
             await self.close()
             return
+        if _open[user.pk] >= settings.STEPGUARD_LIVE_MAX_SOCKETS:
+            log.warning("user %s has %d live feeds open: refusing another", user, _open[user.pk])
+            await self.close()
+            return
+        _open[user.pk] += 1
+        self.counted = True
         self.run_id = self.scope["url_route"]["kwargs"]["run_id"]
         query = {
             k: v[-1] for k, v in parse_qs(self.scope.get("query_string", b"").decode()).items()
@@ -62,7 +101,7 @@ class RunConsumer(AsyncWebsocketConsumer):
         # A filtered page names its rows: which steps matched when it rendered is history.
         rows = query.get("rows")
         if rows is not None:
-            self.shown = {int(r) for r in rows.split(",")[:MAX_ROWS] if r.isdigit()}
+            self.shown = {int(r) for r in rows.split(",")[:MAX_ROWS] if r.isascii() and r.isdigit()}
             if not await database_sync_to_async(Run.objects.filter(pk=self.run_id).exists)():
                 self.shown = None
         else:
@@ -82,6 +121,12 @@ class RunConsumer(AsyncWebsocketConsumer):
         self.pump = asyncio.create_task(self._pump())
 
     async def disconnect(self, code):
+        if self.counted:
+            self.counted = False
+            user_id = self.scope["user"].pk
+            _open[user_id] -= 1
+            if _open[user_id] <= 0:
+                del _open[user_id]
         pump = getattr(self, "pump", None)
         if pump is not None:
             pump.cancel()
@@ -92,8 +137,19 @@ class RunConsumer(AsyncWebsocketConsumer):
         self.bell.set()
 
     async def _pump(self):
+        loop = asyncio.get_running_loop()
+        check_at = loop.time() + RECHECK_SECONDS
         try:
             while True:
+                if loop.time() >= check_at:
+                    allowed = await database_sync_to_async(still_allowed)(
+                        self.session_key, self.scope["user"].pk
+                    )
+                    if not allowed:
+                        # 4401: not a server error, so the page does not keep reconnecting.
+                        await self.close(code=4401)
+                        return
+                    check_at = loop.time() + RECHECK_SECONDS
                 messages = await database_sync_to_async(self._fragments)()
                 for message in messages:
                     await self.send(text_data=message)

@@ -127,6 +127,11 @@ class Run(models.Model):
     )
     forked_at_seq = models.PositiveIntegerField(null=True, blank=True)
 
+    # Who started the run (None: code or the CLI), for the four-eyes rule on approvals.
+    started_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     cancel_requested_by = models.CharField(max_length=150, blank=True, default="")
     cancel_reason = models.TextField(blank=True, default="")

@@ -8,6 +8,7 @@ the same check and the same audit entry.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -24,6 +25,17 @@ from runs.engine.store import append_event, create_run, run_event, wake_parent
 from runs.engine.wakeup import notify_runnable
 from runs.errors import Conflict, Forbidden, NotFound, OperationError
 from runs.models import GLOBAL, Event, Policy, Run, RunStatus, Step, StepStatus
+
+
+def in_utc(when: datetime, what: str) -> datetime:
+    """A filter's date and time, made aware and in UTC; OperationError if it cannot be stored
+    (year 1 at +14:00 is before the first representable instant, and would overflow later)."""
+    try:
+        if timezone.is_naive(when):
+            when = timezone.make_aware(when)
+        return when.astimezone(UTC)
+    except (OverflowError, ValueError):
+        raise OperationError(f"{what} {when.isoformat()!r} is out of range") from None
 
 
 def resolve_user(user: AbstractBaseUser | str):
@@ -195,6 +207,23 @@ def audit(actor: str, type: str, **payload) -> None:
     )
 
 
+def known_scope(target: Target) -> None:
+    """Policy rows only for workflows that exist (registered here, with runs, or with a policy
+    already): a typo must not create a halt or a budget that covers nothing, and nobody may
+    fill the table with made-up names."""
+    if target.kind != "workflow":
+        return
+    from runs.engine import registry
+
+    registry.load_configured()
+    name = target.value
+    if any(d.name == name for d in registry.all_workflows()):
+        return
+    if Run.objects.filter(workflow=name).exists() or Policy.objects.filter(scope=target.scope):
+        return
+    raise NotFound(f"no workflow named {name!r}: it is not registered and has no runs")
+
+
 def _in_scope(target: Target) -> Q:
     return Q() if target.kind == "all" else Q(workflow=target.value)
 
@@ -225,6 +254,7 @@ def halt(target, user, reason: str) -> Target:
             Run.objects.filter(pk=run.pk).update(halted_at=now, halted_by=actor, halt_reason=reason)
             _park(run.pk, actor, reason, "run", audit=True)
             return target
+        known_scope(target)
         policy, _ = Policy.objects.select_for_update().get_or_create(scope=target.scope)
         if policy.halted_at is not None:
             raise Conflict(f"{target.label} is already halted by {policy.halted_by}")
@@ -370,6 +400,7 @@ def set_budget(
             )
             affected = Run.objects.filter(pk=run.pk)
         else:
+            known_scope(target)
             policy, _ = Policy.objects.select_for_update().get_or_create(scope=target.scope)
             changes = {
                 "daily_budget_micros": micros(usd),

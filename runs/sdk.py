@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from runs.engine import registry
 from runs.engine.agent import AgentLoopExhausted, Tool
-from runs.engine.budget import Metered, Usage, default_run_budget, to_micros
+from runs.engine.budget import Metered, Usage, default_run_budget, to_micros, to_usd
 from runs.engine.executor import NOT_FOUND, Decision, RetryPolicy, RunContext
 from runs.engine.serialization import to_json
 from runs.engine.store import create_run, run_event
@@ -104,13 +104,17 @@ def start_run(
     max_attempts: int | None = None,
     budget_usd: Decimal | None = None,
     budget_tokens: int | None = None,
+    started_by=None,
+    api_key: str | None = None,
 ) -> Run:
     """Start a run of workflow `name` (its newest registered version unless `version` is given).
 
     Idempotent by `key`: starting twice with one key returns the first run, whatever the input.
     The returned Run has `was_created` set to tell the two cases apart. Raises UnknownWorkflow
     if this process has not registered the workflow, and OutputNotSerializable for input that
-    is not JSON.
+    is not JSON. `started_by` (a user) and `api_key` (the prefix of the key used) are recorded
+    on the `run.created` event, with the run's budget: the person who started a run may not
+    approve its actions (STEPGUARD_FOUR_EYES).
     """
     definition = registry.get(name, version)
     data = to_json(input, what=f"the input of workflow {name!r}")
@@ -120,6 +124,16 @@ def start_run(
         raise ValueError("max_attempts must be between 1 and 100")
     fields: dict[str, Any] = {"max_attempts": max_attempts} if max_attempts else {}
     fields |= _run_budget(definition.name, budget_usd, budget_tokens)
+    created: dict[str, Any] = {}
+    if api_key:
+        created["api_key"] = api_key
+    micros, tokens = fields.get("budget_micros"), fields.get("budget_tokens")
+    if micros is not None or tokens is not None:
+        created["budget"] = {
+            "usd": None if micros is None else str(to_usd(micros)),
+            "tokens": tokens,
+            "given": budget_usd is not None or budget_tokens is not None,
+        }
     try:
         with transaction.atomic():
             run = create_run(
@@ -127,6 +141,9 @@ def start_run(
                 version=definition.version,
                 input=data,
                 key=key,
+                started_by=started_by,
+                actor=started_by.get_username() if started_by is not None else "system",
+                created=created,
                 **fields,
             )
     except IntegrityError:

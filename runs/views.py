@@ -6,6 +6,7 @@ the CLI and the API call, so a viewer who posts anyway is refused by the server.
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import datetime, timedelta
 from urllib.parse import urlencode
@@ -36,6 +37,7 @@ from runs.models import GLOBAL, Event, Policy, Run, RunStatus, Step, StepKind, S
 log = logging.getLogger("stepguard.dashboard")
 PAGE = 50
 STEP_CHUNK, EVENT_CHUNK = 200, 500
+INBOX_PAGE = 50
 # Steps worth forking from: those whose re-execution the operator must think about.
 FORK_KINDS, FORK_CHOICES = (StepKind.CALL, StepKind.LLM, StepKind.TOOL), 100
 
@@ -88,11 +90,11 @@ def filtered_runs(params) -> tuple[QuerySet, dict]:
     for field, lookup in (("since", "created_at__gte"), ("until", "created_at__lt")):
         if f[field]:
             try:
-                when = datetime.fromisoformat(f[field])
+                when = operations.in_utc(datetime.fromisoformat(f[field]), field)
+            except StepguardError as exc:  # out of range
+                raise BadFilter(str(exc)) from None
             except ValueError:
                 raise BadFilter(f"{field} {f[field]!r} is not a date and time") from None
-            if timezone.is_naive(when):
-                when = timezone.make_aware(when)
             runs = runs.filter(**{lookup: when})
     if f["q"]:
         try:  # a whole run id is looked up by index, not by scanning every key
@@ -381,22 +383,73 @@ def earlier_events(request, run_id: UUID):
 
 @viewer_required
 def step_body(request, run_id: UUID, seq: int):
-    """A step's input, output and error, loaded when its row is opened (rows stay light)."""
+    """A step's input, output and error, loaded when its row is opened (rows stay light).
+    A value too big to show in a page is cut, with a link to the whole of it."""
     step = Step.objects.filter(run_id=run_id, seq=seq).first()
     if step is None:
         raise Http404(f"run {run_id} has no step {seq}")
-    return render(request, "runs/detail.html#step-body", {"s": step})
+    parts = [
+        shown(name, getattr(step, name), reverse("run-step-json", args=[run_id, seq, name]))
+        for name in STEP_PARTS
+        if name != "error" or step.error
+    ]
+    return render(request, "runs/detail.html#step-body", {"s": step, "parts": parts})
+
+
+STEP_PARTS = ("input", "output", "error")
+
+
+def shown(name: str, value, whole_url: str) -> dict:
+    """How a JSON value appears in a page: as a tree, or cut to STEPGUARD_UI_MAX_JSON bytes."""
+    text = json.dumps(value, ensure_ascii=False)
+    size = len(text.encode())
+    limit = settings.STEPGUARD_UI_MAX_JSON
+    cut = text.encode()[:limit].decode(errors="ignore") if size > limit else None
+    return {"name": name, "value": value, "cut": cut, "size": size, "url": whole_url}
+
+
+@viewer_required
+def step_json(request, run_id: UUID, seq: int, part: str):
+    """One whole value of a step, as JSON (a download, never rendered in a page)."""
+    if part not in STEP_PARTS:
+        raise Http404(f"a step has no {part!r}")
+    step = Step.objects.filter(run_id=run_id, seq=seq).only(part).first()
+    if step is None:
+        raise Http404(f"run {run_id} has no step {seq}")
+    return json_download(getattr(step, part), f"run-{run_id}-step-{seq}-{part}.json")
+
+
+def json_download(value, filename: str) -> HttpResponse:
+    response = HttpResponse(
+        json.dumps(value, ensure_ascii=False, indent=2), content_type="application/json"
+    )
+    response["Content-Disposition"] = f'attachment; filename="{filename}"'
+    return response
 
 
 @viewer_required
 def approvals_inbox(request):
-    """Pending requests across all runs, oldest first."""
+    """Pending requests across all runs, oldest first, a page at a time; each payload is cut
+    to STEPGUARD_UI_MAX_JSON bytes with a link to the whole of it."""
     pending = ApprovalRequest.objects.filter(status="pending").select_related("run")
+    try:
+        after = max(int(request.GET.get("after", 0)), 0)
+    except ValueError:
+        after = 0
+    page = list(pending.filter(pk__gt=after).order_by("pk")[: INBOX_PAGE + 1])
+    more = len(page) > INBOX_PAGE
+    page = page[:INBOX_PAGE]
+    for request_ in page:
+        request_.shown = shown(
+            "payload", request_.payload, reverse("approval-payload", args=[request_.pk])
+        )
     return render(
         request,
         "approvals/inbox.html",
         {
-            "pending": list(pending.order_by("created_at")[:200]),
+            "pending": page,
+            "pending_total": pending.count(),
+            "next_after": page[-1].pk if more else None,
             "recent": list(
                 ApprovalRequest.objects.exclude(status="pending")
                 .select_related("run", "decided_by")
@@ -406,6 +459,15 @@ def approvals_inbox(request):
             **nav(request),
         },
     )
+
+
+@viewer_required
+def approval_payload(request, approval_id: int):
+    """An approval request's whole payload, as JSON."""
+    found = ApprovalRequest.objects.filter(pk=approval_id).values_list("payload", flat=True)
+    if not found:
+        raise Http404(f"no approval request #{approval_id}")
+    return json_download(found[0], f"approval-{approval_id}-payload.json")
 
 
 def _act(request, action, back: str):
@@ -464,9 +526,12 @@ def workers_page(request):
 
 @viewer_required
 def audit_page(request):
-    """Every operator action (events with a person as actor), filterable by actor, action, run."""
-
-    events = Event.objects.exclude(actor="system").select_related("run").order_by("-created_at")
+    """Every operator action (events with a person as actor), filterable by actor, action, run;
+    with `system=1`, the system's own events too (lockouts, runs created by code, recoveries)."""
+    system = request.GET.get("system") == "1"
+    events = Event.objects.select_related("run").order_by("-created_at")
+    if not system:
+        events = events.exclude(actor="system")
     actor, action, run = (request.GET.get(k, "").strip() for k in ("actor", "action", "run"))
     if actor:
         events = events.filter(actor=actor)
@@ -480,7 +545,8 @@ def audit_page(request):
     return render(
         request,
         "runs/audit.html",
-        {"events": list(events[:300]), "filters": {"actor": actor, "action": action, "run": run},
+        {"events": list(events[:300]),
+         "filters": {"actor": actor, "action": action, "run": run, "system": system},
          **nav(request)},
     )  # fmt: skip
 

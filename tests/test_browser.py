@@ -122,10 +122,17 @@ SHOTS = Path(
 
 
 @pytest.mark.parametrize("scheme", ["light", "dark"])
-def test_the_main_pages_have_no_serious_accessibility_violations(server, page, cast, drive, scheme):
+def test_the_main_pages_have_no_serious_accessibility_violations(
+    server, browser, cast, drive, scheme
+):
     from playwright.sync_api import expect
 
     from runs.operations import halt
+
+    # axe goes in as an inline script: the test's own tooling, which the pages' CSP refuses.
+    context = browser.new_context(bypass_csp=True)
+    page = context.new_page()
+    page.set_default_timeout(10_000)
 
     waiting = start_run("approver", {"amount": 12})
     drive()
@@ -153,6 +160,7 @@ def test_the_main_pages_have_no_serious_accessibility_violations(server, page, c
         )
         if found:
             problems[path] = found
+    context.close()
     assert not problems, problems
 
 
@@ -398,20 +406,23 @@ def test_a_dropped_live_feed_reconnects_and_backfills_the_missed_steps_once(
 
     # Drop the connection as a network does: the socket closes abnormally (code 1006, on which
     # the ws extension reconnects with backoff) and, while "offline", every reconnect attempt
-    # fails too. (Chromium's offline emulation leaves websockets alone, so the page does it.)
+    # fails too. (Chromium's offline emulation leaves websockets alone, so the page does it,
+    # with a route of the same origin that refuses: the CSP allows no other host.)
     page.evaluate(
         """() => {
         window.__offline = true;
         const connect = htmx.createWebSocket;
         htmx.createWebSocket = (url) =>
-            window.__offline ? new WebSocket('ws://127.0.0.1:9/unreachable') : connect(url);
+            window.__offline ? new WebSocket(location.origin.replace('http', 'ws') + '/ws/none/')
+                             : connect(url);
         const socket = htmx.find('[ws-connect]')['htmx-internal-data'].webSocket.socket;
         const onclose = socket.onclose;
         socket.onclose = () => onclose.call(socket, new CloseEvent('close', {code: 1006}));
         socket.close();
     }"""
     )
-    page.wait_for_function("window.__ws.close >= 1")
+    # Polled from here: wait_for_function evaluates a string in the page, which its CSP refuses.
+    wait_until(lambda: page.evaluate("window.__ws.close") >= 1, what="the socket to drop")
     expect(page.locator("#ws-status")).to_have_attribute("data-state", "reconnecting")
     rows_at_drop = page.locator("#timeline tr[id^=step-]").count()
     last_event = page.locator("#history li[id^=event-]").last.get_attribute("id")
@@ -424,10 +435,11 @@ def test_a_dropped_live_feed_reconnects_and_backfills_the_missed_steps_once(
     assert page.evaluate("window.__ws.open") == 0  # still disconnected
     page.evaluate("window.__offline = false")
 
-    page.wait_for_function("window.__ws.open >= 1", timeout=20_000)
+    wait_until(lambda: page.evaluate("window.__ws.open") >= 1, what="a new socket to open")
     expect(page.locator("#ws-status")).to_have_attribute("data-state", "open")
     # The new socket resumed after the last event the page showed when it dropped.
-    live = [ws.url for ws in sockets if ws.url.startswith(server.replace("http", "ws"))]
+    feed = server.replace("http", "ws") + "/ws/runs/"
+    live = [ws.url for ws in sockets if ws.url.startswith(feed)]
     resumed_after = rf"[?&]after={last_event.removeprefix('event-')}(&|$)"
     assert len(live) == 2 and re.search(resumed_after, live[1]), live
     expect(page.locator("#run-status")).to_have_text("completed", timeout=20_000)
@@ -507,3 +519,105 @@ def test_a_viewer_sees_no_actions_and_the_server_refuses_her_posts(
     approval.refresh_from_db()
     assert (approval.status, approval.decided_by) == ("pending", None)
     assert not run.events.exclude(actor="system").exists()  # nothing done in vera's name
+
+
+#: What an attacker would put in every field they control: markup that runs a script if a page
+#: ever renders it unescaped.
+XSS = '"><img src=x onerror="window.__xss=(window.__xss||0)+1"><script>window.__xss=1</script>'
+
+
+def seed_hostile_fields(user):
+    """Every field an agent, a model, an API caller or an operator can fill, filled with XSS."""
+    from approvals.models import ApprovalRequest
+    from runs.models import ApiKey, Event, Run, Step, Worker
+    from runs.operations import cancel_run, halt, set_budget
+    from runs.sdk import send_signal
+
+    run = start_run("ledger", {"steps": 0, "note": XSS}, key=XSS)
+    now = run.created_at
+    Step.objects.create(
+        run=run, seq=0, key=XSS, status="completed", idempotency_key=f"{run.pk}:{XSS}",
+        input={XSS: XSS}, output=XSS, started_at=now, finished_at=now,
+    )  # fmt: skip
+    Step.objects.create(
+        run=run, seq=1, key=XSS + "2", status="failed", idempotency_key=f"{run.pk}:2",
+        error={"type": XSS, "message": XSS, "traceback": XSS}, started_at=now, finished_at=now,
+    )  # fmt: skip
+    Event.objects.create(
+        run=run, seq=90, type=XSS[:50], step_key=XSS, actor=XSS[:150],
+        payload={"reason": XSS, "comment": XSS}, created_at=now,
+    )  # fmt: skip
+    send_signal(run.pk, XSS, {"x": XSS}, sent_by=XSS[:150])
+    ApprovalRequest.objects.create(
+        run=run, step_key=XSS, action=XSS, summary=XSS, payload={"x": XSS}
+    )
+    set_budget("workflow:ledger", user, XSS, usd="5")
+    halt(run, user, XSS)
+    other = start_run("ledger", {"steps": 0})
+    cancel_run(other.pk, user, XSS)
+    Run.objects.filter(pk=other.pk).update(workflow=XSS[:200], version=XSS[:50])
+    ApiKey.objects.create(user=user, name=XSS, prefix="xss00000", digest="0" * 64)
+    Worker.objects.create(
+        host=XSS, pid=1, concurrency=1, workflows=[XSS], started_at=now, heartbeat_at=now
+    )
+    return run
+
+
+def test_no_attacker_controlled_field_runs_a_script(server, browser, django_user_model):
+    """Every page and the live feed, with CSP bypassed: escaping alone must hold."""
+    from playwright.sync_api import expect
+
+    from runs.engine.store import run_event
+    from runs.models import Run, Step
+
+    user = django_user_model.objects.create_superuser("root", "r@example.com", "a-long-passphrase")
+    run = seed_hostile_fields(user)
+    context = browser.new_context(bypass_csp=True)
+    page = context.new_page()
+    page.set_default_timeout(10_000)
+    dialogs = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.goto(f"{server}/login/")
+    page.get_by_label("Username").fill("root")
+    page.get_by_label("Password").fill("a-long-passphrase")
+    page.get_by_role("button", name="Log in").click()
+    expect(page.get_by_role("heading", name="Runs")).to_be_visible()
+
+    other = Run.objects.exclude(pk=run.pk).get()
+    paths = [
+        "/", "/?q=%22%3E%3Cimg%20src%3Dx%3E", "/?status=failed&workflow=%3Cb%3E",
+        f"/runs/{run.pk}", f"/runs/{other.pk}", f"/runs/{run.pk}/steps/0",
+        f"/runs/{run.pk}/steps/1", "/approvals", "/audit", "/audit?system=1", "/halts",
+        "/workers", "/admin/runs/run/", f"/admin/runs/run/{run.pk}/change/",
+        "/admin/runs/event/", "/admin/runs/step/", "/admin/runs/apikey/",
+        "/admin/runs/worker/", "/admin/runs/signal/", "/admin/runs/policy/",
+        "/admin/approvals/approvalrequest/",
+    ]  # fmt: skip
+    ran = {}
+    for path in paths:
+        page.goto(f"{server}{path}")
+        if path == f"/runs/{run.pk}":
+            for summary in page.locator("#timeline details summary").all():
+                summary.click()  # each step's input, output and error, loaded on opening
+            expect(page.locator(".step-body p.muted")).to_have_count(0)  # none still loading
+        found = page.evaluate("[window.__xss, document.querySelectorAll('img[src=x]').length]")
+        if found != [None, 0]:
+            ran[path] = found
+    assert not ran, f"a payload ran or was rendered as markup: {ran}"
+
+    # The live feed: a hostile step and event arriving while the page is open.
+    page.goto(f"{server}/runs/{other.pk}")
+    expect(page.locator("#ws-status")).to_have_attribute("data-state", "open")
+    now = other.created_at
+    Step.objects.create(
+        run=other, seq=0, key="live" + XSS, status="completed", idempotency_key="live",
+        output=XSS, started_at=now, finished_at=now,
+    )  # fmt: skip
+    run_event(other.pk, "step.completed", actor=XSS[:150], step_key="live" + XSS, note=XSS)
+    expect(page.locator("#timeline tr[id^=step-]")).to_have_count(1, timeout=15_000)
+    assert page.evaluate("[window.__xss, document.querySelectorAll('img[src=x]').length]") == [
+        None,
+        0,
+    ]
+    assert not dialogs
+    context.close()

@@ -38,8 +38,24 @@ def communicator(run, user, after: int, query: str = "") -> WebsocketCommunicato
         query += f"&last={-1 if last is None else last}"
     comm = WebsocketCommunicator(RunConsumer.as_asgi(), f"/ws/runs/{run.pk}/?after={after}{query}")
     comm.scope["user"] = user
+    comm.scope["session"] = session_of(user)
     comm.scope["url_route"] = {"kwargs": {"run_id": run.pk}}
     return comm
+
+
+def session_of(user):
+    """A stored login session for `user`, as the session middleware would find it."""
+    from importlib import import_module
+
+    from django.conf import settings
+    from django.test import Client
+
+    store = import_module(settings.SESSION_ENGINE).SessionStore
+    if not user.is_authenticated:
+        return store()
+    client = Client()
+    client.force_login(user)
+    return store(session_key=client.session.session_key)
 
 
 def collect(comm, count: int) -> list[str]:

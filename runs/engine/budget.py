@@ -27,8 +27,11 @@ MAX_USD = Decimal(10) ** 9  # a billion dollars: far above any budget, far below
 
 def to_micros(usd: Decimal | int | str | float) -> int:
     """USD to integer micro-dollars, rounding fractions of a micro-dollar up."""
+    text = str(usd).strip()
+    if not text.isascii():  # Decimal reads "٣" as 3: amounts are ASCII digits only
+        raise ValueError(f"{usd!r} is not an amount of USD (use the digits 0-9)")
     try:
-        value = Decimal(str(usd))
+        value = Decimal(text)
     except ArithmeticError:
         raise ValueError(f"{usd!r} is not an amount of USD") from None
     if not value.is_finite() or value < 0 or value > MAX_USD:

@@ -221,9 +221,18 @@ def run_event(
 
 
 def create_run(
-    *, workflow: str, version: str, input: Any, key: str | None, parent_id=None, **fields
+    *,
+    workflow: str,
+    version: str,
+    input: Any,
+    key: str | None,
+    parent_id=None,
+    actor: str = "system",
+    created: dict | None = None,
+    **fields,
 ) -> Run:
-    """Insert a runnable run and its first event. Call inside a transaction."""
+    """Insert a runnable run and its first event (by `actor`, with `created` in its payload).
+    Call inside a transaction."""
     fields.setdefault("max_attempts", settings.STEPGUARD_RUN_MAX_ATTEMPTS)
     run = Run.objects.create(
         workflow=workflow,
@@ -235,7 +244,10 @@ def create_run(
         event_seq=1,
         **fields,
     )
-    append_event(run.id, 1, "run.created", workflow=f"{workflow}@{version}", key=key)
+    append_event(
+        run.id, 1, "run.created", "", actor, workflow=f"{workflow}@{version}", key=key,
+        **(created or {}),
+    )  # fmt: skip
     # A run created under a hold (its workflow's, its parent's, the kill switch) is halted
     # from the start: its status says what stops it.
     Run.objects.filter(covered(), pk=run.pk, status=RunStatus.PENDING).update(
