@@ -214,18 +214,18 @@ def test_cancelling_a_fork_of_a_completed_run_refunds_nothing_it_did_not_do(driv
 
 
 def test_an_unhalt_that_lands_while_the_worker_pauses_is_not_lost(drive, cast, monkeypatch):
-    from runs.engine import executor
+    from runs.engine import lifecycle
 
     run = start_run("ledger", {"steps": 3})
     workflows.hooks["s0"] = lambda: halt(run, cast["otto"], "look")
-    pause = executor._pause
+    pause = lifecycle._pause
 
     def unhalt_then_pause(run_, lease, stop):
         assert isinstance(stop, Halted)  # the step start was refused for the halt...
         unhalt(run, cast["otto"], "false alarm")  # ...and the unhalt commits before the pause
         return pause(run_, lease, stop)
 
-    monkeypatch.setattr(executor, "_pause", unhalt_then_pause)
+    monkeypatch.setattr(lifecycle, "_pause", unhalt_then_pause)
     assert drive() == ["pending", "completed"]
     assert Run.objects.get(pk=run.pk).halted_at is None
     assert Event.objects.filter(run=run, type="run.unhalted", actor="otto").count() == 1
@@ -233,17 +233,17 @@ def test_an_unhalt_that_lands_while_the_worker_pauses_is_not_lost(drive, cast, m
 
 
 def test_a_budget_raised_while_the_worker_pauses_is_not_lost(drive, cast, monkeypatch):
-    from runs.engine import executor
+    from runs.engine import lifecycle
 
     run = start_run("metered", {"steps": 3}, budget_usd=Decimal("1"))
-    pause = executor._pause
+    pause = lifecycle._pause
 
     def raise_budget_then_pause(run_, lease, stop):
         assert isinstance(stop, OverBudget)
         set_budget(run, cast["otto"], "more", usd=Decimal("10"))
         return pause(run_, lease, stop)
 
-    monkeypatch.setattr(executor, "_pause", raise_budget_then_pause)
+    monkeypatch.setattr(lifecycle, "_pause", raise_budget_then_pause)
     assert drive() == ["pending", "completed"]
     run.refresh_from_db()
     assert (run.cost_micros, run.budget_micros, run.status) == (3_000_000, 10_000_000, "completed")
@@ -516,7 +516,7 @@ def test_halting_a_parent_while_its_child_finishes_does_not_deadlock(cast, monke
 
     from django.db import connections
 
-    from runs.engine import executor
+    from runs.engine import lifecycle
     from runs.engine.worker import WorkerProcess
 
     parent = start_run("parent", {"n": 1, "child": "ledger", "steps": 1})
@@ -526,14 +526,14 @@ def test_halting_a_parent_while_its_child_finishes_does_not_deadlock(cast, monke
     assert execute(claimed, Lease(claimed.id, claimed.lease_epoch)) == "waiting"
 
     child_locked, go_on, outcome = threading.Event(), threading.Event(), {}
-    wake_parent = executor.run_event
+    wake_parent = lifecycle.run_event
 
     def held_between_locks(*args, **kwargs):
         child_locked.set()
         go_on.wait(10)
         return wake_parent(*args, **kwargs)
 
-    monkeypatch.setattr(executor, "run_event", held_between_locks)
+    monkeypatch.setattr(lifecycle, "run_event", held_between_locks)
 
     def finish_child():
         try:

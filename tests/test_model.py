@@ -70,7 +70,7 @@ from hypothesis.stateful import (
 from approvals.models import ApprovalRequest
 from approvals.services import decide, revoke
 from examples.models import Effect
-from runs.engine import executor, wakeup
+from runs.engine import calls, checkpoints, compensation, lifecycle, replay, steps, waits, wakeup
 from runs.engine.budget import forget_cached_scopes
 from runs.engine.executor import Lease, execute
 from runs.engine.worker import WorkerProcess, runnable_filter
@@ -1179,6 +1179,10 @@ def _profile() -> hypothesis_settings:
     return hypothesis_settings(profile, database=examples)
 
 
+#: The modules whose writes the suite counts and breaks (every one that writes checkpoints).
+ENGINE_MODULES = (replay, checkpoints, steps, calls, waits, compensation, lifecycle)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_engine_keeps_its_invariants_under_any_sequence_of_actions(monkeypatch, settings, cast):
     settings.STEPGUARD_MAX_RECOVERIES = 2  # the lost-worker bound, reachable in a few rules
@@ -1188,15 +1192,18 @@ def test_the_engine_keeps_its_invariants_under_any_sequence_of_actions(monkeypat
     # Live pages' doorbell: a thread with a connection of its own, which would keep the test
     # database open after the test; nothing of the engine's behaviour depends on it.
     monkeypatch.setattr(wakeup.doorbell, "ring", lambda run_id: None)
-    # Commit points are counted, and faults injected, through the names the executor module
-    # writes with (the executor itself is untouched; a name it stops using is just not counted).
+    # Commit points are counted, and faults injected, through the names the engine's modules
+    # write with (the engine itself is untouched). Each name must be found somewhere: a module
+    # renamed under this test would otherwise silently stop being instrumented.
     for name, wrap in (
         ("transaction", lambda _: _Transaction(instruments)),
         ("fenced_write", lambda write: _counted_write(instruments, write)),
         ("scopes_for", lambda lookup: _noted_scopes(instruments, lookup)),
     ):
-        if hasattr(executor, name):
-            monkeypatch.setattr(executor, name, wrap(getattr(executor, name)))
+        users = [module for module in ENGINE_MODULES if hasattr(module, name)]
+        assert users, f"no engine module uses {name!r}: update ENGINE_MODULES"
+        for module in users:
+            monkeypatch.setattr(module, name, wrap(getattr(module, name)))
     _ENV.update(
         operator=cast["otto"],
         approver=cast["ada"],

@@ -1,0 +1,140 @@
+"""Model and tool calls: `ctx.llm`, `ctx.tool` and `ctx.agent_loop`, metered steps."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+
+from runs.engine import llm as llm_engine
+from runs.engine.budget import Metered, Usage, scopes_for
+from runs.engine.records import accepts, signature_names
+from runs.engine.retry import RetryPolicy
+from runs.engine.store import fenced_write
+from runs.errors import UnpricedModel
+from runs.models import Policy, StepKind
+
+log = logging.getLogger("stepguard.executor")
+
+
+class ModelCalls:
+    """Steps that call a model (priced, estimated against budgets) or a tool (maybe approved)."""
+
+    def llm(
+        self,
+        key: str,
+        call: Callable,
+        /,
+        *,
+        estimate: Usage | bool = True,
+        retry: RetryPolicy | None = None,
+        **request: Any,
+    ) -> dict:
+        """Call a model once for this run: `call(**request)`, e.g.
+        `ctx.llm("think-0", client.chat.completions.create, model=..., messages=...)`.
+
+        Works with the official openai (chat completions, responses) and anthropic clients,
+        sync or async. Returns the response as JSON (a dict, the same on replay). Records the
+        request on the step and the tokens and USD of `usage` on the step and the run. The
+        call carries the step's idempotency key as an `Idempotency-Key` header. By default
+        the prompt plus `max_tokens` is reserved against the budgets first (`estimate=False`
+        to skip, or a Usage of your own).
+        """
+        llm_engine.refuse_streaming(call, request)
+        model = str(request.get("model", ""))
+        guess = llm_engine.estimate(model, request) if estimate is True else (estimate or None)
+
+        def invoke(recorded):
+            if llm_engine.price_of(model) is None:
+                self._unpriced(key, model)
+            kwargs = request
+            if accepts(call, "extra_headers"):  # the SDKs' create() methods do
+                headers = {"Idempotency-Key": self.idempotency_key}
+                headers |= request.get("extra_headers") or {}
+                kwargs = {**request, "extra_headers": headers}
+            try:
+                response = self._await(call(**kwargs))
+            except Exception as exc:
+                if (refused := llm_engine.rejected(exc)) is not None:
+                    raise refused from exc
+                raise
+            data = llm_engine.as_json(response)
+            return Metered(data, llm_engine.usage_of(data, model))
+
+        recorded = llm_engine.recorded_request(request)
+        return self._run_step(
+            key, invoke, (recorded,), {}, retry=retry, estimate=guess, kind=StepKind.LLM,
+            input_limit=settings.STEPGUARD_MAX_OUTPUT_BYTES,
+        )  # fmt: skip
+
+    def _unpriced(self, key: str, model: str) -> None:
+        """A model with no price spends nothing in USD, so a USD budget can never stop it: say
+        so on the timeline (once an execution), or refuse it under a USD budget if told to."""
+        if settings.STEPGUARD_REFUSE_UNPRICED_MODELS and self._under_usd_budget():
+            raise UnpricedModel(
+                f"model {model!r} has no price (STEPGUARD_MODEL_PRICES) and this run has a USD "
+                "budget it could never trip (STEPGUARD_REFUSE_UNPRICED_MODELS)"
+            )
+        if model not in self._unpriced_models:
+            self._unpriced_models.add(model)
+            log.warning("run %s: model %r has no price; its calls count as $0", self.run_id, model)
+            fenced_write(self._lease, ("model.unpriced", key, {"model": model}))
+
+    def _under_usd_budget(self) -> bool:
+        if self._usd_budget:
+            return True
+        scopes = scopes_for(self.workflow)
+        return Policy.objects.filter(scope__in=scopes, daily_budget_micros__isnull=False).exists()
+
+    def tool(
+        self,
+        key: str,
+        fn: Callable,
+        args: dict | None = None,
+        *,
+        requires_approval: bool | Callable[[dict], bool] = False,
+        action: str | None = None,
+        summary: str = "",
+        approval_timeout: float | timedelta | None = None,
+        retry: RetryPolicy | None = None,
+        compensate: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """Call a tool once for this run: `fn(**args)`, with its approval policy.
+
+        `requires_approval` is True, False, or a predicate on the arguments (e.g. amount over
+        100); when it holds, a person approves first (`<key>.approval`) and the tool starts
+        only if that approval still stands. A tool whose function takes `idempotency_key`
+        receives the step's. Raises ApprovalRejected when refused.
+        """
+        args = dict(args or {})
+        name = getattr(fn, "__name__", "tool")
+        needed = requires_approval(args) if callable(requires_approval) else requires_approval
+        decision = None
+        if needed:
+            decision = self.approval(
+                f"{key}.approval",
+                action=(action or f"call {name}")[:200],
+                summary=summary,
+                payload={"tool": name, "args": args},
+                timeout=approval_timeout,
+            )
+        if "idempotency_key" in signature_names(fn):
+
+            def call(**kwargs):
+                return fn(**kwargs, idempotency_key=self.idempotency_key)
+
+        else:
+            call = fn
+        return self._run_step(
+            key, call, (), args, retry=retry, approval=decision, compensate=compensate,
+            kind=StepKind.TOOL,
+        )  # fmt: skip
+
+    def agent_loop(self, **options: Any) -> dict:
+        """A durable tool-calling loop; see runs.engine.agent.agent_loop."""
+        from runs.engine.agent import agent_loop
+
+        return agent_loop(self, **options)

@@ -1,0 +1,207 @@
+"""Checkpoints: the only code that writes step rows and their events, each write fenced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import date, datetime
+from typing import NoReturn
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from runs.engine.budget import Usage, scopes_for, settle_shared
+from runs.engine.records import brief, error_record
+from runs.engine.retry import retryable
+from runs.engine.store import Spend, append_event, fence, fenced_write
+from runs.errors import REPLAYED, StepFailed, StepguardError
+from runs.models import Run, RunStatus, Step, StepStatus
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a running step holds against budgets: its estimate, the shared budgets and the
+    day it was reserved against. Released from exactly those when the step finishes."""
+
+    reserved: tuple[int, int] = (0, 0)
+    shared: list[str] = field(default_factory=list)
+    day: date | None = None
+
+    @classmethod
+    def of(cls, record: Step | None) -> Held:
+        """What a recorded step (found `started` after a crash) still holds."""
+        if record is None or not (record.reserved_micros or record.reserved_tokens):
+            return cls()
+        reserved = (record.reserved_micros, record.reserved_tokens)
+        return cls(reserved, list(record.reserved_scopes or []), record.reserved_on)
+
+
+class Checkpoints:
+    """Start, settle, fail, wait and suspend: every write goes through the store's fence, so a
+    worker whose lease was taken over can never write again."""
+
+    @property
+    def _start(self) -> dict:
+        # Compensations run after a cancel was requested; every other step is refused then.
+        # Halts and budgets stop both.
+        return {"starting": True, "compensating": self._compensating}
+
+    def _new_step(self, seq: int, key: str, kind: str, status: str, **fields) -> Step:
+        return Step.objects.create(
+            run_id=self._lease.run_id,
+            seq=seq,
+            key=key,
+            kind=kind,
+            status=status,
+            idempotency_key=f"{self.run_id}:{key}",
+            run_attempt=self.attempt,
+            started_at=timezone.now(),
+            **fields,
+        )
+
+    def _write(
+        self, step_pk: int, key: str, event: str, payload: dict, *, progress=False, **fields
+    ):
+        fenced_write(
+            self._lease, (event, key, payload), update_step=(step_pk, fields), progress=progress
+        )
+
+    def _restart(self, step_pk, key, payload, attempt: int, held, approval) -> None:
+        fields = {"attempt": attempt}
+        if approval is None:
+            fenced_write(
+                self._lease, ("step.retrying", key, payload), update_step=(step_pk, fields),
+                held=held.reserved, **self._start,
+            )  # fmt: skip
+            return
+        with transaction.atomic():
+            event_seq = fence(self._lease, held=held.reserved, **self._start)
+            self._check_approval(approval)
+            Step.objects.filter(pk=step_pk).update(**fields)
+            append_event(self._lease.run_id, event_seq, "step.retrying", key, **payload)
+
+    def _settle_step(self, step_pk, key, payload, fields, usage: Usage | None, held) -> None:
+        """Finish a step: its row, its event and, if it spent or held anything, the budgets."""
+        fields["finished_at"] = timezone.now()
+        event = "step.completed" if fields["status"] == StepStatus.COMPLETED else "step.failed"
+        # A step finished is progress (the poison-run count restarts), except the
+        # compensations of a run being given up: they must not make it look healthy again.
+        progress = self._give_up is None
+        if usage is None and not any(held.reserved):
+            fenced_write(
+                self._lease, (event, key, payload), update_step=(step_pk, fields), progress=progress
+            )
+            return
+        usage = usage or Usage()
+        spend = Spend(usage.micros, usage.tokens_in, usage.tokens_out, *held.reserved)
+        fields |= {
+            "tokens_in": usage.tokens_in,
+            "tokens_out": usage.tokens_out,
+            "cost_micros": usage.micros,
+            "reserved_micros": 0,
+            "reserved_tokens": 0,
+            "reserved_scopes": [],
+        }
+        if usage.tokens or usage.micros:
+            payload = {**payload, "tokens": usage.tokens, "usd": str(usage.usd)}
+        with transaction.atomic():
+            fenced_write(
+                self._lease, (event, key, payload), update_step=(step_pk, fields),
+                progress=progress, spend=spend,
+            )  # fmt: skip
+            warnings = settle_shared(
+                scopes_for(self.workflow), usage, held.shared, held.reserved, held.day
+            )
+            ratio = settings.STEPGUARD_BUDGET_WARN_AT
+            near = Q(budget_micros__isnull=False, cost_micros__gte=F("budget_micros") * ratio) | Q(
+                budget_tokens__isnull=False,
+                tokens_in__gte=F("budget_tokens") * ratio - F("tokens_out"),
+            )
+            if Run.objects.filter(near, pk=self._lease.run_id, budget_warned=False).update(
+                budget_warned=True
+            ):
+                warnings.append("run")
+            if warnings:
+                first = fence(self._lease, len(warnings))
+                for offset, label in enumerate(warnings):
+                    append_event(
+                        self._lease.run_id, first + offset, "budget.warning", key,
+                        budget=label, threshold=ratio,
+                    )  # fmt: skip
+
+    def _record_failure(
+        self, step_pk, seq, key, idem, kind, attempt, exc: Exception, held=None
+    ) -> NoReturn:
+        error = {**error_record(exc), "retryable": retryable(exc)}
+        fields = {
+            "status": StepStatus.FAILED,
+            "error": error,
+            "attempt": attempt,
+            "run_attempt": self.attempt,
+        }
+        payload = {"attempt": attempt, "error": brief(exc)}
+        if step_pk is not None:
+            self._settle_step(step_pk, key, payload, fields, None, held or Held())
+        else:
+            now = timezone.now()
+            insert = {"seq": seq, "key": key, "kind": kind, "idempotency_key": idem}
+            insert |= {"started_at": now, "finished_at": now}
+            fenced_write(
+                self._lease, ("step.failed", key, payload), insert_step={**insert, **fields}
+            )
+        if isinstance(exc, StepguardError) and exc.code in REPLAYED:
+            raise exc
+        raise StepFailed(key, error, retryable=error["retryable"]) from exc
+
+    def _note_retry(self, key: str, tries: int, exc: Exception, delay: float) -> None:
+        """A transaction step's failed try, recorded before the wait (it has no step row)."""
+        with transaction.atomic():
+            event_seq = fence(self._lease)
+            append_event(
+                self._lease.run_id,
+                event_seq,
+                "step.retrying",
+                key,
+                attempt=tries + 1,
+                delay_s=round(delay, 3),
+                error=brief(exc),
+            )
+        self._sleep(delay)
+
+    def _append_events(self, first_seq: int, events: list[tuple[str, str, dict]]) -> None:
+        """Write several events; the fence already reserved `first_seq` for the first one."""
+        seqs = [first_seq]
+        if len(events) > 1:
+            more = fence(self._lease, len(events) - 1)
+            seqs += range(more, more + len(events) - 1)
+        for seq, (type, key, payload) in zip(seqs, events, strict=False):
+            append_event(self._lease.run_id, seq, type, key, **payload)
+
+    def _wait_fence(self) -> tuple[int, datetime]:
+        return fence(self._lease, progress=True, **self._start), timezone.now()
+
+    def _settle(self, record: Step, event_seq: int, now, *, output=None, error=None, **payload):
+        """Finish a waiting step (inside the caller's transaction)."""
+        if error is None:
+            Step.objects.filter(pk=record.pk).update(
+                status=StepStatus.COMPLETED, output=output, finished_at=now
+            )
+            append_event(self._lease.run_id, event_seq, "step.completed", record.key, **payload)
+        else:
+            Step.objects.filter(pk=record.pk).update(
+                status=StepStatus.FAILED,
+                error={**error.as_record(), "retryable": error.retryable},
+                run_attempt=self.attempt,
+                finished_at=now,
+            )
+            append_event(
+                self._lease.run_id, event_seq, "step.failed", record.key, error=brief(error)
+            )
+
+    def _suspend(self, wake_at: datetime | None) -> None:
+        """Give the run up until `wake_at` (or until something wakes it), inside the caller's
+        transaction: the run row is already locked by the fence."""
+        Run.objects.filter(pk=self._lease.run_id).update(
+            status=RunStatus.WAITING, wake_at=wake_at, worker=None, lease_until=None
+        )

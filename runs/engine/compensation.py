@@ -1,0 +1,39 @@
+"""Compensation: undo what a run did, newest first, when it is cancelled or finally fails."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from runs.engine.records import error_record
+
+if TYPE_CHECKING:
+    from runs.engine.context import RunContext
+
+
+class Compensation:
+    """Remembers each completed step's undo; `_compensate` runs them in reverse."""
+
+    def _remember(self, key: str, compensate: Callable | None, output: Any) -> Any:
+        if compensate is not None:
+            self._compensations.append((key, compensate, output))
+        return output
+
+    def _compensate(self) -> list[str]:
+        """Run the compensations of completed steps, newest first, each one a step itself."""
+        self._compensating = True
+        done = []
+        for key, undo, output in reversed(self._compensations):
+            self._run_step(f"undo:{key}", undo, (output,), {}, internal=True)
+            done.append(key)
+        return done
+
+
+def run_compensations(ctx: RunContext) -> tuple[list[str], dict | None]:
+    """Returns the undone step keys and, if an undo failed, its error. Control flow passes."""
+    try:
+        return ctx._compensate(), None
+    except Exception as exc:
+        return [], error_record(exc)
+    finally:
+        ctx._close_loop()

@@ -1,0 +1,57 @@
+"""RunContext: what a workflow function receives, assembled from the engine's concerns.
+
+Each concern lives in its own module (replay, steps, model calls, waits, checkpoints,
+compensation); this class only holds the state they share for one execution of one run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from runs.engine.calls import ModelCalls
+from runs.engine.checkpoints import Checkpoints
+from runs.engine.compensation import Compensation
+from runs.engine.replay import Replay
+from runs.engine.steps import Steps
+from runs.engine.store import Lease
+from runs.engine.waits import Waits
+from runs.errors import StepguardError
+from runs.models import Run, Step
+
+
+class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
+    """What a workflow function receives: the only door to durable steps and waits.
+
+    Workflow code between steps re-runs on every resume, so it must be deterministic: take the
+    time, randomness and ids from `ctx.now()`, `ctx.random()` and `ctx.uuid()`.
+    """
+
+    def __init__(self, run: Run, history: dict[int, Step], lease: Lease):
+        self.run_id: str = str(run.id)
+        self.workflow: str = run.workflow
+        self.version: str = run.version
+        self.input: Any = run.input
+        self.attempt: int = run.attempt
+        self._history = history
+        self._lease = lease
+        self._seq = 0
+        self._occurrences: dict[str, int] = {}
+        self._in_step: str | None = None
+        self._idempotency_key: str | None = None
+        self._cancel_requested = run.cancel_requested_at is not None
+        self._forked_from = run.forked_from_id
+        #: Set past the poison-run bound: the first step not yet completed fails the run
+        #: instead of being re-sent, so the compensations run without the step that kept
+        #: killing workers.
+        self._give_up: StepguardError | None = None
+        self._compensations: list[tuple[str, Callable, Any]] = []
+        self._compensating = False
+        self._patches: dict[str, bool] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: asyncio.Runner | None = None  # a sync workflow's event loop, see _await
+        self._usd_budget = run.budget_micros is not None
+        self._unpriced_models: set[str] = set()
+        lease.workflow = run.workflow
+        self._last_seq = max(history, default=-1)

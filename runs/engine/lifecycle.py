@@ -1,0 +1,375 @@
+"""A run's lifecycle: execute it, and end it (completed, failed, cancelled, paused, released)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import random
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from django.conf import settings
+from django.db import DatabaseError, transaction
+from django.db.models import Case, DateTimeField, F, Q, Value, When
+from django.db.models.functions import Cast
+from django.utils import timezone
+
+from runs.engine import holds, registry
+from runs.engine.bridge import run_async
+from runs.engine.budget import next_day_start, release_holds
+from runs.engine.compensation import run_compensations
+from runs.engine.context import RunContext
+from runs.engine.outage import is_disconnect
+from runs.engine.records import brief, error_record
+from runs.engine.replay import REPLAY_FIELDS
+from runs.engine.serialization import to_json
+from runs.engine.store import Lease, append_event, fence, run_event
+from runs.errors import (
+    Cancelled,
+    Halted,
+    LeaseLost,
+    NonDeterminismError,
+    OverBudget,
+    Released,
+    Suspended,
+    WorkerLost,
+)
+from runs.models import GLOBAL, TERMINAL_STATUSES, Policy, Run, RunStatus, Step, StepStatus
+
+log = logging.getLogger("stepguard.executor")
+
+
+class Outcome(StrEnum):
+    """How one execution of a run ended (a string: logs and tests compare it as one)."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    RETRYING = "retrying"  # failed, and will run again from the top (a run retry)
+    WAITING = "waiting"  # a durable wait: the lease is given up until something wakes it
+    CANCELLED = "cancelled"
+    PENDING = "pending"  # paused, but what stopped it was lifted meanwhile: runnable again
+    HALTED = "halted"
+    OVER_BUDGET = "over_budget"
+    RELEASED = "released"  # the worker is stopping: handed back for another to resume
+    LOST = "lost"  # another worker owns the run now
+    DISCONNECTED = "disconnected"  # the database connection broke: the worker may carry on
+    ABANDONED = "abandoned"  # another database error: lease recovery resumes it
+
+
+def execute(run: Run, lease: Lease) -> Outcome:
+    """Run one claimed run until it completes, fails, waits, is cancelled or released.
+
+    Returns what happened: completed, failed, retrying, waiting, cancelled, released, lost,
+    disconnected (the database connection broke: the caller may wait for it and execute the
+    run again under the same lease) or abandoned (any other database error: lease recovery
+    resumes it). Costs one query to load every checkpoint, then at most two transactions per
+    new step.
+    """
+    try:
+        checkpoints = Step.objects.filter(run_id=run.id).order_by("seq").only(*REPLAY_FIELDS)
+        history = {s.seq: s for s in checkpoints}
+    except DatabaseError as exc:
+        return _database_error(run, exc, "loading checkpoints")
+    ctx = RunContext(run, history, lease)
+    if run.recoveries >= settings.STEPGUARD_MAX_RECOVERIES:
+        started = next((s.key for s in history.values() if s.status == StepStatus.STARTED), None)
+        ctx._give_up = WorkerLost(
+            f"its worker was lost {run.recoveries} times in a row without progress"
+            + (f", each time during step {started!r}" if started else "")
+            + " (STEPGUARD_MAX_RECOVERIES)"
+        )
+    try:
+        definition = registry.get(run.workflow, run.version)
+        if inspect.iscoroutinefunction(definition.fn):
+            result = run_async(definition.fn, ctx, run.input)
+        else:
+            result = run_sync(definition.fn, ctx, run.input)
+        ctx._check_all_replayed()
+        output = to_json(result, what=f"the result of workflow {run.workflow!r}")
+    except Suspended:
+        return Outcome.WAITING
+    except LeaseLost:
+        log.warning("run %s: lease lost; another worker owns it now, stopping here", run.id)
+        return Outcome.LOST
+    except Released:
+        return Outcome.RELEASED if release(lease, "worker shutting down") else Outcome.LOST
+    except Cancelled:
+        return _cancelled(run, ctx, lease)
+    except (Halted, OverBudget) as stop:
+        return _pause(run, lease, stop)
+    except DatabaseError as exc:
+        return _database_error(run, exc, "writing a checkpoint")
+    except Exception as exc:
+        return _fail(run, ctx, lease, exc)
+    try:
+        _finish(
+            lease,
+            "run.completed",
+            {},
+            parent_id=run.parent_id,
+            status=RunStatus.COMPLETED,
+            output=output,
+            error=None,
+            finished_at=timezone.now(),
+            worker=None,
+            lease_until=None,
+        )
+    except LeaseLost:
+        return Outcome.LOST
+    return Outcome.COMPLETED
+
+
+def _database_error(run: Run, exc: DatabaseError, doing: str) -> Outcome:
+    """A checkpoint read or write failed, so nothing of it is recorded. A broken connection
+    (the server restarting) is the caller's to wait out; anything else is logged in full and
+    left to lease recovery, which resumes the run through the normal claim path."""
+    if is_disconnect(exc):
+        log.debug("run %s: connection lost %s: %s", run.id, doing, exc)
+        return Outcome.DISCONNECTED
+    log.exception("run %s: database error %s, abandoning the run to lease recovery", run.id, doing)
+    return Outcome.ABANDONED
+
+
+def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields) -> None:
+    with transaction.atomic():
+        if fields.get("status") in TERMINAL_STATUSES:
+            release_holds(lease.run_id)
+            fields |= {"reserved_micros": 0, "reserved_tokens": 0}
+        event_seq = fence(lease, progress=True)
+        Run.objects.filter(pk=lease.run_id).update(**fields)
+        append_event(lease.run_id, event_seq, event, **payload)
+        if parent_id is not None and fields.get("status") in TERMINAL_STATUSES:
+            run_event(
+                parent_id,
+                "child.finished",
+                wake=True,
+                child=str(lease.run_id),
+                status=fields["status"],
+            )
+
+
+def _give_back(
+    lease: Lease,
+    event: str,
+    payload: dict,
+    *,
+    status: str,
+    wake_at: datetime | None,
+    over: OverBudget | None = None,
+    **fields,
+) -> str:
+    """Give the run up without ending it (paused, released, retrying); return its new status.
+
+    Where it goes is decided in the one statement that writes it, against the holds and
+    budgets as they are then, not as the worker saw them: a hold covering the run makes it
+    `halted` whatever the caller asked; an over-budget pause whose limit was changed since the
+    refusal makes it `pending` (the next start re-checks). The rows those decisions read are
+    share-locked first, so an unhalt or a budget raise committed at the same moment is either
+    seen here or sees the paused run and resumes it: never lost.
+    """
+    with transaction.atomic():
+        event_seq = fence(lease, progress=True)
+        run = Run.objects.only("id", "parent_id", "workflow").get(pk=lease.run_id)
+        holds.lock_holds(run)
+
+        def moment(value: datetime | None):
+            return Cast(Value(value), output_field=DateTimeField())  # a typed NULL too
+
+        status_cases = [When(holds.covered(), then=Value(RunStatus.HALTED))]
+        wake_cases = [When(holds.covered(), then=moment(None))]
+        if over is not None:
+            still = _still_over(run, over)
+            status_cases.append(When(still, then=Value(RunStatus.OVER_BUDGET)))
+            wake = None if over.budget == "run" else next_day_start()
+            wake_cases.append(When(still, then=moment(wake)))
+        Run.objects.filter(pk=lease.run_id).update(
+            status=Case(*status_cases, default=Value(status)),
+            wake_at=Case(*wake_cases, default=moment(wake_at)),
+            worker=None,
+            lease_until=None,
+            **fields,
+        )
+        outcome = Run.objects.filter(pk=lease.run_id).values_list("status", flat=True)[0]
+        if outcome == RunStatus.HALTED and event in ("run.halted", "budget.exceeded"):
+            hold = holds.holds_on(run)[0]
+            event, payload = (
+                "run.halted",
+                {"scope": hold.scope, "by": hold.by, "reason": hold.reason},
+            )
+        elif outcome == RunStatus.PENDING and event in ("run.halted", "budget.exceeded"):
+            lifted = "hold was lifted" if event == "run.halted" else "budget was changed"
+            event, payload = "run.requeued", {"reason": f"the {lifted} as the run paused"}
+        elif outcome == RunStatus.HALTED:
+            payload = {**payload, "halted": [h.as_json() for h in holds.holds_on(run)]}
+        append_event(lease.run_id, event_seq, event, **payload)
+    if outcome == RunStatus.PENDING:
+        from runs.engine.wakeup import notify_runnable
+
+        transaction.on_commit(notify_runnable)
+    return outcome
+
+
+def _still_over(run: Run, stop: OverBudget) -> Q:
+    """The condition under which an over-budget pause still stands: the limit that refused
+    the step is unchanged (a run's own in the statement; a shared one under its row lock)."""
+    if stop.budget == "run":
+        column = "budget_micros" if stop.unit == "micro-USD" else "budget_tokens"
+        return Q(**{column: stop.limit})
+    scope = GLOBAL if stop.budget == "global daily" else run.workflow
+    column = "daily_budget_micros" if stop.unit == "micro-USD" else "daily_budget_tokens"
+    current = Policy.objects.filter(scope=scope).values_list(column, flat=True).first()
+    return Q(pk=run.pk) if current == stop.limit else ~Q(pk=run.pk)
+
+
+def release(lease: Lease, reason: str) -> bool:
+    """Give the run back to the queue now (SIGTERM), bumping the epoch so we cannot write again.
+    A run a hold covers goes to `halted` instead of `pending`."""
+    try:
+        _give_back(
+            lease,
+            "run.released",
+            {"reason": reason},
+            status=RunStatus.PENDING,
+            wake_at=timezone.now(),
+            lease_epoch=F("lease_epoch") + 1,
+        )
+    except (LeaseLost, Cancelled):
+        return False
+    return True
+
+
+def run_sync(fn: Callable, ctx: RunContext, input: Any) -> Any:
+    try:
+        return fn(ctx, input)
+    finally:
+        ctx._close_loop()  # the loop its async steps ran on, if any
+
+
+def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> Outcome:
+    """Park a run that must not take its next step: halted by a hold, or over budget.
+
+    It holds no worker; only an unhalt or a changed budget makes it runnable again (and if
+    either landed while we were pausing, `_give_back` sees it and requeues the run)."""
+    try:
+        if isinstance(stop, Halted):
+            payload = {"scope": stop.scope, "by": stop.by, "reason": stop.reason}
+            # `pending` unless a hold still covers the run when the pause is written.
+            return Outcome(
+                _give_back(
+                    lease, "run.halted", payload, status=RunStatus.PENDING, wake_at=timezone.now()
+                )
+            )
+        payload = {
+            "budget": stop.budget,
+            "unit": stop.unit,
+            "limit": stop.limit,
+            "spent": stop.spent,
+            "estimate": stop.estimate,
+        }
+        outcome = _give_back(
+            lease, "budget.exceeded", payload, status=RunStatus.PENDING,
+            wake_at=timezone.now(), over=stop,
+        )  # fmt: skip
+        if outcome == RunStatus.OVER_BUDGET:
+            log.warning("run %s paused: %s", run.id, stop)
+        return Outcome(outcome)
+    except LeaseLost:
+        return Outcome.LOST
+
+
+def _cancelled(run: Run, ctx: RunContext, lease: Lease) -> Outcome:
+    ctx._cancel_requested = True
+    try:
+        undone, failure = run_compensations(ctx)
+        who = Run.objects.filter(pk=run.pk).values("cancel_requested_by", "cancel_reason").first()
+        if failure is not None:
+            _finish(
+                lease,
+                "run.failed",
+                {"reason": "a compensation failed after a cancel", "error": failure["message"]},
+                parent_id=run.parent_id,
+                status=RunStatus.FAILED,
+                error={**failure, "reason": "a compensation failed after a cancel"},
+                finished_at=timezone.now(),
+                worker=None,
+                lease_until=None,
+            )
+            return Outcome.FAILED
+        _finish(
+            lease,
+            "run.cancelled",
+            {
+                "by": who["cancel_requested_by"],
+                "reason": who["cancel_reason"],
+                "compensated": undone,
+            },
+            parent_id=run.parent_id,
+            status=RunStatus.CANCELLED,
+            finished_at=timezone.now(),
+            worker=None,
+            lease_until=None,
+        )
+    except LeaseLost:
+        return Outcome.LOST
+    except Released:
+        return Outcome.RELEASED if release(lease, "worker shutting down") else Outcome.LOST
+    except (Halted, OverBudget) as stop:
+        return _pause(run, lease, stop)
+    return Outcome.CANCELLED
+
+
+def _fail(run: Run, ctx: RunContext, lease: Lease, exc: Exception) -> Outcome:
+    error = error_record(exc)
+    retryable = getattr(exc, "retryable", True)
+    try:
+        if retryable and run.attempt < run.max_attempts:
+            base = settings.STEPGUARD_RUN_RETRY_BASE_SECONDS * 2 ** (run.attempt - 1)
+            delay = min(base, 300) * random.uniform(0.8, 1.2)
+            wake_at = timezone.now() + timedelta(seconds=delay)
+            outcome = _give_back(
+                lease,
+                "run.retrying",
+                {"attempt": run.attempt + 1, "wake_at": wake_at.isoformat(), "error": brief(exc)},
+                status=RunStatus.PENDING,
+                wake_at=wake_at,
+                attempt=F("attempt") + 1,
+                error=error,
+            )
+            if outcome == RunStatus.HALTED:
+                return Outcome.HALTED
+            log.info(
+                "run %s: attempt %s failed (%s); retrying in %.1fs", run.id, run.attempt, exc, delay
+            )
+            return Outcome.RETRYING
+        reason = "not retryable" if not retryable else f"{run.max_attempts} attempts used"
+        # After a non-determinism error the recorded positions no longer match the code, so
+        # compensating would itself misfire: leave that to a person.
+        if isinstance(exc, NonDeterminismError):
+            undone, failure = [], None
+        else:
+            undone, failure = run_compensations(ctx)
+        if failure is not None:
+            error["compensation_error"] = failure
+        _finish(
+            lease,
+            "run.failed",
+            {"error": brief(exc), "reason": reason, "compensated": undone},
+            parent_id=run.parent_id,
+            status=RunStatus.FAILED,
+            error={**error, "reason": reason},
+            finished_at=timezone.now(),
+            worker=None,
+            lease_until=None,
+        )
+    except LeaseLost:
+        return Outcome.LOST
+    except Released:
+        return Outcome.RELEASED if release(lease, "worker shutting down") else Outcome.LOST
+    except Cancelled:
+        return _cancelled(run, ctx, lease)
+    except (Halted, OverBudget) as stop:
+        return _pause(run, lease, stop)
+    log.warning("run %s failed (%s): %s", run.id, reason, exc)
+    return Outcome.FAILED

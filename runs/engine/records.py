@@ -1,0 +1,83 @@
+"""Values the engine and workflow code share: NOT_FOUND, a granted Decision, error records."""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from runs.errors import StepguardError, StepMisuse
+
+
+class _NotFound:
+    def __repr__(self) -> str:
+        return "NOT_FOUND"
+
+
+#: Returned by a `reconcile` function that found no trace of the step's side effect.
+NOT_FOUND: Any = _NotFound()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A granted approval, as `ctx.approval(...)` returns it (and replays it)."""
+
+    approval_id: int
+    decided_by: str
+    decided_at: datetime
+    comment: str
+
+    def as_json(self) -> dict:
+        return {
+            "approval_id": self.approval_id,
+            "decided_by": self.decided_by,
+            "decided_at": self.decided_at.isoformat(),
+            "comment": self.comment,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Decision:
+        return cls(
+            data["approval_id"],
+            data["decided_by"],
+            datetime.fromisoformat(data["decided_at"]),
+            data["comment"],
+        )
+
+
+def error_record(exc: BaseException) -> dict:
+    if isinstance(exc, StepguardError):
+        record = exc.as_record()
+    else:
+        record = {"code": "exception", "type": type(exc).__name__, "message": str(exc)}
+    record["traceback"] = "".join(traceback.format_exception(exc, limit=15))[-4000:]
+    return record
+
+
+def signature_names(fn: Callable) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def accepts(fn: Callable, name: str) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+
+
+def brief(exc: BaseException) -> dict:
+    return {"type": type(exc).__name__, "message": str(exc)[:500]}
+
+
+def as_timedelta(value: float | timedelta, what: str) -> timedelta:
+    delta = value if isinstance(value, timedelta) else timedelta(seconds=value)
+    if delta < timedelta(0):
+        raise StepMisuse(f"{what} cannot be negative")
+    return delta

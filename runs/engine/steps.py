@@ -1,0 +1,397 @@
+"""Steps: call a function once per run, in a transaction, or reconcile and ask after a crash."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
+from runs.engine.budget import Metered, Usage, release_shared, reserve_shared, scopes_for
+from runs.engine.checkpoints import Held
+from runs.engine.records import NOT_FOUND, Decision, brief
+from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
+from runs.engine.serialization import INPUT_LIMIT, describe_input, to_json
+from runs.engine.store import append_event, fence, fenced_write
+from runs.errors import ApprovalRevoked, ControlFlow, OperatorFailed, StepMisuse, Suspended
+from runs.models import Recovery, Step, StepKind, StepStatus
+
+
+class Steps:
+    """`ctx.step` and `ctx.transaction`, their retry loop, and the ambiguous-outcome policies."""
+
+    @property
+    def idempotency_key(self) -> str:
+        """`<run id>:<step key>`, stable across every retry and resume of the running step.
+
+        Hand it to the downstream service (an `Idempotency-Key` header, a unique column) so a
+        call re-sent after a crash is recognised there instead of repeated.
+        """
+        if self._idempotency_key is None:
+            raise StepMisuse("ctx.idempotency_key is only defined while a step's function runs")
+        return self._idempotency_key
+
+    def step(
+        self,
+        key: str,
+        fn: Callable,
+        /,
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        reconcile: Callable[[str], Any] | None = None,
+        on_ambiguous: str = "resend",
+        compensate: Callable[[Any], Any] | None = None,
+        approval: Decision | None = None,
+        estimate: Usage | None = None,
+        kind: str = StepKind.CALL,
+        **kwargs: Any,
+    ) -> Any:
+        """Run `fn(*args, **kwargs)` once for this run and checkpoint its JSON output.
+
+        On replay a completed step returns its recorded output without calling `fn`. A key
+        used again in the same execution becomes `key#2`, `key#3`... A step found `started`
+        (its worker died mid-call) is re-sent with the same idempotency key; with `reconcile`,
+        `reconcile(idempotency_key)` is asked first and returns the outcome it found or
+        `NOT_FOUND`; with `on_ambiguous="ask"` a person decides. `compensate(output)` undoes
+        the step if the run is cancelled or finally fails. With `approval=decision`, the step
+        starts only if that approval still stands, checked in the transaction that starts it.
+        The keyword options are never passed to `fn`.
+        """
+        if on_ambiguous not in ("resend", "ask"):
+            raise StepMisuse("on_ambiguous must be 'resend' or 'ask'")
+        return self._run_step(
+            key, fn, args, kwargs, retry=retry, reconcile=reconcile, on_ambiguous=on_ambiguous,
+            compensate=compensate, approval=approval, estimate=estimate, kind=kind,
+        )  # fmt: skip
+
+    def _run_step(
+        self,
+        key: str,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        *,
+        retry: RetryPolicy | None = None,
+        reconcile: Callable[[str], Any] | None = None,
+        on_ambiguous: str = "resend",
+        compensate: Callable[[Any], Any] | None = None,
+        approval: Decision | None = None,
+        estimate: Usage | None = None,
+        kind: str = StepKind.CALL,
+        internal: bool = False,
+        input_limit: int = INPUT_LIMIT,
+    ) -> Any:
+        key, seq, record = self._enter(key, internal=internal)
+        if record is not None and record.status == StepStatus.COMPLETED:
+            # A step copied from the run this one was forked from did its side effect there:
+            # this run undoes only what it did itself.
+            return self._remember(key, None if record.inherited else compensate, record.output)
+        idem = f"{self.run_id}:{key}"
+        ambiguous = record is not None and record.status == StepStatus.STARTED
+        if ambiguous and (reconcile is not None or on_ambiguous == "ask"):
+            found = (
+                self._reconcile(record, reconcile, idem)
+                if reconcile is not None
+                else self._ask(record, idem)
+            )
+            if found is not NOT_FOUND:
+                return self._remember(key, compensate, found)
+        if record is None:
+            attempt, payload = 1, {"attempt": 1}
+            fields: dict[str, Any] = {
+                "seq": seq,
+                "key": key,
+                "kind": kind,
+                "status": StepStatus.STARTED,
+                "input": describe_input(args, kwargs, limit=input_limit),
+                "idempotency_key": idem,
+                "run_attempt": self.attempt,
+                "started_at": timezone.now(),
+            }
+        else:
+            attempt = record.attempt + 1
+            payload = {"attempt": attempt}
+            fields = {
+                "status": StepStatus.STARTED,
+                "attempt": attempt,
+                "run_attempt": self.attempt,
+                "error": None,
+                "finished_at": None,
+            }
+            if ambiguous:
+                fields["recovered"] = payload["recovered"] = Recovery.RESENT
+        # An estimate is held against the budgets while the step runs; a step re-sent after a
+        # crash still holds what its first attempt reserved. A hold made on an earlier day (or
+        # against other shared budgets) moves to today's ledgers: the old day's spend is no
+        # reason to refuse the step today.
+        want = (estimate.micros, estimate.tokens) if estimate else (0, 0)
+        old = Held.of(record)
+        held = old.reserved
+        delta = (max(want[0] - held[0], 0), max(want[1] - held[1], 0))
+        reserved = (held[0] + delta[0], held[1] + delta[1])
+        shared = [] if self._compensating else scopes_for(self.workflow)
+        today = timezone.now().date()
+        moving = (
+            any(held) and bool(old.shared or shared) and (old.day != today or old.shared != shared)
+        )
+        if any(reserved):
+            fields["reserved_micros"], fields["reserved_tokens"] = reserved
+            fields["reserved_on"], fields["reserved_scopes"] = today, shared
+        try:
+            if approval is None and not shared and not moving:
+                step_pk = fenced_write(
+                    self._lease,
+                    ("step.started", key, payload),
+                    insert_step=fields if record is None else None,
+                    update_step=None if record is None else (record.pk, fields),
+                    estimate=delta,
+                    held=held,
+                    # Without its started row a crashed step is not ambiguous: it would be
+                    # re-sent, skipping the reconcile or the question it was promised.
+                    durable=reconcile is not None or on_ambiguous == "ask",
+                    **self._start,
+                )
+            else:
+                with transaction.atomic():
+                    event_seq = fence(self._lease, estimate=delta, held=held, **self._start)
+                    if moving and old.shared:
+                        release_shared(old.shared, held, old.day)
+                    if shared:
+                        if moving:
+                            reserve_shared(shared, reserved, (0, 0), today)
+                        else:
+                            reserve_shared(shared, delta, held, today)
+                    self._check_approval(approval)
+                    if record is None:
+                        step_pk = Step.objects.create(run_id=self._lease.run_id, **fields).pk
+                    else:
+                        step_pk = record.pk
+                        Step.objects.filter(pk=step_pk).update(**fields)
+                    append_event(self._lease.run_id, event_seq, "step.started", key, **payload)
+        except ApprovalRevoked as exc:
+            step_pk = record.pk if record is not None else None
+            self._record_failure(step_pk, seq, key, idem, kind, 1, exc, old)
+        policy = retry or DEFAULT_RETRY
+        held_now = Held(reserved, shared, today) if any(reserved) else Held()
+        output = self._call(
+            step_pk, key, idem, fn, args, kwargs, policy, attempt, held_now, approval
+        )
+        return self._remember(key, compensate, output)
+
+    def transaction(
+        self, key: str, fn: Callable, /, *args: Any, retry: RetryPolicy | None = None, **kwargs: Any
+    ) -> Any:
+        """Run `fn` inside the database transaction that writes its checkpoint.
+
+        A business write made through the ORM in `fn` and the step's checkpoint commit
+        together or not at all: exactly once for writes to Stepguard's own database. There is
+        no `started` row, so a crash inside leaves nothing to reconcile.
+        """
+        key, seq, record = self._enter(key)
+        if record is not None and record.status == StepStatus.COMPLETED:
+            return record.output
+        policy = retry or DEFAULT_RETRY
+        idem = f"{self.run_id}:{key}"
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                with transaction.atomic():
+                    event_seq = fence(self._lease, progress=True, **self._start)
+                    if shared := scopes_for(self.workflow):
+                        # Like any step: none starts once a shared daily budget is spent.
+                        reserve_shared(shared, (0, 0), (0, 0), timezone.now().date())
+                    value = self._invoke(key, idem, fn, args, kwargs)
+                    output = to_json(value, what=f"the output of step {key!r}")
+                    now = timezone.now()
+                    fields = {
+                        "status": StepStatus.COMPLETED,
+                        "output": output,
+                        "error": None,
+                        "attempt": tries,
+                        "run_attempt": self.attempt,
+                        "started_at": now,
+                        "finished_at": now,
+                    }
+                    if record is None:
+                        Step.objects.create(
+                            run_id=self._lease.run_id,
+                            seq=seq,
+                            key=key,
+                            kind=StepKind.TRANSACTION,
+                            input=describe_input(args, kwargs),
+                            idempotency_key=idem,
+                            **fields,
+                        )
+                    else:
+                        Step.objects.filter(pk=record.pk).update(**fields)
+                    append_event(
+                        self._lease.run_id, event_seq, "step.completed", key, attempt=tries
+                    )
+                return output
+            except ControlFlow:
+                raise
+            except Exception as exc:
+                if (delay := policy.next_delay(exc, tries)) is not None:
+                    self._note_retry(key, tries, exc, delay)
+                    continue
+                step_pk = record.pk if record is not None else None
+                self._record_failure(step_pk, seq, key, idem, StepKind.TRANSACTION, tries, exc)
+
+    def _invoke(self, key: str, idem: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        self._in_step, self._idempotency_key = key, idem
+        try:
+            return self._await(fn(*args, **kwargs))
+        finally:
+            self._in_step = self._idempotency_key = None
+
+    def _await(self, value: Any) -> Any:
+        """Run an `async def` step (or an async client's call) to completion: on the
+        workflow's event loop for an async workflow; otherwise on one loop kept for the whole
+        execution, because an async client's pooled connection belongs to the loop that opened
+        it (on a fresh loop per call, a call goes out on the old connection and its answer is
+        lost with the closed loop: sent, paid, then sent again)."""
+        if not inspect.isawaitable(value):
+            return value
+
+        async def wait():
+            return await value
+
+        if self._loop is not None:
+            return asyncio.run_coroutine_threadsafe(wait(), self._loop).result()
+        if self._runner is None:
+            self._runner = asyncio.Runner()
+        return self._runner.run(wait())
+
+    def _close_loop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.close()
+
+    def _call(
+        self, step_pk, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt, held, approval
+    ):
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                value = self._invoke(key, idem, fn, args, kwargs)
+                usage = None
+                if isinstance(value, Metered):
+                    value, usage = value.value, value.usage
+                output = to_json(value, what=f"the output of step {key!r}")
+            except ControlFlow:
+                raise
+            except Exception as exc:
+                if (delay := policy.next_delay(exc, tries)) is not None:
+                    attempt += 1
+                    payload = {"attempt": attempt, "delay_s": round(delay, 3), "error": brief(exc)}
+                    self._sleep(delay)
+                    try:
+                        # A retry is a new start: the halt, the cancel, the budget and the
+                        # approval are checked again, in the statement that records it.
+                        self._restart(step_pk, key, payload, attempt, held, approval)
+                    except ApprovalRevoked as revoked:
+                        self._record_failure(step_pk, None, key, idem, None, attempt, revoked, held)
+                    continue
+                self._record_failure(step_pk, None, key, idem, None, attempt, exc, held)
+            else:
+                fields = {"status": StepStatus.COMPLETED, "output": output}
+                self._settle_step(step_pk, key, {"attempt": attempt}, fields, usage, held)
+                return output
+
+    def _reconcile(self, record: Step, reconcile: Callable[[str], Any], idem: str) -> Any:
+        # An exception here propagates unrecorded: the step stays `started` (still ambiguous),
+        # so the next attempt of the run asks reconcile again rather than blindly re-sending.
+        found = self._invoke(record.key, idem, reconcile, (idem,), {})
+        if found is NOT_FOUND:
+            return NOT_FOUND
+        output = to_json(found, what=f"the reconciled output of step {record.key!r}")
+        self._settle_step(
+            record.pk,
+            record.key,
+            {"attempt": record.attempt, "recovered": Recovery.RECONCILED},
+            {"status": StepStatus.COMPLETED, "output": output, "recovered": Recovery.RECONCILED},
+            None,
+            Held.of(record),
+        )
+        return output
+
+    def _ask(self, record: Step, idem: str) -> Any:
+        """The third ambiguous-outcome policy: a person says what happened."""
+        label = f"{record.key}@attempt-{record.attempt}"
+        request = (
+            ApprovalRequest.objects.select_related("decided_by")
+            .filter(run_id=self._lease.run_id, step_key=label)
+            .first()
+        )
+        if request is not None and request.status != ApprovalStatus.PENDING:
+            # Decided: the step leaves `started` like any other, giving back what it held.
+            if request.resolution == Resolution.RESEND:
+                return NOT_FOUND
+            held = Held.of(record)
+            if request.resolution == Resolution.HAPPENED:
+                self._settle_step(
+                    record.pk,
+                    record.key,
+                    {"recovered": Recovery.CONFIRMED, "approval_id": request.pk},
+                    {
+                        "status": StepStatus.COMPLETED,
+                        "output": request.resolution_output,
+                        "recovered": Recovery.CONFIRMED,
+                    },
+                    None,
+                    held,
+                )
+                return request.resolution_output
+            who = request.decided_by.get_username() if request.decided_by else "an operator"
+            failure = OperatorFailed(f"{who} failed the run at ambiguous step {record.key!r}")
+            self._record_failure(
+                record.pk, None, record.key, idem, None, record.attempt, failure, held
+            )
+        with transaction.atomic():
+            event_seq, _ = self._wait_fence()
+            if request is None:
+                request = ApprovalRequest.objects.create(
+                    run_id=self._lease.run_id,
+                    step_key=label,
+                    kind=ApprovalKind.AMBIGUOUS,
+                    action=f"resolve step {record.key}"[:200],
+                    summary=(
+                        "The worker running this step died mid-call: the side effect may or may "
+                        "not have happened. Say whether it happened (and what it returned), "
+                        "re-send it with the same idempotency key, or fail the run."
+                    ),
+                    payload={
+                        "idempotency_key": idem,
+                        "input": record.input,
+                        "attempt": record.attempt,
+                    },
+                )
+                append_event(
+                    self._lease.run_id, event_seq, "approval.requested", record.key,
+                    approval_id=request.pk, kind=ApprovalKind.AMBIGUOUS,
+                )  # fmt: skip
+            else:
+                append_event(
+                    self._lease.run_id, event_seq, "approval.waiting", record.key,
+                    approval_id=request.pk,
+                )  # fmt: skip
+            self._suspend(None)
+        raise Suspended(f"waiting for a person to resolve step {record.key!r}")
+
+    def _check_approval(self, decision: Decision | None) -> None:
+        if decision is None:
+            return
+        approval_id = decision.approval_id if isinstance(decision, Decision) else int(decision)
+        stands = ApprovalRequest.objects.filter(
+            pk=approval_id, run_id__in=self._fork_lineage(), status=ApprovalStatus.APPROVED
+        ).exists()
+        if not stands:
+            raise ApprovalRevoked(
+                f"approval #{approval_id} no longer stands; the step did not start"
+            )

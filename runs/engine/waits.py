@@ -1,0 +1,322 @@
+"""Durable waits: timers, signals, approvals and child runs, holding no worker."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from approvals.models import ApprovalRequest, ApprovalStatus
+from runs.engine import registry
+from runs.engine.budget import default_run_budget
+from runs.engine.records import Decision, as_timedelta, brief
+from runs.engine.serialization import to_json
+from runs.engine.store import append_event, create_run
+from runs.errors import (
+    ApprovalExpired,
+    ApprovalRejected,
+    ApprovalRevoked,
+    ChildFailed,
+    LeaseLost,
+    Released,
+    StepguardError,
+    StepMisuse,
+    Suspended,
+    WaitTimeout,
+)
+from runs.models import Run, RunStatus, Signal, Step, StepKind, StepStatus
+
+
+@dataclass
+class Child:
+    key: str
+    seq: int
+    record: Step | None
+    workflow: str
+    input: Any
+
+
+class Waits:
+    """A wait is a `waiting` step row, the run set waiting with a wake-up time and the lease given
+    up in one transaction; `Suspended` then unwinds the workflow."""
+
+    def sleep(self, key: str, duration: float | timedelta) -> None:
+        """Wait `duration` (seconds or a timedelta) without holding a worker.
+
+        The deadline is fixed when the step is first reached, so a resume after a crash waits
+        only for what is left of it.
+        """
+        delta = as_timedelta(duration, "a sleep")
+        self._timer(key, lambda now: now + delta)
+
+    def sleep_until(self, key: str, when: datetime) -> None:
+        """Wait until `when` (a timezone-aware datetime) without holding a worker."""
+        if timezone.is_naive(when):
+            raise StepMisuse("ctx.sleep_until needs a timezone-aware datetime")
+        self._timer(key, lambda now: when)
+
+    def wait_for_event(self, key: str, name: str, *, timeout: float | timedelta | None = None):
+        """Return the payload of the next signal `name` sent to this run.
+
+        A signal sent before the run gets here is kept and delivered; each signal is consumed
+        by one wait. After `timeout` (from when the wait was first reached) raises WaitTimeout.
+        """
+        delta = None if timeout is None else as_timedelta(timeout, "a timeout")
+        key, seq, record = self._enter(key)
+        if record is not None and record.status == StepStatus.COMPLETED:
+            return record.output
+        timed_out = False
+        with transaction.atomic():
+            event_seq, now = self._wait_fence()
+            if record is None:
+                record = self._new_step(
+                    seq, key, StepKind.EVENT, StepStatus.WAITING,
+                    input={"signal": name}, wake_at=None if delta is None else now + delta,
+                )  # fmt: skip
+            signal = (
+                Signal.objects.filter(
+                    run_id=self._lease.run_id, name=name, consumed_at__isnull=True
+                )
+                .order_by("id")
+                .first()
+            )
+            if signal is not None:
+                Signal.objects.filter(pk=signal.pk).update(consumed_by=key, consumed_at=now)
+                self._settle(record, event_seq, now, output=signal.payload, signal_id=signal.pk)
+                return signal.payload
+            if record.wake_at is not None and record.wake_at <= now:
+                error = WaitTimeout(
+                    f"no signal {name!r} arrived before {record.wake_at:%Y-%m-%d %H:%M:%S}"
+                )
+                self._settle(record, event_seq, now, error=error)
+                timed_out = True
+            else:
+                append_event(
+                    self._lease.run_id, event_seq, "signal.waiting", key, name=name,
+                    timeout_at=record.wake_at.isoformat() if record.wake_at else None,
+                )  # fmt: skip
+                self._suspend(record.wake_at)
+        if timed_out:
+            raise error
+        raise Suspended(f"waiting for signal {name!r}")
+
+    def approval(
+        self,
+        key: str,
+        *,
+        action: str,
+        summary: str = "",
+        payload: Any = None,
+        timeout: float | timedelta | None = None,
+    ) -> Decision:
+        """Ask a person to approve `action` and wait for the decision without holding a worker.
+
+        Returns the Decision when approved; raises ApprovalRejected or, after `timeout`,
+        ApprovalExpired. Pass the decision to the guarded step (`ctx.step(..., approval=d)`)
+        so it re-checks, as it starts, that the approval was not revoked since.
+        """
+        delta = None if timeout is None else as_timedelta(timeout, "a timeout")
+        key, seq, record = self._enter(key)
+        if record is not None and record.status == StepStatus.COMPLETED:
+            return Decision.from_json(record.output)
+        if not action or len(action) > 200:
+            raise StepMisuse("an approval needs an action of 1 to 200 characters")
+        data = to_json(payload, what=f"the payload of approval {key!r}")
+        error: StepguardError | None = None
+        with transaction.atomic():
+            event_seq, now = self._wait_fence()
+            if record is None:
+                expires = None if delta is None else now + delta
+                record = self._new_step(
+                    seq, key, StepKind.APPROVAL, StepStatus.WAITING,
+                    input={"action": action, "summary": summary}, wake_at=expires,
+                )  # fmt: skip
+                request = ApprovalRequest.objects.create(
+                    run_id=self._lease.run_id,
+                    step_key=key,
+                    action=action,
+                    summary=summary,
+                    payload=data,
+                    expires_at=expires,
+                )
+                append_event(
+                    self._lease.run_id, event_seq, "approval.requested", key,
+                    approval_id=request.pk, action=action,
+                    expires_at=expires.isoformat() if expires else None,
+                )  # fmt: skip
+                self._suspend(expires)
+            else:
+                request = ApprovalRequest.objects.select_related("decided_by").get(
+                    run_id=self._lease.run_id, step_key=key
+                )
+                outcome = self._approval_outcome(request, now)
+                if isinstance(outcome, Decision):
+                    self._settle(record, event_seq, now, output=outcome.as_json())
+                    return outcome
+                if outcome is None:
+                    append_event(
+                        self._lease.run_id, event_seq, "approval.waiting", key,
+                        approval_id=request.pk,
+                    )  # fmt: skip
+                    self._suspend(request.expires_at)
+                else:
+                    error = outcome
+                    self._settle(record, event_seq, now, error=error)
+        if error is not None:
+            raise error
+        raise Suspended(f"waiting for approval of {action!r}")
+
+    @staticmethod
+    def _approval_outcome(request: ApprovalRequest, now: datetime):
+        """The decision, the error to raise, or None while it is still pending."""
+        if request.status == ApprovalStatus.PENDING:
+            if request.expires_at is None or request.expires_at > now:
+                return None
+            ApprovalRequest.objects.filter(pk=request.pk, status=ApprovalStatus.PENDING).update(
+                status=ApprovalStatus.EXPIRED
+            )
+            request.status = ApprovalStatus.EXPIRED
+        who = request.decided_by.get_username() if request.decided_by else "nobody"
+        action = request.action
+        if request.status == ApprovalStatus.APPROVED:
+            return Decision(request.pk, who, request.decided_at, request.comment)
+        if request.status == ApprovalStatus.EXPIRED:
+            return ApprovalExpired(f"approval #{request.pk} for {action!r} expired undecided")
+        if request.status == ApprovalStatus.REVOKED:
+            return ApprovalRevoked(f"approval #{request.pk} for {action!r} was revoked by {who}")
+        note = f": {request.comment}" if request.comment else ""
+        return ApprovalRejected(f"{who} rejected {action!r} (approval #{request.pk}){note}")
+
+    def child(self, key: str, workflow: str, input: Any = None) -> Any:
+        """Start a child run (at most once: its identity is this run plus `key`) and wait for
+        its result without holding a worker. Raises ChildFailed if it fails or is cancelled."""
+        return self.children([(key, workflow, input)])[0]
+
+    def children(self, specs: Iterable[tuple[str, str, Any]]) -> list[Any]:
+        """Start several child runs at once and wait for all (fan-out, fan-in).
+
+        `specs` are `(key, workflow, input)`; results come back in the same order. The first
+        failed child (in that order) raises ChildFailed.
+        """
+        entries = []
+        for key, workflow, child_input in specs:  # every position first, as on replay
+            key, seq, record = self._position(key)
+            entries.append(Child(key, seq, record, workflow, child_input))
+        for e in entries:
+            self._admit(e.key, e.seq, e.record)
+        if all(e.record is not None and e.record.status == StepStatus.COMPLETED for e in entries):
+            return [e.record.output for e in entries]
+        plans = {}
+        for e in entries:
+            if e.record is None:
+                definition = registry.get(e.workflow)
+                plans[e.key] = (definition, to_json(e.input, what=f"the input of child {e.key!r}"))
+        failure: ChildFailed | None = None
+        with transaction.atomic():
+            event_seq, now = self._wait_fence()
+            events: list[tuple[str, str, dict]] = []
+            for e in entries:
+                if e.key in plans:
+                    definition, data = plans[e.key]
+                    child = create_run(
+                        workflow=definition.name,
+                        version=definition.version,
+                        input=data,
+                        key=f"{self.run_id}:{e.key}",
+                        parent_id=self._lease.run_id,
+                        **default_run_budget(definition.name),
+                    )
+                    e.record = self._new_step(
+                        e.seq, e.key, StepKind.CHILD, StepStatus.WAITING,
+                        input={"workflow": definition.ref, "run_id": str(child.id)},
+                    )  # fmt: skip
+                    events.append(("child.started", e.key, {"child": str(child.id)}))
+            keys = {
+                f"{self.run_id}:{e.key}": e
+                for e in entries
+                if e.record.status != StepStatus.COMPLETED
+            }
+            waiting = False
+            for child in Run.objects.filter(key__in=keys).only(
+                "id", "key", "status", "output", "error"
+            ):
+                e = keys[child.key]
+                if child.status == RunStatus.COMPLETED:
+                    Step.objects.filter(pk=e.record.pk).update(
+                        status=StepStatus.COMPLETED, output=child.output, finished_at=now
+                    )
+                    e.record.status, e.record.output = StepStatus.COMPLETED, child.output
+                    events.append(("step.completed", e.key, {"child": str(child.id)}))
+                elif child.status in (RunStatus.FAILED, RunStatus.CANCELLED):
+                    message = (child.error or {}).get("message", child.status)
+                    error = ChildFailed(f"child run {child.id} ({e.key}) {child.status}: {message}")
+                    Step.objects.filter(pk=e.record.pk).update(
+                        status=StepStatus.FAILED,
+                        error={**error.as_record(), "child": str(child.id)},
+                        run_attempt=self.attempt,
+                        finished_at=now,
+                    )
+                    e.record.status = StepStatus.FAILED
+                    events.append(
+                        ("step.failed", e.key, {"child": str(child.id), "error": brief(error)})
+                    )
+                else:
+                    waiting = True
+            failed = [e for e in entries if e.record.status == StepStatus.FAILED]
+            if failed:
+                failure = ChildFailed(Step.objects.get(pk=failed[0].record.pk).error["message"])
+            elif waiting:
+                pending = sum(1 for e in entries if e.record.status == StepStatus.WAITING)
+                events.append(("children.waiting", "", {"pending": pending}))
+            self._append_events(event_seq, events)  # needs the lease: before _suspend
+            if waiting and not failed:
+                self._suspend(None)
+        if failure is not None:
+            raise failure
+        if waiting:
+            raise Suspended("waiting for child runs")
+        return [e.record.output for e in entries]
+
+    def _timer(self, key: str, deadline: Callable[[datetime], datetime]) -> None:
+        key, seq, record = self._enter(key)
+        if record is not None and record.status == StepStatus.COMPLETED:
+            return
+        with transaction.atomic():
+            event_seq, now = self._wait_fence()
+            if record is None:
+                when = deadline(now)
+                record = self._new_step(
+                    seq, key, StepKind.SLEEP, StepStatus.WAITING,
+                    input={"until": when.isoformat()}, wake_at=when,
+                )  # fmt: skip
+            if record.wake_at <= now:
+                Step.objects.filter(pk=record.pk).update(
+                    status=StepStatus.COMPLETED, finished_at=now
+                )
+                append_event(
+                    self._lease.run_id,
+                    event_seq,
+                    "timer.fired",
+                    key,
+                    wake_at=record.wake_at.isoformat(),
+                )
+                return
+            append_event(
+                self._lease.run_id, event_seq, "timer.set", key, wake_at=record.wake_at.isoformat()
+            )
+            self._suspend(record.wake_at)
+        raise Suspended(f"sleeping until {record.wake_at.isoformat()}")
+
+    def _sleep(self, seconds: float) -> None:
+        """A retry delay that a lost lease or a shutdown cuts short."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self._lease.lost.wait(min(left, 0.1)):
+                raise LeaseLost(f"run {self.run_id}: lease lost during a retry delay")
+            if self._lease.stopping.is_set():
+                raise Released("worker shutting down during a retry delay")
