@@ -103,7 +103,7 @@ from django.db import connection, transaction  # noqa: E402
 from django.test import Client, override_settings  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
-from runs.engine.store import Lease, create_run, fenced_write  # noqa: E402
+from runs.engine.store import Fence, Lease, create_run, fenced_write  # noqa: E402
 from runs.engine.wakeup import doorbell  # noqa: E402
 from runs.models import Run, RunStatus, StepKind, StepStatus  # noqa: E402
 
@@ -363,9 +363,8 @@ class StepWriter:
             step_pk = fenced_write(
                 self.lease,
                 ("step.started", key, {"attempt": 1}),
+                Fence(starting=True),
                 insert_step=fields,
-                starting=True,
-                compensating=False,
             )
             self.open_step = (step_pk, key)
         else:
@@ -378,8 +377,8 @@ class StepWriter:
             fenced_write(
                 self.lease,
                 ("step.completed", key, {"attempt": 1}),
+                Fence(progress=True),
                 update_step=(step_pk, fields),
-                progress=True,
             )
             self.open_step = None
             self.steps += 1

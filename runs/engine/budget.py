@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import connection
@@ -41,6 +41,24 @@ def to_micros(usd: Decimal | int | str | float) -> int:
 
 def to_usd(micros: int | None) -> Decimal | None:
     return None if micros is None else (Decimal(micros) / MICROS).quantize(Decimal("0.000001"))
+
+
+class Amount(NamedTuple):
+    """Micro-USD and tokens: what every budget counts. A pair that reads by name."""
+
+    micros: int = 0
+    tokens: int = 0
+
+    def __add__(self, other: tuple) -> Amount:  # type: ignore[override]  (not concatenation)
+        return Amount(self.micros + other[0], self.tokens + other[1])
+
+    def beyond(self, other: Amount) -> Amount:
+        """What this needs on top of `other` (never negative)."""
+        return Amount(max(self.micros - other.micros, 0), max(self.tokens - other.tokens, 0))
+
+
+#: No money and no tokens: the default of every amount held, reserved or estimated.
+NOTHING = Amount()
 
 
 @dataclass(frozen=True)
@@ -133,9 +151,7 @@ def _update(scopes: list[str], day, sets: str, params: list, returning: str) -> 
         return cursor.fetchall()
 
 
-def reserve_shared(
-    scopes: list[str], estimate: tuple[int, int], held: tuple[int, int] = (0, 0), day=None
-):
+def reserve_shared(scopes: list[str], estimate: Amount, held: Amount = NOTHING, day=None):
     """Hold a step's estimate against the shared budgets of `day`, or raise OverBudget.
 
     Inside the step-start transaction: the UPDATE row-locks each ledger row until commit, so
@@ -146,18 +162,21 @@ def reserve_shared(
     rows = _update(
         scopes, day,
         "reserved_micros = reserved_micros + %s, reserved_tokens = reserved_tokens + %s",
-        list(estimate), "scope, spent_micros, reserved_micros, spent_tokens, reserved_tokens",
+        [estimate.micros, estimate.tokens],
+        "scope, spent_micros, reserved_micros, spent_tokens, reserved_tokens",
     )  # fmt: skip
     limits = _limits(scopes)
     for scope, spent_m, reserved_m, spent_t, reserved_t in rows:
         policy = limits.get(scope, {})
-        for unit, limit, spent, reserved, i in (
-            ("micro-USD", policy.get("daily_budget_micros"), spent_m, reserved_m, 0),
-            ("tokens", policy.get("daily_budget_tokens"), spent_t, reserved_t, 1),
-        ):
-            others = spent + reserved - estimate[i] - held[i]
+        for unit, limit, spent, reserved, mine in (
+            ("micro-USD", policy.get("daily_budget_micros"), spent_m, reserved_m,
+             estimate.micros + held.micros),
+            ("tokens", policy.get("daily_budget_tokens"), spent_t, reserved_t,
+             estimate.tokens + held.tokens),
+        ):  # fmt: skip
+            others = spent + reserved - mine
             if limit is not None and (spent + reserved > limit or others >= limit):
-                raise OverBudget(_label(scope), unit, limit, others, estimate[i] + held[i])
+                raise OverBudget(_label(scope), unit, limit, others, mine)
     return day
 
 
@@ -167,16 +186,16 @@ _RELEASE = (
 )
 
 
-def release_shared(scopes: list[str], held: tuple[int, int], day) -> None:
+def release_shared(scopes: list[str], held: Amount, day) -> None:
     """Give back what a step held on `day` (the day it reserved) without spending it."""
-    _update(scopes, day, _RELEASE, [held[0], held[0], held[1], held[1]], "scope")
+    _update(scopes, day, _RELEASE, [held.micros, held.micros, held.tokens, held.tokens], "scope")
 
 
 def settle_shared(
     spend_scopes: list[str],
     usage: Usage,
     held_scopes: list[str] = (),
-    held: tuple[int, int] = (0, 0),
+    held: Amount = NOTHING,
     day=None,
 ) -> list[str]:
     """Release a finished step's hold from the ledgers it was reserved against and book its
@@ -249,5 +268,5 @@ def release_holds(run_id) -> None:
         holding.update(reserved_micros=0, reserved_tokens=0, reserved_scopes=[])
     for micros, tokens, day, scopes in holds:
         if scopes and day:
-            release_shared(list(scopes), (micros, tokens), day)
+            release_shared(list(scopes), Amount(micros, tokens), day)
     Run.objects.filter(pk=run_id).update(reserved_micros=0, reserved_tokens=0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date, datetime
 from typing import NoReturn
 
@@ -11,10 +11,10 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from runs.engine.budget import Usage, scopes_for, settle_shared
+from runs.engine.budget import NOTHING, Amount, Usage, scopes_for, settle_shared
 from runs.engine.records import brief, error_record
 from runs.engine.retry import retryable
-from runs.engine.store import Spend, append_event, fence, fenced_write
+from runs.engine.store import Fence, Spend, append_event, fence, fenced_write
 from runs.errors import REPLAYED, StepFailed, StepguardError
 from runs.models import Run, RunStatus, Step, StepStatus
 
@@ -24,7 +24,7 @@ class Held:
     """What a running step holds against budgets: its estimate, the shared budgets and the
     day it was reserved against. Released from exactly those when the step finishes."""
 
-    reserved: tuple[int, int] = (0, 0)
+    reserved: Amount = NOTHING
     shared: list[str] = field(default_factory=list)
     day: date | None = None
 
@@ -33,7 +33,7 @@ class Held:
         """What a recorded step (found `started` after a crash) still holds."""
         if record is None or not (record.reserved_micros or record.reserved_tokens):
             return cls()
-        reserved = (record.reserved_micros, record.reserved_tokens)
+        reserved = Amount(record.reserved_micros, record.reserved_tokens)
         return cls(reserved, list(record.reserved_scopes or []), record.reserved_on)
 
 
@@ -42,10 +42,10 @@ class Checkpoints:
     worker whose lease was taken over can never write again."""
 
     @property
-    def _start(self) -> dict:
+    def _start(self) -> Fence:
         # Compensations run after a cancel was requested; every other step is refused then.
         # Halts and budgets stop both.
-        return {"starting": True, "compensating": self._compensating}
+        return Fence(starting=True, compensating=self._compensating)
 
     def _new_step(self, seq: int, key: str, kind: str, status: str, **fields) -> Step:
         return Step.objects.create(
@@ -64,19 +64,23 @@ class Checkpoints:
         self, step_pk: int, key: str, event: str, payload: dict, *, progress=False, **fields
     ):
         fenced_write(
-            self._lease, (event, key, payload), update_step=(step_pk, fields), progress=progress
-        )
+            self._lease, (event, key, payload), Fence(progress=progress),
+            update_step=(step_pk, fields),
+        )  # fmt: skip
 
     def _restart(self, step_pk, key, payload, attempt: int, held, approval) -> None:
         fields = {"attempt": attempt}
         if approval is None:
+            retrying = replace(self._start, held=held.reserved)
             fenced_write(
-                self._lease, ("step.retrying", key, payload), update_step=(step_pk, fields),
-                held=held.reserved, **self._start,
-            )  # fmt: skip
+                self._lease,
+                ("step.retrying", key, payload),
+                retrying,
+                update_step=(step_pk, fields),
+            )
             return
         with transaction.atomic():
-            event_seq = fence(self._lease, held=held.reserved, **self._start)
+            event_seq = fence(self._lease, replace(self._start, held=held.reserved))
             self._check_approval(approval)
             Step.objects.filter(pk=step_pk).update(**fields)
             append_event(self._lease.run_id, event_seq, "step.retrying", key, **payload)
@@ -90,11 +94,12 @@ class Checkpoints:
         progress = self._give_up is None
         if usage is None and not any(held.reserved):
             fenced_write(
-                self._lease, (event, key, payload), update_step=(step_pk, fields), progress=progress
-            )
+                self._lease, (event, key, payload), Fence(progress=progress),
+                update_step=(step_pk, fields),
+            )  # fmt: skip
             return
         usage = usage or Usage()
-        spend = Spend(usage.micros, usage.tokens_in, usage.tokens_out, *held.reserved)
+        spend = Spend(usage.micros, usage.tokens_in, usage.tokens_out, held.reserved)
         fields |= {
             "tokens_in": usage.tokens_in,
             "tokens_out": usage.tokens_out,
@@ -107,8 +112,8 @@ class Checkpoints:
             payload = {**payload, "tokens": usage.tokens, "usd": str(usage.usd)}
         with transaction.atomic():
             fenced_write(
-                self._lease, (event, key, payload), update_step=(step_pk, fields),
-                progress=progress, spend=spend,
+                self._lease, (event, key, payload), Fence(progress=progress, spend=spend),
+                update_step=(step_pk, fields),
             )  # fmt: skip
             warnings = settle_shared(
                 scopes_for(self.workflow), usage, held.shared, held.reserved, held.day
@@ -123,7 +128,7 @@ class Checkpoints:
             ):
                 warnings.append("run")
             if warnings:
-                first = fence(self._lease, len(warnings))
+                first = fence(self._lease, Fence(events=len(warnings)))
                 for offset, label in enumerate(warnings):
                     append_event(
                         self._lease.run_id, first + offset, "budget.warning", key,
@@ -173,13 +178,13 @@ class Checkpoints:
         """Write several events; the fence already reserved `first_seq` for the first one."""
         seqs = [first_seq]
         if len(events) > 1:
-            more = fence(self._lease, len(events) - 1)
+            more = fence(self._lease, Fence(events=len(events) - 1))
             seqs += range(more, more + len(events) - 1)
         for seq, (type, key, payload) in zip(seqs, events, strict=False):
             append_event(self._lease.run_id, seq, type, key, **payload)
 
     def _wait_fence(self) -> tuple[int, datetime]:
-        return fence(self._lease, progress=True, **self._start), timezone.now()
+        return fence(self._lease, replace(self._start, progress=True)), timezone.now()
 
     def _settle(self, record: Step, event_seq: int, now, *, output=None, error=None, **payload):
         """Finish a waiting step (inside the caller's transaction)."""

@@ -25,7 +25,7 @@ from runs.engine.outage import is_disconnect
 from runs.engine.records import brief, error_record
 from runs.engine.replay import REPLAY_FIELDS
 from runs.engine.serialization import to_json
-from runs.engine.store import Lease, append_event, fence, run_event
+from runs.engine.store import Fence, Lease, append_event, fence, run_event
 from runs.errors import (
     Cancelled,
     Halted,
@@ -137,7 +137,7 @@ def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields
         if fields.get("status") in TERMINAL_STATUSES:
             release_holds(lease.run_id)
             fields |= {"reserved_micros": 0, "reserved_tokens": 0}
-        event_seq = fence(lease, progress=True)
+        event_seq = fence(lease, Fence(progress=True))
         Run.objects.filter(pk=lease.run_id).update(**fields)
         append_event(lease.run_id, event_seq, event, **payload)
         if parent_id is not None and fields.get("status") in TERMINAL_STATUSES:
@@ -170,7 +170,7 @@ def _give_back(
     seen here or sees the paused run and resumes it: never lost.
     """
     with transaction.atomic():
-        event_seq = fence(lease, progress=True)
+        event_seq = fence(lease, Fence(progress=True))
         run = Run.objects.only("id", "parent_id", "workflow").get(pk=lease.run_id)
         holds.lock_holds(run)
 

@@ -10,7 +10,7 @@ from uuid import UUID
 from django.db import transaction
 from django.utils import timezone
 
-from runs.engine.store import append_event, fence
+from runs.engine.store import Fence, append_event, fence
 from runs.errors import (
     REPLAYED,
     Cancelled,
@@ -158,7 +158,7 @@ class Replay:
         if record is None:
             with transaction.atomic():
                 # A marker spends nothing: halts and cancels stop it, a spent budget does not.
-                event_seq = fence(self._lease, starting=True, compensating=True)
+                event_seq = fence(self._lease, Fence(starting=True, compensating=True))
                 if self._cancel_requested and not self._compensating:
                     raise Cancelled("cancel requested")
                 self._new_step(

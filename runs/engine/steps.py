@@ -5,13 +5,22 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
-from runs.engine.budget import Metered, Usage, release_shared, reserve_shared, scopes_for
+from runs.engine.budget import (
+    NOTHING,
+    Amount,
+    Metered,
+    Usage,
+    release_shared,
+    reserve_shared,
+    scopes_for,
+)
 from runs.engine.checkpoints import Held
 from runs.engine.records import NOT_FOUND, Decision, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
@@ -128,11 +137,11 @@ class Steps:
         # crash still holds what its first attempt reserved. A hold made on an earlier day (or
         # against other shared budgets) moves to today's ledgers: the old day's spend is no
         # reason to refuse the step today.
-        want = (estimate.micros, estimate.tokens) if estimate else (0, 0)
+        want = Amount(estimate.micros, estimate.tokens) if estimate else NOTHING
         old = Held.of(record)
         held = old.reserved
-        delta = (max(want[0] - held[0], 0), max(want[1] - held[1], 0))
-        reserved = (held[0] + delta[0], held[1] + delta[1])
+        delta = want.beyond(held)
+        reserved = held + delta
         shared = [] if self._compensating else scopes_for(self.workflow)
         today = timezone.now().date()
         moving = (
@@ -146,23 +155,23 @@ class Steps:
                 step_pk = fenced_write(
                     self._lease,
                     ("step.started", key, payload),
+                    replace(
+                        self._start, estimate=delta, held=held,
+                        # Without its started row a crashed step is not ambiguous: it would be
+                        # re-sent, skipping the reconcile or the question it was promised.
+                        durable=reconcile is not None or on_ambiguous == "ask",
+                    ),
                     insert_step=fields if record is None else None,
                     update_step=None if record is None else (record.pk, fields),
-                    estimate=delta,
-                    held=held,
-                    # Without its started row a crashed step is not ambiguous: it would be
-                    # re-sent, skipping the reconcile or the question it was promised.
-                    durable=reconcile is not None or on_ambiguous == "ask",
-                    **self._start,
-                )
+                )  # fmt: skip
             else:
                 with transaction.atomic():
-                    event_seq = fence(self._lease, estimate=delta, held=held, **self._start)
+                    event_seq = fence(self._lease, replace(self._start, estimate=delta, held=held))
                     if moving and old.shared:
                         release_shared(old.shared, held, old.day)
                     if shared:
                         if moving:
-                            reserve_shared(shared, reserved, (0, 0), today)
+                            reserve_shared(shared, reserved, NOTHING, today)
                         else:
                             reserve_shared(shared, delta, held, today)
                     self._check_approval(approval)
@@ -201,10 +210,10 @@ class Steps:
             tries += 1
             try:
                 with transaction.atomic():
-                    event_seq = fence(self._lease, progress=True, **self._start)
+                    event_seq = fence(self._lease, replace(self._start, progress=True))
                     if shared := scopes_for(self.workflow):
                         # Like any step: none starts once a shared daily budget is spent.
-                        reserve_shared(shared, (0, 0), (0, 0), timezone.now().date())
+                        reserve_shared(shared, NOTHING, NOTHING, timezone.now().date())
                     value = self._invoke(key, idem, fn, args, kwargs)
                     output = to_json(value, what=f"the output of step {key!r}")
                     now = timezone.now()

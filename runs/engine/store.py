@@ -7,6 +7,7 @@ claims, wake-ups and operator actions on the same run, on PostgreSQL and on SQLi
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 from uuid import UUID
@@ -15,6 +16,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from runs.engine.budget import NOTHING, Amount
 from runs.engine.holds import covered, covered_sql, holds_on
 from runs.engine.wakeup import doorbell
 from runs.errors import Cancelled, Halted, LeaseLost, OverBudget
@@ -34,25 +36,6 @@ class Lease:
 
 _TABLE = Run._meta.db_table
 
-# A step may start only if the run is ours, not cancelled, not covered by a hold (its own, an
-# ancestor's, a workflow's or everything's: see holds.py), and its estimate fits the run's
-# budget, which must not be spent already (not counting what the step itself holds from an
-# attempt before a crash). Compensations are
-# exempt from the cancel and from budgets: undoing must stay possible. Halts stop everything.
-_NOT_CANCELLED = " AND cancel_requested_at IS NULL"
-_NOT_HALTED = f" AND NOT {covered_sql(_TABLE)}"
-_IN_BUDGET = (
-    " AND (budget_micros IS NULL OR (cost_micros + reserved_micros + %s <= budget_micros"
-    " AND cost_micros + reserved_micros - %s < budget_micros))"
-    " AND (budget_tokens IS NULL OR (tokens_in + tokens_out + reserved_tokens + %s <= budget_tokens"
-    " AND tokens_in + tokens_out + reserved_tokens - %s < budget_tokens))"
-)
-_SETTLE = (
-    ", cost_micros = cost_micros + %s, tokens_in = tokens_in + %s, tokens_out = tokens_out + %s"
-    ", reserved_micros = CASE WHEN reserved_micros > %s THEN reserved_micros - %s ELSE 0 END"
-    ", reserved_tokens = CASE WHEN reserved_tokens > %s THEN reserved_tokens - %s ELSE 0 END"
-)
-
 
 @dataclass(frozen=True)
 class Spend:
@@ -61,41 +44,122 @@ class Spend:
     micros: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
-    reserved_micros: int = 0
-    reserved_tokens: int = 0
+    held: Amount = NOTHING
 
 
-def fence_statement(
-    lease: Lease,
-    events: int = 1,
-    *,
-    progress: bool = False,
-    starting: bool = False,
-    compensating: bool = False,
-    estimate: tuple[int, int] = (0, 0),
-    held: tuple[int, int] = (0, 0),
-    spend: Spend | None = None,
-) -> tuple[str, list[Any]]:
-    sets, params = "event_seq = event_seq + %s", [events]
-    if starting:
-        sets += ", reserved_micros = reserved_micros + %s, reserved_tokens = reserved_tokens + %s"
-        params += list(estimate)
-    if spend is not None:
+@dataclass(frozen=True)
+class Fence:
+    """What a fenced write checks and changes on the run row, besides the lease (always).
+
+    A `starting` write (a step about to run) is refused once the run is cancelled, covered by
+    a hold, or its estimate does not fit the run's budget, which must not be spent already (not
+    counting what the step holds from an attempt before a crash). Compensations are exempt from
+    the cancel and the budgets, undoing must stay possible; halts stop everything. Writes that
+    finish work already done are refused only for a lost lease.
+    """
+
+    events: int = 1  # event seqs to allocate
+    starting: bool = False
+    compensating: bool = False
+    estimate: Amount = NOTHING  # reserved against the run's budget from now on
+    held: Amount = NOTHING  # already reserved by this step before a crash
+    spend: Spend | None = None  # a finishing step's usage, and its reservation given back
+    progress: bool = False  # a step finished: the poison-run count starts again
+    durable: bool = False  # True: a durable start even with STEPGUARD_DURABLE_START=0
+
+
+@dataclass(frozen=True)
+class _Condition:
+    """One condition of a fenced write: its SQL, and the same condition read from the row, to
+    say why a write was refused (so the explanation can never disagree with the check)."""
+
+    applies: Callable[[Fence], bool]
+    sql: Callable[[Fence], tuple[str, list]]
+    refusal: Callable[[Run, Fence], Exception | None]
+
+
+def _not_cancelled(run: Run, f: Fence) -> Exception | None:
+    return Cancelled("cancel requested") if run.cancel_requested_at is not None else None
+
+
+def _not_halted(run: Run, f: Fence) -> Exception | None:
+    found = holds_on(run)
+    return Halted(found[0].scope, found[0].by, found[0].reason) if found else None
+
+
+def _in_budget(run: Run, f: Fence) -> Exception | None:
+    for unit, limit, spent, reserved, held, estimate in (
+        ("micro-USD", run.budget_micros, run.cost_micros, run.reserved_micros,
+         f.held.micros, f.estimate.micros),
+        ("tokens", run.budget_tokens, run.tokens_in + run.tokens_out, run.reserved_tokens,
+         f.held.tokens, f.estimate.tokens),
+    ):  # fmt: skip
+        others = spent + reserved - held  # committed by everything but this step
+        if limit is not None and (others + held + estimate > limit or others >= limit):
+            return OverBudget("run", unit, limit, others, held + estimate)
+    return None
+
+
+_SPENT = {
+    "micros": "cost_micros + reserved_micros",
+    "tokens": "tokens_in + tokens_out + reserved_tokens",
+}
+_LIMIT = {"micros": "budget_micros", "tokens": "budget_tokens"}
+
+#: In the order a refusal is explained: a cancel first, then a hold, then the budget.
+CONDITIONS = (
+    _Condition(
+        applies=lambda f: f.starting and not f.compensating,
+        sql=lambda f: (" AND cancel_requested_at IS NULL", []),
+        refusal=_not_cancelled,
+    ),
+    _Condition(
+        applies=lambda f: f.starting,
+        sql=lambda f: (f" AND NOT {covered_sql(_TABLE)}", []),
+        refusal=_not_halted,
+    ),
+    _Condition(
+        applies=lambda f: f.starting and not f.compensating,
+        sql=lambda f: (
+            "".join(
+                f" AND ({_LIMIT[u]} IS NULL OR ({_SPENT[u]} + %s <= {_LIMIT[u]}"
+                f" AND {_SPENT[u]} - %s < {_LIMIT[u]}))"
+                for u in ("micros", "tokens")
+            ),
+            [f.estimate.micros, f.held.micros, f.estimate.tokens, f.held.tokens],
+        ),
+        refusal=_in_budget,
+    ),
+)
+
+_RESERVE = ", reserved_micros = reserved_micros + %s, reserved_tokens = reserved_tokens + %s"
+_SETTLE = (
+    ", cost_micros = cost_micros + %s, tokens_in = tokens_in + %s, tokens_out = tokens_out + %s"
+    ", reserved_micros = CASE WHEN reserved_micros > %s THEN reserved_micros - %s ELSE 0 END"
+    ", reserved_tokens = CASE WHEN reserved_tokens > %s THEN reserved_tokens - %s ELSE 0 END"
+)
+
+
+def fence_statement(lease: Lease, checks: Fence = Fence()) -> tuple[str, list[Any]]:
+    sets, params = "event_seq = event_seq + %s", [checks.events]
+    if checks.starting:
+        sets += _RESERVE
+        params += [checks.estimate.micros, checks.estimate.tokens]
+    if (spend := checks.spend) is not None:
         sets += _SETTLE
         params += [
             spend.micros, spend.tokens_in, spend.tokens_out,
-            spend.reserved_micros, spend.reserved_micros,
-            spend.reserved_tokens, spend.reserved_tokens,
+            spend.held.micros, spend.held.micros, spend.held.tokens, spend.held.tokens,
         ]  # fmt: skip
-    if progress:
+    if checks.progress:
         sets += ", recoveries = 0"
     sql = f"UPDATE {_TABLE} SET {sets} WHERE id = %s AND lease_epoch = %s AND status = %s"
     params += [db_id(lease.run_id), lease.epoch, RunStatus.RUNNING]
-    if starting and compensating:
-        sql += _NOT_HALTED
-    elif starting:
-        sql += _NOT_CANCELLED + _NOT_HALTED + _IN_BUDGET
-        params += [estimate[0], held[0], estimate[1], held[1]]
+    for condition in CONDITIONS:
+        if condition.applies(checks):
+            more, more_params = condition.sql(checks)
+            sql += more
+            params += more_params
     return sql + " RETURNING event_seq", params
 
 
@@ -103,62 +167,32 @@ def db_id(run_id) -> Any:
     return Run._meta.pk.get_db_prep_value(run_id, connection)
 
 
-def fence(
-    lease: Lease,
-    events: int = 1,
-    *,
-    progress: bool = False,
-    starting: bool = False,
-    compensating: bool = False,
-    estimate: tuple[int, int] = (0, 0),
-    held: tuple[int, int] = (0, 0),
-    spend: Spend | None = None,
-) -> int:
-    """Check we still own the run and reserve `events` event seqs; return the first.
+def fence(lease: Lease, checks: Fence = Fence()) -> int:
+    """Check we still own the run and reserve `checks.events` event seqs; return the first.
 
     Must run inside a transaction: the UPDATE row-locks the run until commit, so a concurrent
     claim (which bumps the epoch) or operator action is ordered before or after this whole
-    write, never inside it. `starting` writes (a step about to run) are also refused once the
-    run is cancelled, halted or over budget, in this same statement; writes that finish work
-    already done are not.
+    write, never inside it. What else it checks and changes is `checks` (see Fence).
     """
-    sql, params = fence_statement(
-        lease, events, progress=progress, starting=starting, compensating=compensating,
-        estimate=estimate, held=held, spend=spend,
-    )  # fmt: skip
+    sql, params = fence_statement(lease, checks)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
     if row is None:
-        refused(lease, estimate, compensating, held)
-    return row[0] - events + 1
+        refused(lease, checks)
+    return row[0] - checks.events + 1
 
 
-def refused(
-    lease: Lease,
-    estimate: tuple[int, int] = (0, 0),
-    compensating: bool = False,
-    held: tuple[int, int] = (0, 0),
-) -> NoReturn:
-    """Raise the reason a fenced write was refused: the run is no longer ours, or it must stop."""
+def refused(lease: Lease, checks: Fence = Fence()) -> NoReturn:
+    """Raise the reason a fenced write was refused: the run is no longer ours, or the first
+    of CONDITIONS that the run row breaks."""
     run = Run.objects.filter(pk=lease.run_id).first()
     if run is None or run.lease_epoch != lease.epoch or run.status != RunStatus.RUNNING:
         lease.lost.set()
         raise LeaseLost(f"run {lease.run_id}: lease epoch {lease.epoch} is no longer current")
-    if run.cancel_requested_at is not None and not compensating:
-        raise Cancelled("cancel requested")
-    holds = holds_on(run)
-    if holds:
-        raise Halted(holds[0].scope, holds[0].by, holds[0].reason)
-    tokens = run.tokens_in + run.tokens_out
-    checks = (
-        ("micro-USD", run.budget_micros, run.cost_micros, run.reserved_micros, 0),
-        ("tokens", run.budget_tokens, tokens, run.reserved_tokens, 1),
-    )
-    for unit, limit, spent, reserved, i in checks:
-        others = spent + reserved - held[i]  # committed by everything but this step
-        if limit is not None and (others + held[i] + estimate[i] > limit or others >= limit):
-            raise OverBudget("run", unit, limit, others, held[i] + estimate[i])
+    for condition in CONDITIONS:
+        if condition.applies(checks) and (reason := condition.refusal(run, checks)) is not None:
+            raise reason
     lease.lost.set()
     raise LeaseLost(f"run {lease.run_id}: write refused")
 
@@ -279,16 +313,10 @@ def _step_defaults() -> dict[str, Any]:
 def fenced_write(
     lease: Lease,
     event: tuple[str, str, dict],
+    checks: Fence = Fence(),
     *,
     insert_step: dict | None = None,
     update_step: tuple[int, dict] | None = None,
-    starting: bool = False,
-    progress: bool = False,
-    compensating: bool = False,
-    estimate: tuple[int, int] = (0, 0),
-    held: tuple[int, int] = (0, 0),
-    spend: Spend | None = None,
-    durable: bool = False,
 ) -> int | None:
     """One fenced checkpoint write: insert or update a step and append its event, atomically.
 
@@ -300,10 +328,7 @@ def fenced_write(
     now = timezone.now()
     if connection.vendor != "postgresql" or connection.in_atomic_block:
         with transaction.atomic():
-            seq = fence(
-                lease, progress=progress, starting=starting, compensating=compensating,
-                estimate=estimate, held=held, spend=spend,
-            )  # fmt: skip
+            seq = fence(lease, checks)
             step_id = None
             if insert_step is not None:
                 step_id = Step.objects.create(run_id=lease.run_id, **insert_step).pk
@@ -313,10 +338,7 @@ def fenced_write(
             append_event(lease.run_id, seq, type_, key, **payload)
         return step_id
     run_id = db_id(lease.run_id)
-    fence_sql, params = fence_statement(
-        lease, progress=progress, starting=starting, compensating=compensating,
-        estimate=estimate, held=held, spend=spend,
-    )  # fmt: skip
+    fence_sql, params = fence_statement(lease, checks)
     sql = ["WITH f AS (" + fence_sql + ")"]
     step_table = connection.ops.quote_name(Step._meta.db_table)
     if insert_step is not None:
@@ -347,7 +369,7 @@ def fenced_write(
         f"SELECT %s, f.event_seq, {', '.join(['%s'] * len(event_columns))} FROM f)"
     )
     params += [run_id, *event_params]
-    if starting and not durable and not settings.STEPGUARD_DURABLE_START:
+    if checks.starting and not checks.durable and not settings.STEPGUARD_DURABLE_START:
         # Opted out of (STEPGUARD_DURABLE_START=0): the write-ahead row then only marks a step
         # in flight, and a crash of the database server itself in the next ~0.2 s loses it,
         # so the step is re-sent as if it never started. A step that must be reconciled or
@@ -360,7 +382,7 @@ def fenced_write(
         cursor.execute("".join(sql), params)
         seq, step_id, _ = cursor.fetchone()
     if seq is None:
-        refused(lease, estimate, compensating, held)
+        refused(lease, checks)
     transaction.on_commit(lambda: doorbell.ring(lease.run_id), robust=True)
     return step_id
 
