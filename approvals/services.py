@@ -15,9 +15,9 @@ from django.utils import timezone
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs.engine.serialization import to_json
 from runs.engine.store import run_event
-from runs.errors import Conflict, DecisionError, Forbidden, NotFound, OperationError
+from runs.errors import Conflict, DecisionError, Forbidden, NotFound
 from runs.models import Run
-from runs.operations import lock_run, require
+from runs.operations import lock_run, needs_reason, require
 
 DECIDE = "approvals.decide_approvalrequest"
 
@@ -117,8 +117,7 @@ def resolve(approval_id, choice: str, user, comment: str = "", output: Any = Non
 def revoke(approval_id, user, reason: str) -> ApprovalRequest:
     """Withdraw a granted approval: a step guarded by it that has not started yet won't."""
     user = require(user, DECIDE, "revoke approvals")
-    if not reason or not reason.strip():
-        raise OperationError("a revoke needs a reason")
+    reason = needs_reason(reason, "a revoke")
     request = _request(approval_id)
     with transaction.atomic():
         lock_run(request.run_id)

@@ -2,6 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied
 from django.template.response import TemplateResponse
+from django.utils import timezone
 
 from runs.apikeys import create_key
 from runs.models import ApiKey, BudgetLedger, Event, Policy, Run, Signal, Step, Worker
@@ -151,6 +152,5 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     @admin.action(description="Revoke the selected API keys")
     def revoke(self, request, queryset):
-        from django.utils import timezone
 
         queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())

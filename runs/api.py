@@ -20,7 +20,7 @@ from pydantic import ConfigDict
 from runs import operations
 from runs.engine import registry
 from runs.engine.budget import to_usd
-from runs.errors import Forbidden, NotFound, OperationError
+from runs.errors import Forbidden, OperationError
 from runs.models import GLOBAL, Event, Policy, Run, Worker
 from runs.operations import KEEP, Target, in_utc
 from runs.sdk import send_signal, start_run
@@ -237,10 +237,7 @@ def viewer(request: HttpRequest):
 
 
 def run_or_404(run_id: UUID) -> Run:
-    run = Run.objects.filter(pk=run_id).first()
-    if run is None:
-        raise NotFound(f"no run with id {run_id}")
-    return run
+    return operations.find_run(run_id)
 
 
 def _cursor(run: Run) -> str:
@@ -381,17 +378,13 @@ def unhalt_run(request, run_id: UUID, body: ReasonIn):
 @router.post("/runs/{run_id}/cancel", response={200: RunOut, **ERRORS_422})
 def cancel_run(request, run_id: UUID, body: ReasonIn):
     """Cancel: the run stops at its next step, its compensations run, it ends cancelled."""
-    run_or_404(run_id)
-    operations.cancel_run(str(run_id), request.user, body.reason)
-    return RunOut.of(Run.objects.get(pk=run_id))
+    return _action(request, run_id, operations.cancel_run, body.reason)
 
 
 @router.post("/runs/{run_id}/retry", response={200: RunOut, **ERRORS_422})
 def retry_run(request, run_id: UUID, body: ReasonIn):
     """Retry a failed run from the top; completed steps are reused."""
-    run_or_404(run_id)
-    operations.retry_run(str(run_id), request.user, body.reason)
-    return RunOut.of(Run.objects.get(pk=run_id))
+    return _action(request, run_id, operations.retry_run, body.reason)
 
 
 @router.get("/runs/{run_id}/fork-preview", response={200: list[StepPreview], **ERRORS_422})

@@ -6,6 +6,7 @@ import secrets
 
 from django.utils import timezone
 
+from runs.errors import NotFound
 from runs.models import ApiKey
 from runs.operations import resolve_user
 
@@ -40,7 +41,6 @@ def check_key(text: str) -> ApiKey | None:
 
 
 def revoke_key(prefix: str) -> ApiKey:
-    from runs.errors import NotFound
 
     key = ApiKey.objects.filter(prefix=prefix.removeprefix("sg_").split("_")[0]).first()
     if key is None:

@@ -73,11 +73,10 @@ def cancel_run(run_id, user, reason: str) -> Run:
     wait), the compensations of its completed steps run newest first, and it ends `cancelled`.
     """
     user = require(user, "runs.cancel_run", "cancel runs")
-    if not reason or not reason.strip():
-        raise OperationError("a cancel needs a reason")
+    reason = needs_reason(reason, "a cancel")
     actor = user.get_username()
     with transaction.atomic():
-        root = _find_run(run_id)
+        root = find_run(run_id)
         # Children first, deepest first (the order a finishing child locks: itself, then its
         # parent), so they stop spending and undo their own steps; the parent is woken by them.
         for member in holds.descendants(root.pk):
@@ -194,7 +193,7 @@ def parse_target(target) -> Target:
     return Target("run", text.removeprefix("run:"))
 
 
-def _needs_reason(reason: str, action: str) -> str:
+def needs_reason(reason: str, action: str) -> str:
     if not reason or not reason.strip():
         raise OperationError(f"{action} needs a reason")
     return reason.strip()
@@ -237,11 +236,11 @@ def halt(target, user, reason: str) -> Target:
     lifts it, and lifting it lifts no other hold.
     """
     user = require(user, "runs.halt_run", "halt runs")
-    reason = _needs_reason(reason, "a halt")
+    reason = needs_reason(reason, "a halt")
     target, actor, now = parse_target(target), user.get_username(), timezone.now()
     with transaction.atomic():
         if target.kind == "run":
-            root = _find_run(target.value)
+            root = find_run(target.value)
             # Descendants before the run itself: the order a finishing child locks (itself,
             # then its parent), so a halt and a child's end never deadlock.
             for member in holds.descendants(root.pk):
@@ -269,7 +268,8 @@ def halt(target, user, reason: str) -> Target:
     return target
 
 
-def _find_run(run_id) -> Run:
+def find_run(run_id) -> Run:
+    """The run, or NotFound naming the id (also for an id that is not a UUID at all)."""
     try:
         run = Run.objects.filter(pk=run_id).first()
     except (ValidationError, ValueError):
@@ -296,11 +296,11 @@ def unhalt(target, user, reason: str) -> Target:
     workflow halt, the kill switch stay in force).
     """
     user = require(user, "runs.unhalt_run", "lift halts")
-    reason = _needs_reason(reason, "an unhalt")
+    reason = needs_reason(reason, "an unhalt")
     target, actor = parse_target(target), user.get_username()
     with transaction.atomic():
         if target.kind == "run":
-            root = _find_run(target.value)
+            root = find_run(target.value)
             members = holds.descendants(root.pk)
             # Lock the halted descendants first, deepest first, as halt does.
             list(
@@ -368,7 +368,7 @@ def set_budget(
     are shared daily limits, and `run_usd`/`run_tokens` the default budget of each new run.
     None removes a limit. Runs paused over budget in the target resume and re-check."""
     user = require(user, "runs.set_budget", "set budgets")
-    reason = _needs_reason(reason, "a budget change")
+    reason = needs_reason(reason, "a budget change")
     target, actor = parse_target(target), user.get_username()
 
     def micros(value):
@@ -433,7 +433,7 @@ def set_budget(
 def retry_run(run_id, user, reason: str) -> Run:
     """Run a failed run again from the top: completed steps stay memoized, the failed one runs."""
     user = require(user, "runs.retry_run", "retry runs")
-    reason = _needs_reason(reason, "a retry")
+    reason = needs_reason(reason, "a retry")
     with transaction.atomic():
         run = lock_run(run_id)
         if run.status != RunStatus.FAILED:
@@ -469,9 +469,7 @@ def _fork_point(run: Run, step) -> int:
 def fork_preview(run_id, step) -> list[dict]:
     """The recorded steps from the fork point on: what the fork will run again (if the code
     takes the same path), so a person sees the side effects before confirming."""
-    run = Run.objects.filter(pk=run_id).first()
-    if run is None:
-        raise NotFound(f"no run with id {run_id}")
+    run = find_run(run_id)
     seq = _fork_point(run, step)
     return list(run.steps.filter(seq__gte=seq).order_by("seq").values("seq", "key", "kind"))
 
@@ -480,7 +478,7 @@ def fork_run(run_id, step, user, reason: str) -> Run:
     """A new run of the same workflow, version and input that reuses the recorded outputs of
     the steps before `step` (a key or a position) and runs the rest anew."""
     user = require(user, "runs.fork_run", "fork runs")
-    reason = _needs_reason(reason, "a fork")
+    reason = needs_reason(reason, "a fork")
     actor = user.get_username()
     with transaction.atomic():
         origin = lock_run(run_id)

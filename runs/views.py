@@ -32,7 +32,18 @@ from runs import operations
 from runs.engine.budget import to_usd
 from runs.engine.holds import holds_on
 from runs.errors import Forbidden, StepguardError
-from runs.models import GLOBAL, Event, Policy, Run, RunStatus, Step, StepKind, StepStatus
+from runs.models import (
+    GLOBAL,
+    BudgetLedger,
+    Event,
+    Policy,
+    Run,
+    RunStatus,
+    Step,
+    StepKind,
+    StepStatus,
+    Worker,
+)
 
 log = logging.getLogger("stepguard.dashboard")
 PAGE = 50
@@ -256,10 +267,10 @@ def bulk_view(request):
 
 
 def _run_or_404(run_id: UUID) -> Run:
-    run = Run.objects.filter(pk=run_id).first()
-    if run is None:
-        raise Http404(f"no run {run_id}")
-    return run
+    try:
+        return operations.find_run(run_id)
+    except StepguardError as exc:
+        raise Http404(str(exc)) from None
 
 
 def step_filter(request) -> tuple[dict, Q]:
@@ -511,7 +522,6 @@ def run_action(request, run_id: UUID, action: str):
 @viewer_required
 def workers_page(request):
     """Workers with their last heartbeat and the runs each holds."""
-    from runs.models import Worker
 
     workers = list(Worker.objects.order_by("-heartbeat_at")[:200])
     held: dict = {}
@@ -554,7 +564,6 @@ def audit_page(request):
 @viewer_required
 def halts_page(request):
     """The kill switch and workflow-wide halts, with the shared budgets and today's spend."""
-    from runs.models import BudgetLedger
 
     policies = {p.scope: p for p in Policy.objects.all()}
     spent = {

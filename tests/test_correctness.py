@@ -516,7 +516,7 @@ def test_halting_a_parent_while_its_child_finishes_does_not_deadlock(cast, monke
 
     from django.db import connections
 
-    from runs.engine import lifecycle
+    from runs.engine import store
     from runs.engine.worker import WorkerProcess
 
     parent = start_run("parent", {"n": 1, "child": "ledger", "steps": 1})
@@ -526,14 +526,14 @@ def test_halting_a_parent_while_its_child_finishes_does_not_deadlock(cast, monke
     assert execute(claimed, Lease(claimed.id, claimed.lease_epoch)) == "waiting"
 
     child_locked, go_on, outcome = threading.Event(), threading.Event(), {}
-    wake_parent = lifecycle.run_event
+    wake_parent = store.run_event
 
     def held_between_locks(*args, **kwargs):
         child_locked.set()
         go_on.wait(10)
         return wake_parent(*args, **kwargs)
 
-    monkeypatch.setattr(lifecycle, "run_event", held_between_locks)
+    monkeypatch.setattr(store, "run_event", held_between_locks)
 
     def finish_child():
         try:

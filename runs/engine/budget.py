@@ -156,7 +156,7 @@ def reserve_shared(scopes: list[str], estimate: Amount, held: Amount = NOTHING, 
 
     Inside the step-start transaction: the UPDATE row-locks each ledger row until commit, so
     two runs sharing a budget check and reserve one after the other, never both at once.
-    `held` is what this step already holds from an attempt before a crash. Returns the day.
+    `held` is what this step already holds from an attempt before a crash.
     """
     day = _ensure_rows(scopes, day)
     rows = _update(
@@ -177,7 +177,6 @@ def reserve_shared(scopes: list[str], estimate: Amount, held: Amount = NOTHING, 
             others = spent + reserved - mine
             if limit is not None and (spent + reserved > limit or others >= limit):
                 raise OverBudget(_label(scope), unit, limit, others, mine)
-    return day
 
 
 _RELEASE = (

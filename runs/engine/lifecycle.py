@@ -25,7 +25,8 @@ from runs.engine.outage import is_disconnect
 from runs.engine.records import brief, error_record
 from runs.engine.replay import REPLAY_FIELDS
 from runs.engine.serialization import to_json
-from runs.engine.store import Fence, Lease, append_event, fence, run_event
+from runs.engine.store import Fence, Lease, append_event, fence, wake_parent
+from runs.engine.wakeup import notify_runnable
 from runs.errors import (
     Cancelled,
     Halted,
@@ -141,13 +142,7 @@ def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields
         Run.objects.filter(pk=lease.run_id).update(**fields)
         append_event(lease.run_id, event_seq, event, **payload)
         if parent_id is not None and fields.get("status") in TERMINAL_STATUSES:
-            run_event(
-                parent_id,
-                "child.finished",
-                wake=True,
-                child=str(lease.run_id),
-                status=fields["status"],
-            )
+            wake_parent(lease.run_id, fields["status"], parent_id)
 
 
 def _give_back(
@@ -205,8 +200,6 @@ def _give_back(
             payload = {**payload, "halted": [h.as_json() for h in holds.holds_on(run)]}
         append_event(lease.run_id, event_seq, event, **payload)
     if outcome == RunStatus.PENDING:
-        from runs.engine.wakeup import notify_runnable
-
         transaction.on_commit(notify_runnable)
     return outcome
 

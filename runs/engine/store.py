@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from runs.engine.budget import NOTHING, Amount
 from runs.engine.holds import covered, covered_sql, holds_on
-from runs.engine.wakeup import doorbell
+from runs.engine.wakeup import doorbell, notify_runnable
 from runs.errors import Cancelled, Halted, LeaseLost, OverBudget
 from runs.models import Event, Run, RunStatus, Step
 
@@ -248,8 +248,6 @@ def run_event(
     seq, status = row
     append_event(run_id, seq, type, step_key, actor, **payload)
     if wake and status == RunStatus.PENDING:
-        from runs.engine.wakeup import notify_runnable
-
         transaction.on_commit(notify_runnable)
     return status
 
@@ -287,7 +285,6 @@ def create_run(
     Run.objects.filter(covered(), pk=run.pk, status=RunStatus.PENDING).update(
         status=RunStatus.HALTED
     )
-    from runs.engine.wakeup import notify_runnable
 
     transaction.on_commit(notify_runnable)
     return run
@@ -387,9 +384,10 @@ def fenced_write(
     return step_id
 
 
-def wake_parent(run_id, status: str) -> None:
-    """Tell a child's parent (if any) that the child ended. Inside the child's transaction:
-    the lock order is child row, then parent row, as everywhere else."""
-    parent_id = Run.objects.filter(pk=run_id).values_list("parent_id", flat=True).first()
+def wake_parent(run_id, status: str, parent_id=None) -> None:
+    """Tell a child's parent (if any; looked up unless given) that the child ended. Inside the
+    child's transaction: the lock order is child row, then parent row, as everywhere else."""
+    if parent_id is None:
+        parent_id = Run.objects.filter(pk=run_id).values_list("parent_id", flat=True).first()
     if parent_id is not None:
         run_event(parent_id, "child.finished", wake=True, child=str(run_id), status=status)

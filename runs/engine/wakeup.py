@@ -9,7 +9,8 @@ import logging
 import threading
 
 import psycopg
-from django.db import connection
+from django.conf import settings
+from django.db import connection, connections
 
 log = logging.getLogger("stepguard.wakeup")
 
@@ -34,7 +35,6 @@ class Listener(threading.Thread):
         super().__init__(name="stepguard-listener", daemon=True)
         self.bell, self.stop = bell, stop
         self.params = connection.get_connection_params()
-        self.connected = threading.Event()
 
     def run(self) -> None:
         lost = False  # one line when the connection goes, one when it is back
@@ -42,7 +42,6 @@ class Listener(threading.Thread):
             try:
                 with psycopg.connect(**self.params, autocommit=True) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
-                    self.connected.set()
                     if lost:
                         log.info("listener reconnected")
                         lost = False
@@ -51,7 +50,6 @@ class Listener(threading.Thread):
                         for _ in conn.notifies(timeout=1.0, stop_after=1):
                             self.bell.set()
             except Exception as exc:
-                self.connected.clear()
                 if not lost:
                     cause = str(exc).strip().splitlines()[0] if str(exc).strip() else exc
                     log.warning("listener connection lost (%s); polling until it reconnects", cause)
@@ -82,7 +80,6 @@ class Doorbell:
         self._aloop = None  # the doorbell thread's own event loop: one Redis connection, kept
 
     def enabled(self) -> bool:
-        from django.conf import settings
 
         return bool(settings.REDIS_URL) or is_postgres()
 
@@ -101,8 +98,6 @@ class Doorbell:
     def _loop(self) -> None:
         import time
 
-        from django.db import connections
-
         while True:
             self._wake.wait()
             self._wake.clear()
@@ -118,7 +113,6 @@ class Doorbell:
             time.sleep(self.REST)
 
     def publish(self, ids: set[str]) -> None:
-        from django.conf import settings
 
         if settings.REDIS_URL:
             from channels.layers import get_channel_layer
