@@ -3,8 +3,6 @@ CLI calls (runs.operations, runs.sdk), so permissions and audit events are the s
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import json
 from datetime import datetime
 from decimal import Decimal
@@ -12,17 +10,16 @@ from typing import Any
 from uuid import UUID
 
 from django.conf import settings
-from django.db.models import Q
 from django.http import HttpRequest
 from ninja import Field, Query, Router, Schema, Status
 from pydantic import ConfigDict
 
-from runs import operations
+from runs import operations, queries
 from runs.engine import registry
 from runs.engine.budget import to_usd
 from runs.errors import Forbidden, OperationError
 from runs.models import GLOBAL, Event, Policy, Run, Worker
-from runs.operations import KEEP, Target, in_utc
+from runs.operations import KEEP, Target
 from runs.sdk import send_signal, start_run
 
 router = Router(tags=["runs"])
@@ -240,19 +237,6 @@ def run_or_404(run_id: UUID) -> Run:
     return operations.find_run(run_id)
 
 
-def _cursor(run: Run) -> str:
-    return base64.urlsafe_b64encode(f"{run.created_at.isoformat()}|{run.pk}".encode()).decode()
-
-
-def _after(cursor: str) -> Q:
-    try:
-        when, pk = base64.urlsafe_b64decode(cursor.encode()).decode().split("|")
-        when, pk = in_utc(datetime.fromisoformat(when), "cursor"), UUID(pk)
-    except (ValueError, UnicodeDecodeError, OperationError):
-        raise OperationError("cursor is not one this API returned") from None
-    return Q(created_at__lt=when) | Q(created_at=when, pk__lt=pk)
-
-
 # -- runs --------------------------------------------------------------------------------------
 
 
@@ -279,31 +263,18 @@ def create_run(request, body: StartIn):
 def list_runs(request, filters: Query[Filters]):
     """Runs, newest first, with cursor pagination."""
     viewer(request)
-    runs = Run.objects.order_by("-created_at", "-pk")
-    if filters.status:
-        runs = runs.filter(status=filters.status)
-    if filters.workflow:
-        runs = runs.filter(workflow=filters.workflow)
-    if filters.parent:
-        runs = runs.filter(parent_id=filters.parent)
-    if filters.created_after:
-        runs = runs.filter(created_at__gte=in_utc(filters.created_after, "created_after"))
-    if filters.created_before:
-        runs = runs.filter(created_at__lt=in_utc(filters.created_before, "created_before"))
-    if filters.q:
-        match = Q(key__icontains=filters.q)
-        with contextlib.suppress(ValueError):
-            match |= Q(pk=UUID(filters.q))
-        runs = runs.filter(match)
-    if filters.cursor:
-        runs = runs.filter(_after(filters.cursor))
-    page = list(runs[: filters.limit + 1])
-    more = len(page) > filters.limit
-    page = page[: filters.limit]
-    return {
-        "items": [RunOut.of(r) for r in page],
-        "next_cursor": _cursor(page[-1]) if more else None,
-    }
+    runs = queries.runs_matching(
+        {
+            "status": filters.status,
+            "workflow": filters.workflow,
+            "parent": filters.parent,
+            "since": filters.created_after,
+            "until": filters.created_before,
+            "q": filters.q,
+        }
+    )
+    page, cursor = queries.page(runs, filters.limit, filters.cursor)
+    return {"items": [RunOut.of(r) for r in page], "next_cursor": cursor}
 
 
 @router.get("/runs/{run_id}", response={200: RunOut, **ERRORS_422})

@@ -25,7 +25,8 @@ from django.template.loader import render_to_string
 from django.utils.crypto import constant_time_compare
 
 from runs.engine.wakeup import EventsListener
-from runs.models import Event, Run, Step, StepStatus
+from runs.models import Event, Run, Step
+from runs.queries import step_filter, step_matches
 from runs.views import timeline_rows
 
 log = logging.getLogger("stepguard.live")
@@ -97,7 +98,8 @@ class RunConsumer(AsyncWebsocketConsumer):
         self.shown_from = _number(query.get("from"), 0)
         # A page from before `last` existed shows every step it had: treat them all as shown.
         self.last = _number(query.get("last"), 2**62 if "last" not in query else -1)
-        self.filters = {k: query[k] for k in ("status", "kind") if query.get(k)}
+        chosen, self.match = step_filter(query)
+        self.filters = {k: v for k, v in chosen.items() if v}
         # A filtered page names its rows: which steps matched when it rendered is history.
         rows = query.get("rows")
         if rows is not None:
@@ -166,16 +168,10 @@ class RunConsumer(AsyncWebsocketConsumer):
     def _shown_steps(self) -> set[int] | None:
         if not Run.objects.filter(pk=self.run_id).exists():
             return None
-        match = Q(**self.filters) | Q(status=StepStatus.FAILED) if self.filters else Q()
         steps = Step.objects.filter(
-            Q(run_id=self.run_id, seq__gte=self.shown_from, seq__lte=self.last) & match
+            Q(run_id=self.run_id, seq__gte=self.shown_from, seq__lte=self.last) & self.match
         )
         return set(steps.values_list("seq", flat=True))
-
-    def _matches(self, step: Step) -> bool:
-        """The page's step filter; a filter never hides a failure."""
-        wanted = all(getattr(step, k) == v for k, v in self.filters.items())
-        return wanted or step.status == StepStatus.FAILED
 
     def _fragments(self) -> list[str]:
         """Everything after the last seq sent, as out-of-band fragments; advances the cursor.
@@ -191,7 +187,7 @@ class RunConsumer(AsyncWebsocketConsumer):
         parts = []
         steps = timeline_rows(run.steps.filter(key__in=touched, seq__gte=self.shown_from))
         for step in steps.order_by("seq"):
-            if step.seq not in self.shown and not self._matches(step):
+            if step.seq not in self.shown and not step_matches(step, self.filters):
                 continue  # filtered out, and not on the page
             row = render_to_string("runs/detail.html#step-row", {"s": step})
             if step.seq in self.shown:

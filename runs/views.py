@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime, timedelta
+from datetime import timedelta
 from urllib.parse import urlencode
 from uuid import UUID
 
@@ -16,7 +16,7 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Q, QuerySet
+from django.db.models import Count, QuerySet
 from django.db.models.fields.json import KT
 from django.http import Http404, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
@@ -28,7 +28,7 @@ from django.views.decorators.http import require_POST
 
 from approvals.models import ApprovalRequest
 from approvals.services import decide
-from runs import operations
+from runs import operations, queries
 from runs.engine.budget import to_usd
 from runs.engine.holds import holds_on
 from runs.errors import Forbidden, StepguardError
@@ -44,6 +44,7 @@ from runs.models import (
     StepStatus,
     Worker,
 )
+from runs.queries import RUN_FILTERS, BadFilter
 
 log = logging.getLogger("stepguard.dashboard")
 PAGE = 50
@@ -83,40 +84,10 @@ def budget_percent(run: Run) -> int | None:
     return None
 
 
-FILTERS = ("status", "workflow", "version", "parent", "since", "until", "q")
-
-
 def filtered_runs(params) -> tuple[QuerySet, dict]:
     """Runs matching the list's URL filters (the same for the page and for bulk actions)."""
-    f = {k: params.get(k, "").strip() for k in FILTERS}
-    runs = Run.objects.all()
-    for field in ("status", "workflow", "version"):
-        if f[field]:
-            runs = runs.filter(**{field: f[field]})
-    if f["parent"]:
-        try:
-            runs = runs.filter(parent_id=UUID(f["parent"]))
-        except ValueError:
-            raise BadFilter(f"parent {f['parent']!r} is not a run id") from None
-    for field, lookup in (("since", "created_at__gte"), ("until", "created_at__lt")):
-        if f[field]:
-            try:
-                when = operations.in_utc(datetime.fromisoformat(f[field]), field)
-            except StepguardError as exc:  # out of range
-                raise BadFilter(str(exc)) from None
-            except ValueError:
-                raise BadFilter(f"{field} {f[field]!r} is not a date and time") from None
-            runs = runs.filter(**{lookup: when})
-    if f["q"]:
-        try:  # a whole run id is looked up by index, not by scanning every key
-            runs = runs.filter(Q(pk=UUID(f["q"])) | Q(key=f["q"]))
-        except ValueError:
-            runs = runs.filter(key__icontains=f["q"])
-    return runs, f
-
-
-class BadFilter(ValueError):
-    pass
+    chosen = {k: params.get(k, "").strip() for k in RUN_FILTERS}
+    return queries.runs_matching(chosen), chosen
 
 
 @viewer_required
@@ -126,25 +97,13 @@ def runs_list(request):
         runs, filters = filtered_runs(request.GET)
     except BadFilter as exc:
         messages.error(request, str(exc))
-        runs, filters = Run.objects.none(), {k: request.GET.get(k, "") for k in FILTERS}
-    runs = runs.order_by("-created_at", "-pk")
-    before = request.GET.get("before")
-    if before:
-        try:
-            when, pk = before.split("_")
-            when = datetime.fromisoformat(when)
-            # The redundant `<=` lets the database start its index scan at the marker.
-            runs = runs.filter(created_at__lte=when).filter(
-                Q(created_at__lt=when) | Q(created_at=when, pk__lt=UUID(pk))
-            )
-        except ValueError:
-            raise Http404("that page marker is not one this page made") from None
-    page = list(runs[: PAGE + 1])
-    more = page[PAGE] if len(page) > PAGE else None
-    page = page[:PAGE]
+        runs, filters = Run.objects.none(), {k: request.GET.get(k, "") for k in RUN_FILTERS}
+    try:
+        page, marker = queries.page(runs, PAGE, request.GET.get("before"))
+    except BadFilter as exc:
+        raise Http404(str(exc)) from None
     counts = dict(Run.objects.values_list("status").annotate(n=Count("id")))
     rows = [{"run": r, "percent": budget_percent(r), "usd": to_usd(r.cost_micros)} for r in page]
-    marker = f"{page[-1].created_at.isoformat()}_{page[-1].pk}" if more and page else None
     query = {k: v for k, v in filters.items() if v}
     older = urlencode({**query, "before": marker}) if marker else None
     return render(
@@ -273,18 +232,6 @@ def _run_or_404(run_id: UUID) -> Run:
         raise Http404(str(exc)) from None
 
 
-def step_filter(request) -> tuple[dict, Q]:
-    """The timeline's status and kind filter. Failed steps match whatever it says: a filter
-    must never hide a failure."""
-    chosen = {k: request.GET.get(k, "").strip() for k in ("status", "kind")}
-    if chosen["status"] and chosen["status"] not in StepStatus.values:
-        chosen["status"] = ""
-    if chosen["kind"] and chosen["kind"] not in StepKind.values:
-        chosen["kind"] = ""
-    match = Q(**{k: v for k, v in chosen.items() if v})
-    return chosen, (match | Q(status=StepStatus.FAILED)) if match else Q()
-
-
 def timeline_rows(steps: QuerySet) -> QuerySet:
     """Step rows as the timeline draws them: without input, output and error (a model call's
     may be a whole conversation), which load when a row opens; a child step's run id kept."""
@@ -318,7 +265,7 @@ def run_detail(request, run_id: UUID):
     # "running" for good: its last event was already behind the cursor.)
     events, earlier_events = _earlier(Event.objects.filter(run_id=run_id), None, EVENT_CHUNK)
     run = _run_or_404(run_id)
-    chosen, match = step_filter(request)
+    chosen, match = queries.step_filter(request.GET)
     steps, earlier_steps = _earlier(timeline_rows(run.steps.filter(match)), None, STEP_CHUNK)
     return render(
         request,
@@ -366,7 +313,7 @@ def run_detail(request, run_id: UUID):
 def earlier_steps(request, run_id: UUID):
     """The chunk of timeline rows before `before`, for the "earlier steps" button."""
     run = _run_or_404(run_id)
-    chosen, match = step_filter(request)
+    chosen, match = queries.step_filter(request.GET)
     steps, more = _earlier(timeline_rows(run.steps.filter(match)), _before(request), STEP_CHUNK)
     return render(
         request,

@@ -94,12 +94,8 @@ def execute(run: Run, lease: Lease) -> Outcome:
     except LeaseLost:
         log.warning("run %s: lease lost; another worker owns it now, stopping here", run.id)
         return Outcome.LOST
-    except Released:
-        return Outcome.RELEASED if release(lease, "worker shutting down") else Outcome.LOST
-    except Cancelled:
-        return _cancelled(run, ctx, lease)
-    except (Halted, OverBudget) as stop:
-        return _pause(run, lease, stop)
+    except (Released, Cancelled, Halted, OverBudget) as stop:
+        return _interrupted(run, ctx, lease, stop)
     except DatabaseError as exc:
         return _database_error(run, exc, "writing a checkpoint")
     except Exception as exc:
@@ -304,12 +300,8 @@ def _cancelled(run: Run, ctx: RunContext, lease: Lease) -> Outcome:
             worker=None,
             lease_until=None,
         )
-    except LeaseLost:
-        return Outcome.LOST
-    except Released:
-        return Outcome.RELEASED if release(lease, "worker shutting down") else Outcome.LOST
-    except (Halted, OverBudget) as stop:
-        return _pause(run, lease, stop)
+    except (LeaseLost, Released, Halted, OverBudget) as stop:
+        return _interrupted(run, ctx, lease, stop)
     return Outcome.CANCELLED
 
 
@@ -356,13 +348,19 @@ def _fail(run: Run, ctx: RunContext, lease: Lease, exc: Exception) -> Outcome:
             worker=None,
             lease_until=None,
         )
-    except LeaseLost:
-        return Outcome.LOST
-    except Released:
-        return Outcome.RELEASED if release(lease, "worker shutting down") else Outcome.LOST
-    except Cancelled:
-        return _cancelled(run, ctx, lease)
-    except (Halted, OverBudget) as stop:
-        return _pause(run, lease, stop)
+    except (LeaseLost, Released, Cancelled, Halted, OverBudget) as stop:
+        return _interrupted(run, ctx, lease, stop)
     log.warning("run %s failed (%s): %s", run.id, reason, exc)
     return Outcome.FAILED
+
+
+def _interrupted(run: Run, ctx: RunContext, lease: Lease, stop: BaseException) -> Outcome:
+    """What a control-flow exception means for a run, raised while it ran or while it ended:
+    the lease is gone, the worker is stopping, a cancel came, or a hold or a budget stops it."""
+    if isinstance(stop, LeaseLost):
+        return Outcome.LOST
+    if isinstance(stop, Released):
+        return Outcome.RELEASED if release(lease, "worker shutting down") else Outcome.LOST
+    if isinstance(stop, Cancelled):
+        return _cancelled(run, ctx, lease)
+    return _pause(run, lease, stop)

@@ -1,0 +1,114 @@
+"""The queries the dashboard, the API and the live feed share: which runs a filter means, pages
+of runs by keyset, and which steps a timeline filter shows.
+
+One place, so that the runs list, a bulk action over a filter, `GET /api/runs` and the live
+feed can never disagree about what a filter matches.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from datetime import datetime
+from uuid import UUID
+
+from django.db.models import Q, QuerySet
+
+from runs.errors import OperationError, StepguardError
+from runs.models import Run, StepKind, StepStatus
+from runs.operations import in_utc
+
+
+class BadFilter(OperationError):
+    """A filter value that means nothing (the message names the parameter)."""
+
+
+#: The runs list's filters, as URL parameters (the API names `since`/`until` differently).
+RUN_FILTERS = ("status", "workflow", "version", "parent", "since", "until", "q")
+
+
+def _when(value: datetime | str, name: str) -> datetime:
+    try:
+        when = datetime.fromisoformat(value) if isinstance(value, str) else value
+        return in_utc(when, name)
+    except StepguardError as exc:  # out of range
+        raise BadFilter(str(exc)) from None
+    except ValueError:
+        raise BadFilter(f"{name} {value!r} is not a date and time") from None
+
+
+def runs_matching(filters: Mapping[str, object]) -> QuerySet:
+    """Runs matching the filters given (empty values ignored): status, workflow, version,
+    parent (a run id), since and until (created at or after, before), and q (a whole run id,
+    a whole key, or part of a key)."""
+    f = {k: v.strip() if isinstance(v, str) else v for k, v in filters.items() if v}
+    runs = Run.objects.all()
+    for field in ("status", "workflow", "version"):
+        if field in f:
+            runs = runs.filter(**{field: f[field]})
+    if "parent" in f:
+        try:
+            runs = runs.filter(parent_id=UUID(str(f["parent"])))
+        except ValueError:
+            raise BadFilter(f"parent {f['parent']!r} is not a run id") from None
+    for name, lookup in (("since", "created_at__gte"), ("until", "created_at__lt")):
+        if name in f:
+            runs = runs.filter(**{lookup: _when(f[name], name)})
+    if "q" in f:
+        q = str(f["q"])
+        try:  # a whole run id is looked up by index, not by scanning every key
+            runs = runs.filter(Q(pk=UUID(q)) | Q(key=q))
+        except ValueError:
+            runs = runs.filter(key__icontains=q)
+    return runs
+
+
+def newest_first(runs: QuerySet) -> QuerySet:
+    return runs.order_by("-created_at", "-pk")
+
+
+def marker(run: Run) -> str:
+    """Where the next page of `newest_first` starts: after this run."""
+    return base64.urlsafe_b64encode(f"{run.created_at.isoformat()}|{run.pk}".encode()).decode()
+
+
+def after_marker(runs: QuerySet, value: str) -> QuerySet:
+    """The runs of `newest_first(runs)` after `marker(run)`."""
+    try:
+        when, pk = base64.urlsafe_b64decode(value.encode()).decode().split("|")
+        when, pk = _when(when, "cursor"), UUID(pk)
+    except (ValueError, UnicodeDecodeError, BadFilter):
+        raise BadFilter(f"cursor {value!r} is not a page marker this server made") from None
+    # The redundant `<=` lets the database start its index scan at the marker.
+    return runs.filter(created_at__lte=when).filter(
+        Q(created_at__lt=when) | Q(created_at=when, pk__lt=pk)
+    )
+
+
+def page(runs: QuerySet, size: int, after: str | None = None) -> tuple[list[Run], str | None]:
+    """One page of `newest_first(runs)`, and the marker of the next (None on the last)."""
+    runs = newest_first(runs)
+    if after:
+        runs = after_marker(runs, after)
+    rows = list(runs[: size + 1])
+    more = len(rows) > size
+    rows = rows[:size]
+    return rows, marker(rows[-1]) if more and rows else None
+
+
+def step_filter(params: Mapping[str, str]) -> tuple[dict, Q]:
+    """The timeline's status and kind filter (unknown values ignored). Failed steps match
+    whatever it says: a filter must never hide a failure."""
+    chosen = {k: (params.get(k) or "").strip() for k in ("status", "kind")}
+    if chosen["status"] not in StepStatus.values:
+        chosen["status"] = ""
+    if chosen["kind"] not in StepKind.values:
+        chosen["kind"] = ""
+    match = Q(**{k: v for k, v in chosen.items() if v})
+    return chosen, (match | Q(status=StepStatus.FAILED)) if match else Q()
+
+
+def step_matches(step, chosen: dict) -> bool:
+    """`step_filter` for a step already in hand (the live feed's new rows)."""
+    wanted = all(getattr(step, k) == v for k, v in chosen.items() if v)
+    return wanted or step.status == StepStatus.FAILED
