@@ -61,7 +61,7 @@ from psycopg import sql  # noqa: E402
 
 from runs.engine.executor import Lease, execute  # noqa: E402
 from runs.engine.worker import WorkerProcess  # noqa: E402
-from runs.models import TERMINAL_STATUSES, Event, Run, RunStatus, Step, Worker  # noqa: E402
+from runs.models import TERMINAL_STATUSES, Run, RunStatus, Worker  # noqa: E402
 from runs.sdk import RunContext, start_run, workflow  # noqa: E402
 
 # -- workload sizes and targets ----------------------------------------------------------------
@@ -304,14 +304,18 @@ def prepare_database() -> str | None:
 
 
 def delete_bench_rows() -> None:
-    """Remove runs of the bench workflows (and their steps, events, workers) from earlier runs."""
-    run, step, event = (m._meta.db_table for m in (Run, Step, Event))
-    mine = f"SELECT id FROM {run} WHERE workflow = ANY(%s)"
+    """Remove runs of the bench workflows (and their steps, events, workers) from earlier runs,
+    through the prune path: the history is append-only everywhere else. A run an interrupted
+    bench left unfinished is marked cancelled first, or prune would keep it."""
+    from runs.retention import prune
+
     names = list(BENCH_WORKFLOWS)
-    with connection.cursor() as cursor:
-        cursor.execute(f"DELETE FROM {event} WHERE run_id IN ({mine})", [names])
-        cursor.execute(f"DELETE FROM {step} WHERE run_id IN ({mine})", [names])
-        cursor.execute(f"DELETE FROM {run} WHERE workflow = ANY(%s)", [names])
+    now = timezone.now()
+    Run.objects.filter(workflow__in=names).exclude(status__in=TERMINAL_STATUSES).update(
+        status=RunStatus.CANCELLED, finished_at=now, worker=None, lease_until=None
+    )
+    result = prune(finished_before=now + timedelta(seconds=1), workflows=names, batch_size=20)
+    progress(f"pruned {result.runs} runs of earlier bench runs ({result.counts['events']} events)")
     refs = [f"{name}@1" for name in BENCH_WORKFLOWS]
     Worker.objects.filter(workflows=refs).delete()
 

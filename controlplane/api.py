@@ -15,6 +15,7 @@ from ninja.security import HttpBearer, django_auth
 
 from approvals.api import router as approvals_router
 from controlplane import security
+from controlplane.health import health as health_view
 from runs.api import router as runs_router
 from runs.apikeys import check_key
 from runs.errors import Conflict, Forbidden, NotFound, StepguardError, UnknownWorkflow
@@ -133,8 +134,9 @@ def unexpected(request, exc: Exception):
 
 @api.get("/health", auth=None, tags=["health"])
 def health(request):
-    """Liveness, for load balancers: the one route that needs no authentication."""
-    return {"status": "ok"}
+    """For load balancers, the one route that needs no authentication: 200 while the database
+    answers (`status` ok or degraded), 503 when it does not; statuses and numbers only."""
+    return health_view(request)
 
 
 api.add_router("/", runs_router)

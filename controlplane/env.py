@@ -67,3 +67,16 @@ def env_json(name: str, default):
         return json.loads(raw)
     except ValueError as exc:
         raise ImproperlyConfigured(f"{name} is not valid JSON: {exc}") from None
+
+
+def env_networks(name: str) -> list[str]:
+    """Comma-separated addresses or networks (`10.0.0.0/8`, `::1`), checked at start-up."""
+    import ipaddress
+
+    items = env_list(name)
+    for item in items:
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            raise ImproperlyConfigured(f"{name}: {item!r} is not an address or network") from None
+    return items

@@ -9,7 +9,7 @@ import dj_database_url
 import django
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.env import env_bool, env_float, env_int, env_json, env_list
+from controlplane.env import env_bool, env_float, env_int, env_json, env_list, env_networks
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("STEPGUARD_VAR_DIR", BASE_DIR / "var"))
@@ -204,15 +204,38 @@ SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31536000)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = not DEBUG
 SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", not DEBUG)
 
+# LOG_FORMAT=json: one JSON object per line, with the run, workflow, step, worker and event a
+# line is about (runs/logcontext.py); then every logger's lines go out that way, not just ours.
+LOG_FORMAT = os.environ.get("LOG_FORMAT", "plain").strip().lower() or "plain"
+if LOG_FORMAT not in ("plain", "json"):
+    raise ImproperlyConfigured(f"LOG_FORMAT={LOG_FORMAT!r} is not 'plain' or 'json'")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {"context": {"()": "runs.logcontext.ContextFilter"}},
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
+        "json": {"()": "runs.logcontext.JsonFormatter"},
+    },
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": LOG_FORMAT,
+            "filters": ["context"],
+        }
+    },
     "loggers": {
-        "stepguard": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")}
+        "stepguard": {
+            "handlers": ["console"],
+            "level": os.environ.get("LOG_LEVEL", "INFO"),
+            "propagate": LOG_FORMAT != "json",
+        },
+        # LOG_EVENTS=1: every event appended to a run's history is a line too.
+        "stepguard.events": {"level": "INFO" if env_bool("LOG_EVENTS", False) else "WARNING"},
     },
 }
+if LOG_FORMAT == "json":
+    LOGGING["root"] = {"handlers": ["console"], "level": "WARNING"}
 
 # Engine tunables, all under STEPGUARD_*.
 STEPGUARD_WORKFLOW_MODULES = env_list("STEPGUARD_WORKFLOW_MODULES", [])
@@ -237,3 +260,7 @@ STEPGUARD_LIVE_MAX_SOCKETS = env_int("STEPGUARD_LIVE_MAX_SOCKETS", 20, minimum=1
 # Approvals: the person who started a run may not decide its requests; API keys may decide.
 STEPGUARD_FOUR_EYES = env_bool("STEPGUARD_FOUR_EYES", True)
 STEPGUARD_API_KEYS_DECIDE = env_bool("STEPGUARD_API_KEYS_DECIDE", True)
+# Retention: workers delete runs that ended more than this many days ago, daily (0: never).
+STEPGUARD_RETENTION_DAYS = env_int("STEPGUARD_RETENTION_DAYS", 0)
+# GET /metrics without an API key or a session, from these addresses or networks (Prometheus).
+STEPGUARD_METRICS_ALLOW = env_networks("STEPGUARD_METRICS_ALLOW")

@@ -1,16 +1,11 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.http import JsonResponse
 from django.urls import path
 
 from controlplane.api import api
+from controlplane.health import health
+from controlplane.metrics import metrics
 from runs import views
-
-
-def health(request):
-    """The one anonymous route: load balancers probe it."""
-    return JsonResponse({"status": "ok"})
-
 
 urlpatterns = [
     path("", views.runs_list, name="runs"),
@@ -41,5 +36,6 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("health", health),
+    path("metrics", metrics),
     path("api/", api.urls),
 ]

@@ -6,4 +6,9 @@ class RunsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from django.db.models.signals import post_save
+
         from controlplane import security  # noqa: F401  (login stamps, lockout audit events)
+        from runs.logcontext import log_event
+
+        post_save.connect(log_event, sender="runs.Event", dispatch_uid="stepguard-log-event")

@@ -190,6 +190,12 @@ class Run(models.Model):
             # Unfiltered and per-workflow lists, and their keyset pages (created_at, id).
             models.Index(fields=["-created_at", "-id"], name="runs_run_created_idx"),
             models.Index(fields=["workflow", "-created_at"], name="runs_run_workflow_created_idx"),
+            # Retention (runs/retention.py): finished root runs, oldest first, keyset-paged.
+            models.Index(
+                fields=["finished_at", "id"],
+                condition=Q(parent__isnull=True, finished_at__isnull=False),
+                name="runs_run_finished_root_idx",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -283,6 +289,12 @@ class Event(models.Model):
             # The audit page: operator actions (actor other than "system"), newest first.
             models.Index(
                 fields=["-created_at"], condition=~Q(actor="system"), name="runs_event_audit_idx"
+            ),
+            # GET /metrics: lease losses, counted on each scrape (controlplane/metrics.py).
+            models.Index(
+                fields=["created_at"],
+                condition=Q(type="run.recovered"),
+                name="runs_event_recovered_idx",
             ),
         ]
 
@@ -380,6 +392,19 @@ class BudgetLedger(models.Model):
 
     def __str__(self) -> str:
         return f"{self.scope} {self.day}"
+
+
+class Chore(models.Model):
+    """A periodic job of the whole deployment (the daily prune), done by one worker at a time:
+    the worker whose conditional UPDATE moves `due_at` forward does it, on any engine."""
+
+    name = models.CharField(max_length=50, primary_key=True)
+    due_at = models.DateTimeField()
+    claimed_by = models.CharField(max_length=255, blank=True, default="")
+    claimed_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.name} (due {self.due_at:%Y-%m-%d %H:%M})"
 
 
 class ApiKey(models.Model):

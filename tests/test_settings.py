@@ -49,7 +49,7 @@ def test_a_malformed_setting_names_the_variable(tmp_path):
     assert "STEPGUARD_LEASE_SECONDS='soon' is not a number" in result.stderr
 
 
-def test_the_health_check_is_the_only_anonymous_route(client):
-    assert client.get("/health").json() == {"status": "ok"}
+def test_the_health_check_is_the_only_anonymous_route(client, db):
+    assert client.get("/health").json()["database"] == "ok"
     response = client.get("/admin/")
     assert response.status_code == 302 and "/admin/login/" in response["Location"]

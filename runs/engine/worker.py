@@ -22,6 +22,7 @@ from django.db import close_old_connections, transaction
 from django.db.models import F, Min, Q
 from django.utils import timezone
 
+from runs import logcontext
 from runs.engine import holds, registry
 from runs.engine.budget import release_holds
 from runs.engine.executor import execute, release
@@ -100,6 +101,10 @@ class WorkerProcess:
         ).start()
         if is_postgres():
             Listener(self.bell, self.stopped).start()
+        if settings.STEPGUARD_RETENTION_DAYS:  # the daily prune: one worker of all does it
+            from runs.retention import daily
+
+            threading.Thread(target=daily, args=(self.stopped, str(self.id)), daemon=True).start()
         self._report_unknown()
         while not self.stopping.is_set():
             self.bell.clear()
@@ -165,7 +170,8 @@ class WorkerProcess:
             lease = Lease(run.id, run.lease_epoch, stopping=self.stopping)
             with self._lock:
                 self.active[run.id] = lease
-            self.pool.submit(self._execute, run, lease)
+            # In a context naming the run, so that every line logged while it runs says so.
+            self.pool.submit(logcontext.run_context(run, self.id).run, self._execute, run, lease)
         return len(claimed)
 
     def claim(self, limit: int) -> list[Run]:

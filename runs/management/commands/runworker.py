@@ -4,8 +4,11 @@ import signal
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from runs import logcontext
 from runs.engine import registry
 from runs.engine.worker import WorkerProcess
+
+log = logging.getLogger("stepguard.worker")
 
 
 class Command(BaseCommand):
@@ -50,10 +53,13 @@ class Command(BaseCommand):
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        self.stdout.write(
+        logcontext.process_worker = str(worker.id)  # named on every line of this process
+        # With LOG_FORMAT=json every line of the process is a JSON object, these two as well.
+        say = log.info if settings.LOG_FORMAT == "json" else self.stdout.write
+        say(
             f"worker {worker.id} pid {__import__('os').getpid()} serving "
             f"{', '.join(worker.workflows)} (concurrency {concurrency})"
         )
         self.stdout.flush()
         worker.run_forever()
-        self.stdout.write(f"worker {worker.id} stopped")
+        say(f"worker {worker.id} stopped")

@@ -1,0 +1,223 @@
+"""GET /metrics: Prometheus text format, every figure read from the database at scrape time.
+
+The database is the one place that knows about every worker on every host, so a figure read
+from it is right however many processes there are, and nothing is lost when one dies. Most are
+gauges of what is stored now (prune makes them drop): graph them with `delta()`/`deriv()`, not
+`rate()`. Cost per scrape: about twelve aggregate queries; the steps ones scan the steps of the
+last hour or those with spend, the rest use indexes. Scrape every 15 to 60 s.
+
+Readable with an API key (`Authorization: Bearer sg_...`), a logged-in session, or from an
+address in STEPGUARD_METRICS_ALLOW (e.g. the Prometheus server), without either.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from datetime import timedelta
+
+from django.conf import settings
+from django.db.models import (
+    Case,
+    CharField,
+    Count,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    Min,
+    Q,
+    Sum,
+    Value,
+    When,
+)
+from django.db.models.fields.json import KT
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils import timezone
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
+
+from approvals.models import ApprovalRequest, ApprovalStatus
+from controlplane import security
+from controlplane.health import LIVE_LEASES
+from runs.apikeys import check_key
+from runs.engine.worker import WAKEABLE
+from runs.models import GLOBAL, Event, Policy, Recovery, Run, RunStatus, Step, StepStatus, Worker
+
+#: Step durations are those of the steps that finished in this window before the scrape.
+WINDOW = timedelta(hours=1)
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+def _age(since, now) -> float:
+    return 0.0 if since is None else max(0.0, (now - since).total_seconds())
+
+
+class DatabaseCollector:
+    """A prometheus-client collector that asks the database on each scrape."""
+
+    def collect(self):
+        now = timezone.now()
+        yield from self._runs(now)
+        yield from self._steps(now)
+        yield from self._workers(now)
+        yield from self._spend()
+        yield from self._approvals_and_halts(now)
+
+    def _runs(self, now):
+        runs = GaugeMetricFamily("stepguard_runs", "Runs stored, by workflow and status.",
+                                 labels=["workflow", "status"])  # fmt: skip
+        for row in Run.objects.values("workflow", "status").annotate(n=Count("id")).order_by():
+            runs.add_metric([row["workflow"], row["status"]], row["n"])
+        yield runs
+        due = Run.objects.filter(status__in=WAKEABLE, wake_at__lte=now).aggregate(
+            n=Count("id"), oldest=Min("wake_at")
+        )
+        lapsed = Run.objects.filter(status=RunStatus.RUNNING, lease_until__lt=now).aggregate(
+            n=Count("id"), oldest=Min("lease_until")
+        )
+        oldest = min((t for t in (due["oldest"], lapsed["oldest"]) if t), default=None)
+        yield GaugeMetricFamily("stepguard_runnable_runs",
+                                "Runs waiting for a worker (due, or whose worker died).",
+                                value=due["n"] + lapsed["n"])  # fmt: skip
+        yield GaugeMetricFamily(
+            "stepguard_oldest_runnable_age_seconds",
+            "How long the runnable run that waited longest has waited (0: none waits).",
+            value=_age(oldest, now),
+        )
+        lost = Event.objects.filter(type="run.recovered").count()
+        yield GaugeMetricFamily(
+            "stepguard_lease_losses",
+            "Runs taken over after their worker's lease lapsed (run.recovered events stored).",
+            value=lost,
+        )
+
+    def _steps(self, now):
+        outcomes = Step.objects.aggregate(
+            completed=Count("id", filter=Q(status=StepStatus.COMPLETED)),
+            failed=Count("id", filter=Q(status=StepStatus.FAILED)),
+            retried=Sum(F("attempt") - 1, filter=Q(attempt__gt=1)),
+            resent=Count("id", filter=Q(recovered=Recovery.RESENT)),
+            reconciled=Count("id", filter=Q(recovered=Recovery.RECONCILED)),
+        )
+        steps = GaugeMetricFamily(
+            "stepguard_steps",
+            "Steps stored, by outcome (retried: extra attempts; resent, reconciled: steps "
+            "found in flight after a crash).",
+            labels=["outcome"],
+        )
+        for outcome, n in outcomes.items():
+            steps.add_metric([outcome], n or 0)
+        yield steps
+
+        took = ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())
+        recent = Step.objects.filter(
+            status=StepStatus.COMPLETED, finished_at__gte=now - WINDOW
+        ).annotate(took=took)
+        counts = {f"le{i}": Count("id", filter=Q(took__lte=timedelta(seconds=b)))
+                  for i, b in enumerate(BUCKETS)}  # fmt: skip
+        rows = recent.values("kind").annotate(n=Count("id"), total=Sum("took"), **counts)
+        hist = GaugeHistogramMetricFamily(
+            "stepguard_step_duration_seconds",
+            f"Durations of the steps completed in the last {WINDOW}, by kind.",
+            labels=["kind"],
+        )
+        for row in rows.order_by():
+            buckets = [(str(b), row[f"le{i}"]) for i, b in enumerate(BUCKETS)]
+            total = row["total"].total_seconds() if row["total"] else 0.0
+            hist.add_metric([row["kind"]], [*buckets, ("+Inf", row["n"])], total)
+        yield hist
+
+    def _workers(self, now):
+        beat = timedelta(seconds=LIVE_LEASES * settings.STEPGUARD_LEASE_SECONDS)
+        running = Worker.objects.filter(stopped_at__isnull=True)
+        live = running.filter(heartbeat_at__gte=now - beat).count()
+        yield GaugeMetricFamily("stepguard_workers_live", "Workers heartbeating.", value=live)
+        beats = GaugeMetricFamily(
+            "stepguard_worker_last_heartbeat_timestamp_seconds",
+            "Last heartbeat of each worker not stopped that beat in the last day.",
+            labels=["worker", "host"],
+        )
+        recent = running.filter(heartbeat_at__gte=now - timedelta(days=1))
+        for worker_id, host, at in recent.values_list("id", "host", "heartbeat_at"):
+            beats.add_metric([str(worker_id), host], at.timestamp())
+        yield beats
+
+    def _spend(self):
+        llm = When(kind="llm", then=KT("input__0__model"))
+        model = Case(llm, default=Value(""), output_field=CharField())
+        rows = (
+            Step.objects.filter(Q(cost_micros__gt=0) | Q(tokens_in__gt=0) | Q(tokens_out__gt=0))
+            .annotate(model=model)
+            .values("run__workflow", "model")
+            .annotate(usd=Sum("cost_micros"), tin=Sum("tokens_in"), tout=Sum("tokens_out"))
+            .order_by()
+        )
+        usd = GaugeMetricFamily("stepguard_spend_usd",
+                                "USD spent by the steps stored, by workflow and model.",
+                                labels=["workflow", "model"])  # fmt: skip
+        tokens = GaugeMetricFamily("stepguard_tokens",
+                                   "Tokens used by the steps stored, by workflow and model.",
+                                   labels=["workflow", "model", "direction"])  # fmt: skip
+        for row in rows:
+            labels = [row["run__workflow"], row["model"] or ""]
+            usd.add_metric(labels, (row["usd"] or 0) / 1_000_000)
+            tokens.add_metric([*labels, "in"], row["tin"] or 0)
+            tokens.add_metric([*labels, "out"], row["tout"] or 0)
+        yield usd
+        yield tokens
+
+    def _approvals_and_halts(self, now):
+        pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).aggregate(
+            n=Count("id"), oldest=Min("created_at")
+        )
+        yield GaugeMetricFamily("stepguard_approvals_pending", "Approval requests pending.",
+                                value=pending["n"])  # fmt: skip
+        yield GaugeMetricFamily(
+            "stepguard_oldest_pending_approval_age_seconds",
+            "How long the oldest pending approval request has waited (0: none).",
+            value=_age(pending["oldest"], now),
+        )
+        halts = GaugeMetricFamily("stepguard_halts", "Holds in force, by scope.",
+                                  labels=["scope"])  # fmt: skip
+        policies = Policy.objects.filter(halted_at__isnull=False)
+        halts.add_metric(["global"], policies.filter(scope=GLOBAL).count())
+        halts.add_metric(["workflow"], policies.exclude(scope=GLOBAL).count())
+        halts.add_metric(["run"], Run.objects.filter(halted_at__isnull=False).count())
+        yield halts
+
+
+registry = CollectorRegistry(auto_describe=False)
+registry.register(DatabaseCollector())
+
+
+def _allowed_address(request: HttpRequest) -> bool:
+    try:
+        address = ipaddress.ip_address(request.META.get("REMOTE_ADDR", ""))
+    except ValueError:
+        return False
+    return any(address in ipaddress.ip_network(net, strict=False)
+               for net in settings.STEPGUARD_METRICS_ALLOW)  # fmt: skip
+
+
+def _authorised(request: HttpRequest) -> bool:
+    if request.user.is_authenticated or _allowed_address(request):
+        return True
+    header = request.headers.get("Authorization", "")
+    if not header.startswith("Bearer "):
+        return False
+    if not security.api_key_allowed(request):
+        return False
+    if check_key(header.removeprefix("Bearer ")) is None:
+        security.bad_api_key(request)
+        return False
+    return True
+
+
+def metrics(request: HttpRequest) -> HttpResponse:
+    """GET /metrics."""
+    if not _authorised(request):
+        return JsonResponse(
+            {"error": {"code": "not_authenticated",
+                       "message": "send an API key (Authorization: Bearer sg_...) or log in"}},
+            status=401,
+        )  # fmt: skip
+    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
