@@ -7,9 +7,10 @@ from typing import Any, Literal
 from uuid import UUID
 
 from django.conf import settings
+from django.db.models import Q
 from ninja import Field, Query, Router, Schema
 
-from approvals.models import ApprovalRequest
+from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.services import decide, resolve, revoke
 from runs.api import ERRORS_422, TEXT, In, viewer
 from runs.errors import Forbidden, NotFound
@@ -75,8 +76,9 @@ def list_approvals(
     requests = ApprovalRequest.objects.select_related("decided_by")
     if status:
         requests = requests.filter(status=status)
-    pending = list(requests.filter(status="pending").order_by("created_at")[:limit])
-    rest = list(requests.exclude(status="pending").order_by("-created_at")[: limit - len(pending)])
+    waiting = Q(status=ApprovalStatus.PENDING)
+    pending = list(requests.filter(waiting).order_by("created_at")[:limit])
+    rest = list(requests.exclude(waiting).order_by("-created_at")[: limit - len(pending)])
     return [ApprovalOut.of(r) for r in pending + rest]
 
 

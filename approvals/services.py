@@ -16,7 +16,7 @@ from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Reso
 from runs.engine.serialization import to_json
 from runs.engine.store import run_event
 from runs.errors import Conflict, DecisionError, Forbidden, NotFound
-from runs.models import Run
+from runs.models import EventType, Run
 from runs.operations import lock_run, needs_reason, require
 
 DECIDE = "approvals.decide_approvalrequest"
@@ -89,7 +89,7 @@ def decide(approval_id, decision: str, user, comment: str = "") -> ApprovalReque
     if request.kind != ApprovalKind.ACTION:
         raise DecisionError(f"approval #{request.pk} asks what happened to a step: use resolve")
     status = ApprovalStatus.APPROVED if decision == "approve" else ApprovalStatus.REJECTED
-    return _decide(request, user, status, comment, "approval.decided")
+    return _decide(request, user, status, comment, EventType.APPROVAL_DECIDED)
 
 
 def resolve(approval_id, choice: str, user, comment: str = "", output: Any = None):
@@ -108,7 +108,7 @@ def resolve(approval_id, choice: str, user, comment: str = "", output: Any = Non
         user,
         status,
         comment,
-        "approval.resolved",
+        EventType.APPROVAL_RESOLVED,
         resolution=choice,
         resolution_output=data,
     )
@@ -126,7 +126,7 @@ def revoke(approval_id, user, reason: str) -> ApprovalRequest:
             request.refresh_from_db()
             raise Conflict(f"approval #{request.pk} is {request.status}, not approved")
         run_event(
-            request.run_id, "approval.revoked", actor=user.get_username(),
+            request.run_id, EventType.APPROVAL_REVOKED, actor=user.get_username(),
             step_key=request.step_key, approval_id=request.pk, reason=reason,
         )  # fmt: skip
     request.refresh_from_db()

@@ -40,7 +40,18 @@ from controlplane import security
 from controlplane.health import LIVE_LEASES
 from runs.apikeys import check_key
 from runs.engine.worker import WAKEABLE
-from runs.models import GLOBAL, Event, Policy, Recovery, Run, RunStatus, Step, StepStatus, Worker
+from runs.models import (
+    GLOBAL,
+    Event,
+    EventType,
+    Policy,
+    Recovery,
+    Run,
+    RunStatus,
+    Step,
+    StepStatus,
+    Worker,
+)
 
 #: Step durations are those of the steps that finished in this window before the scrape.
 WINDOW = timedelta(hours=1)
@@ -83,7 +94,7 @@ class DatabaseCollector:
             "How long the runnable run that waited longest has waited (0: none waits).",
             value=_age(oldest, now),
         )
-        lost = Event.objects.filter(type="run.recovered").count()
+        lost = Event.objects.filter(type=EventType.RUN_RECOVERED).count()
         yield GaugeMetricFamily(
             "stepguard_lease_losses",
             "Runs taken over after their worker's lease lapsed (run.recovered events stored).",

@@ -16,6 +16,8 @@ from django.dispatch import receiver
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect
 
+from runs.models import EventType
+
 log = logging.getLogger("stepguard.security")
 
 LOGIN_AT, SEEN_AT = "stepguard_login_at", "stepguard_seen_at"
@@ -109,4 +111,6 @@ def _audit_lockout(sender, request, username, ip_address, **kwargs) -> None:
     from runs.operations import audit
 
     log.warning("login locked out: %s from %s", username, ip_address)
-    audit("system", "login.locked_out", username=username or "", ip_address=ip_address or "")
+    audit(
+        "system", EventType.LOGIN_LOCKED_OUT, username=username or "", ip_address=ip_address or ""
+    )

@@ -264,6 +264,53 @@ class Step(models.Model):
         return f"{self.run_id}#{self.seq} {self.key} ({self.status})"
 
 
+class EventType(models.TextChoices):
+    """Every kind of event, named once: code, filters and the dashboard use these."""
+
+    RUN_CREATED = "run.created", "the run was created"
+    RUN_CLAIMED = "run.claimed", "a worker claimed the run"
+    RUN_WOKEN = "run.woken", "a worker took up the run after a wait"
+    RUN_RECOVERED = "run.recovered", "a worker took over the run of a lost one"
+    RUN_RESUMED = "run.resumed", "the run was resumed"
+    RUN_REQUEUED = "run.requeued", "the run became runnable again"
+    RUN_RELEASED = "run.released", "the worker gave the run back"
+    RUN_COMPLETED = "run.completed", "the run completed"
+    RUN_FAILED = "run.failed", "the run failed"
+    RUN_CANCELLED = "run.cancelled", "the run was cancelled"
+    RUN_CANCEL_REQUESTED = "run.cancel_requested", "a cancel was requested"
+    RUN_RETRYING = "run.retrying", "the run will be retried from the top"
+    RUN_RETRY_REQUESTED = "run.retry_requested", "a retry was requested"
+    RUN_HALTED = "run.halted", "the run was halted"
+    RUN_HALT_REQUESTED = "run.halt_requested", "a halt was requested while the run ran"
+    RUN_UNHALTED = "run.unhalted", "the run was unhalted"
+    RUN_FORKED = "run.forked", "a fork was made of the run"
+    RUN_FORKED_FROM = "run.forked_from", "the run was forked from another"
+    STEP_STARTED = "step.started", "a step started"
+    STEP_COMPLETED = "step.completed", "a step completed"
+    STEP_FAILED = "step.failed", "a step failed"
+    STEP_RETRYING = "step.retrying", "a step will be tried again"
+    TIMER_SET = "timer.set", "a timer was set"
+    TIMER_FIRED = "timer.fired", "a timer fired"
+    SIGNAL_WAITING = "signal.waiting", "the run waits for a signal"
+    SIGNAL_RECEIVED = "signal.received", "a signal was received"
+    APPROVAL_REQUESTED = "approval.requested", "an approval was requested"
+    APPROVAL_WAITING = "approval.waiting", "the run waits for an approval"
+    APPROVAL_DECIDED = "approval.decided", "an approval was decided"
+    APPROVAL_RESOLVED = "approval.resolved", "an ambiguous step was resolved"
+    APPROVAL_REVOKED = "approval.revoked", "an approval was revoked"
+    CHILDREN_WAITING = "children.waiting", "the run waits for its child runs"
+    CHILD_STARTED = "child.started", "a child run was started"
+    CHILD_FINISHED = "child.finished", "a child run ended"
+    BUDGET_SET = "budget.set", "a budget was set"
+    BUDGET_EXCEEDED = "budget.exceeded", "the run stopped over budget"
+    BUDGET_WARNING = "budget.warning", "a budget passed its warning threshold"
+    MODEL_UNPRICED = "model.unpriced", "a model call had no price"
+    LOGIN_LOCKED_OUT = "login.locked_out", "a login was locked out"
+    RUNS_PRUNED = "runs.pruned", "finished runs were pruned"
+    HALT = "halt", "a workflow or everything was halted"
+    UNHALT = "unhalt", "a workflow or everything was unhalted"
+
+
 class Event(models.Model):
     """Append-only history: the timeline, the audit log and the source of live updates."""
 
@@ -273,7 +320,7 @@ class Event(models.Model):
         Run, null=True, blank=True, on_delete=models.CASCADE, related_name="events", db_index=False
     )
     seq = models.BigIntegerField()
-    type = models.CharField(max_length=64)
+    type = models.CharField(max_length=64, choices=EventType.choices)
     step_key = models.CharField(max_length=255, blank=True, default="")
     actor = models.CharField(max_length=150, default="system")
     payload = models.JSONField(default=dict, blank=True)

@@ -24,7 +24,7 @@ from runs.engine.budget import forget_cached_scopes, to_micros
 from runs.engine.store import append_event, create_run, run_event, wake_parent
 from runs.engine.wakeup import notify_runnable
 from runs.errors import Conflict, Forbidden, NotFound, OperationError
-from runs.models import GLOBAL, Event, Policy, Run, RunStatus, Step, StepStatus
+from runs.models import GLOBAL, Event, EventType, Policy, Run, RunStatus, Step, StepStatus
 
 
 def in_utc(when: datetime, what: str) -> datetime:
@@ -108,7 +108,7 @@ def _request_cancel(run: Run, actor: str, reason: str) -> None:
         Run.objects.filter(pk=run.pk).update(
             status=RunStatus.CANCELLED, finished_at=now, event_seq=run.event_seq + 1, **fields
         )
-        append_event(run.pk, run.event_seq + 1, "run.cancelled", "", actor, reason=reason)
+        append_event(run.pk, run.event_seq + 1, EventType.RUN_CANCELLED, "", actor, reason=reason)
         wake_parent(run.pk, RunStatus.CANCELLED)
         return
     if run.status == RunStatus.OVER_BUDGET:
@@ -117,7 +117,7 @@ def _request_cancel(run: Run, actor: str, reason: str) -> None:
         fields |= {"status": _requeued(), "wake_at": now}
         transaction.on_commit(notify_runnable)
     Run.objects.filter(pk=run.pk).update(**fields)
-    run_event(run.pk, "run.cancel_requested", wake=True, actor=actor, reason=reason)
+    run_event(run.pk, EventType.RUN_CANCEL_REQUESTED, wake=True, actor=actor, reason=reason)
 
 
 def _requeued() -> Case:
@@ -260,7 +260,7 @@ def halt(target, user, reason: str) -> Target:
         Policy.objects.filter(pk=policy.pk).update(
             halted_at=now, halted_by=actor, halt_reason=reason
         )
-        audit(actor, "halt", target=target.label, reason=reason)
+        audit(actor, EventType.HALT, target=target.label, reason=reason)
         # Every run the hold now covers: the workflow's runs and their descendants.
         parkable = Run.objects.filter(holds.covered(), status__in=PARKABLE)
         for run_id in parkable.values_list("id", flat=True):
@@ -285,7 +285,11 @@ def _park(run_id, actor: str, reason: str, scope: str, *, audit: bool = False) -
     parked = Run.objects.filter(pk=run_id, status__in=PARKABLE).update(status=RunStatus.HALTED)
     if parked or audit:
         run_event(
-            run_id, "run.halted" if parked else "run.halt", actor=actor, reason=reason, scope=scope
+            run_id,
+            EventType.RUN_HALTED if parked else EventType.RUN_HALT_REQUESTED,
+            actor=actor,
+            reason=reason,
+            scope=scope,
         )
 
 
@@ -317,13 +321,13 @@ def unhalt(target, user, reason: str) -> Target:
             resumed = _resume(run.pk)
             left = [h.scope for h in holds.holds_on(run)]
             run_event(
-                run.pk, "run.unhalted", actor=actor, reason=reason, scope="run",
+                run.pk, EventType.RUN_UNHALTED, actor=actor, reason=reason, scope="run",
                 resumed=resumed, still_held_by=left,
             )  # fmt: skip
             for member in members:
                 if _resume(member):
                     run_event(
-                        member, "run.unhalted", actor=actor, reason=reason,
+                        member, EventType.RUN_UNHALTED, actor=actor, reason=reason,
                         scope=f"parent run {run.pk}", resumed=True,
                     )  # fmt: skip
             return target
@@ -331,11 +335,11 @@ def unhalt(target, user, reason: str) -> Target:
         if policy is None or policy.halted_at is None:
             raise Conflict(f"{target.label} is not halted")
         Policy.objects.filter(pk=policy.pk).update(halted_at=None, halted_by="", halt_reason="")
-        audit(actor, "unhalt", target=target.label, reason=reason)
+        audit(actor, EventType.UNHALT, target=target.label, reason=reason)
         for run_id in Run.objects.filter(status=RunStatus.HALTED).values_list("id", flat=True):
             if _resume(run_id):
                 run_event(
-                    run_id, "run.unhalted", actor=actor, reason=reason, scope=target.label,
+                    run_id, EventType.RUN_UNHALTED, actor=actor, reason=reason, scope=target.label,
                     resumed=True,
                 )  # fmt: skip
     return target
@@ -396,7 +400,12 @@ def set_budget(
             before = {k: getattr(run, k) for k in changes}
             Run.objects.filter(pk=run.pk).update(**changes, budget_warned=False)
             run_event(
-                run.pk, "budget.set", actor=actor, reason=reason, before=before, after=changes
+                run.pk,
+                EventType.BUDGET_SET,
+                actor=actor,
+                reason=reason,
+                before=before,
+                after=changes,
             )
             affected = Run.objects.filter(pk=run.pk)
         else:
@@ -413,7 +422,7 @@ def set_budget(
             Policy.objects.filter(pk=policy.pk).update(**changes)
             audit(
                 actor,
-                "budget.set",
+                EventType.BUDGET_SET,
                 target=target.label,
                 reason=reason,
                 before=before,
@@ -424,7 +433,7 @@ def set_budget(
             Run.objects.filter(pk=run_id, status=RunStatus.OVER_BUDGET).update(
                 status=_requeued(), wake_at=timezone.now()
             )
-            run_event(run_id, "run.resumed", actor=actor, reason="budget raised")
+            run_event(run_id, EventType.RUN_RESUMED, actor=actor, reason="budget raised")
             transaction.on_commit(notify_runnable)
     forget_cached_scopes()
     return changes
@@ -448,7 +457,7 @@ def retry_run(run_id, user, reason: str) -> Run:
             finished_at=None,
             wake_at=timezone.now(),
         )
-        run_event(run.pk, "run.retry_requested", actor=user.get_username(), reason=reason)
+        run_event(run.pk, EventType.RUN_RETRY_REQUESTED, actor=user.get_username(), reason=reason)
         transaction.on_commit(notify_runnable)
     run.refresh_from_db()
     return run
@@ -522,7 +531,7 @@ def fork_run(run_id, step, user, reason: str) -> Run:
         at = kept[-1].key if kept else None
         run_event(
             fork.pk,
-            "run.forked_from",
+            EventType.RUN_FORKED_FROM,
             actor=actor,
             origin=str(origin.pk),
             at_seq=seq,
@@ -530,7 +539,7 @@ def fork_run(run_id, step, user, reason: str) -> Run:
         )
         run_event(
             origin.pk,
-            "run.forked",
+            EventType.RUN_FORKED,
             actor=actor,
             fork=str(fork.pk),
             seq=seq,

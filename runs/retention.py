@@ -24,7 +24,7 @@ from django.db import close_old_connections, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from runs.models import TERMINAL_STATUSES, Chore, Run
+from runs.models import TERMINAL_STATUSES, Chore, EventType, Run
 from runs.operations import audit
 
 log = logging.getLogger("stepguard.retention")
@@ -182,7 +182,7 @@ def prune(
         if not dry_run:
             audit(
                 actor,
-                "runs.pruned",
+                EventType.RUNS_PRUNED,
                 finished_before=finished_before.isoformat(),
                 archive=str(archive) if archive else None,
                 batches=result.batches,

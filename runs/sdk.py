@@ -44,7 +44,7 @@ from runs.errors import (
     UnpricedModel,
     WaitTimeout,
 )
-from runs.models import Run, Signal
+from runs.models import EventType, Run, Signal
 from runs.operations import cancel_run, lock_run
 
 __all__ = [
@@ -185,7 +185,12 @@ def send_signal(run_id: str | UUID, name: str, payload: Any = None, *, sent_by: 
             run_id=run.pk, name=name, payload=data, sent_by=sent_by, created_at=timezone.now()
         )
         run_event(
-            run.pk, "signal.received", wake=True, actor=sent_by, name=name, signal_id=signal.pk
+            run.pk,
+            EventType.SIGNAL_RECEIVED,
+            wake=True,
+            actor=sent_by,
+            name=name,
+            signal_id=signal.pk,
         )
     return signal
 

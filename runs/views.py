@@ -26,7 +26,7 @@ from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
-from approvals.models import ApprovalRequest
+from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.services import decide
 from runs import operations, queries
 from runs.engine.budget import to_usd
@@ -60,7 +60,7 @@ def nav(request) -> dict:
         return {}
     return {
         "nav": {
-            "pending": ApprovalRequest.objects.filter(status="pending").count(),
+            "pending": ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).count(),
             "killswitch": Policy.objects.filter(scope=GLOBAL, halted_at__isnull=False).exists(),
         }
     }
@@ -292,7 +292,7 @@ def run_detail(request, run_id: UUID):
             "percent": budget_percent(run),
             "usd": to_usd(run.cost_micros),
             "budget_usd": to_usd(run.budget_micros),
-            "approvals": list(run.approvals.filter(status="pending")),
+            "approvals": list(run.approvals.filter(status=ApprovalStatus.PENDING)),
             "can_operate": request.user.has_perm("runs.halt_run"),
             "can_unhalt": request.user.has_perm("runs.unhalt_run"),
             "can_fork": request.user.has_perm("runs.fork_run"),
@@ -389,7 +389,7 @@ def json_download(value, filename: str) -> HttpResponse:
 def approvals_inbox(request):
     """Pending requests across all runs, oldest first, a page at a time; each payload is cut
     to STEPGUARD_UI_MAX_JSON bytes with a link to the whole of it."""
-    pending = ApprovalRequest.objects.filter(status="pending").select_related("run")
+    pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).select_related("run")
     try:
         after = max(int(request.GET.get("after", 0)), 0)
     except ValueError:
@@ -409,7 +409,7 @@ def approvals_inbox(request):
             "pending_total": pending.count(),
             "next_after": page[-1].pk if more else None,
             "recent": list(
-                ApprovalRequest.objects.exclude(status="pending")
+                ApprovalRequest.objects.exclude(status=ApprovalStatus.PENDING)
                 .select_related("run", "decided_by")
                 .order_by("-decided_at")[:20]
             ),

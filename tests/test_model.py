@@ -604,7 +604,7 @@ class EngineModel(RuleBasedStateMachine):
                 return
             halt(str(run_id), self.operator, marker)
             self.held_runs.add(run_id)
-            self.expect(run_id, {"run.halted", "run.halt"}, "reason", marker, "halt")
+            self.expect(run_id, {"run.halted", "run.halt_requested"}, "reason", marker, "halt")
         else:
             spec, scope = self.target(target)
             halt(spec, self.operator, marker)

@@ -15,7 +15,7 @@ from runs.engine.records import accepts, signature_names
 from runs.engine.retry import RetryPolicy
 from runs.engine.store import fenced_write
 from runs.errors import UnpricedModel
-from runs.models import Policy, StepKind
+from runs.models import EventType, Policy, StepKind
 
 log = logging.getLogger("stepguard.executor")
 
@@ -81,7 +81,7 @@ class ModelCalls:
         if model not in self._unpriced_models:
             self._unpriced_models.add(model)
             log.warning("run %s: model %r has no price; its calls count as $0", self.run_id, model)
-            fenced_write(self._lease, ("model.unpriced", key, {"model": model}))
+            fenced_write(self._lease, (EventType.MODEL_UNPRICED, key, {"model": model}))
 
     def _under_usd_budget(self) -> bool:
         if self._usd_budget:

@@ -16,7 +16,7 @@ from runs.engine.records import brief, error_record
 from runs.engine.retry import retryable
 from runs.engine.store import Fence, Spend, append_event, fence, fenced_write
 from runs.errors import REPLAYED, StepFailed, StepguardError
-from runs.models import Run, RunStatus, Step, StepStatus
+from runs.models import EventType, Run, RunStatus, Step, StepStatus
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Checkpoints:
             retrying = replace(self._start, held=held.reserved)
             fenced_write(
                 self._lease,
-                ("step.retrying", key, payload),
+                (EventType.STEP_RETRYING, key, payload),
                 retrying,
                 update_step=(step_pk, fields),
             )
@@ -83,12 +83,16 @@ class Checkpoints:
             event_seq = fence(self._lease, replace(self._start, held=held.reserved))
             self._check_approval(approval)
             Step.objects.filter(pk=step_pk).update(**fields)
-            append_event(self._lease.run_id, event_seq, "step.retrying", key, **payload)
+            append_event(self._lease.run_id, event_seq, EventType.STEP_RETRYING, key, **payload)
 
     def _settle_step(self, step_pk, key, payload, fields, usage: Usage | None, held) -> None:
         """Finish a step: its row, its event and, if it spent or held anything, the budgets."""
         fields["finished_at"] = timezone.now()
-        event = "step.completed" if fields["status"] == StepStatus.COMPLETED else "step.failed"
+        event = (
+            EventType.STEP_COMPLETED
+            if fields["status"] == StepStatus.COMPLETED
+            else EventType.STEP_FAILED
+        )
         # A step finished is progress (the poison-run count restarts), except the
         # compensations of a run being given up: they must not make it look healthy again.
         progress = self._give_up is None
@@ -131,7 +135,7 @@ class Checkpoints:
                 first = fence(self._lease, Fence(events=len(warnings)))
                 for offset, label in enumerate(warnings):
                     append_event(
-                        self._lease.run_id, first + offset, "budget.warning", key,
+                        self._lease.run_id, first + offset, EventType.BUDGET_WARNING, key,
                         budget=label, threshold=ratio,
                     )  # fmt: skip
 
@@ -153,7 +157,7 @@ class Checkpoints:
             insert = {"seq": seq, "key": key, "kind": kind, "idempotency_key": idem}
             insert |= {"started_at": now, "finished_at": now}
             fenced_write(
-                self._lease, ("step.failed", key, payload), insert_step={**insert, **fields}
+                self._lease, (EventType.STEP_FAILED, key, payload), insert_step={**insert, **fields}
             )
         if isinstance(exc, StepguardError) and exc.code in REPLAYED:
             raise exc
@@ -166,7 +170,7 @@ class Checkpoints:
             append_event(
                 self._lease.run_id,
                 event_seq,
-                "step.retrying",
+                EventType.STEP_RETRYING,
                 key,
                 attempt=tries + 1,
                 delay_s=round(delay, 3),
@@ -192,7 +196,9 @@ class Checkpoints:
             Step.objects.filter(pk=record.pk).update(
                 status=StepStatus.COMPLETED, output=output, finished_at=now
             )
-            append_event(self._lease.run_id, event_seq, "step.completed", record.key, **payload)
+            append_event(
+                self._lease.run_id, event_seq, EventType.STEP_COMPLETED, record.key, **payload
+            )
         else:
             Step.objects.filter(pk=record.pk).update(
                 status=StepStatus.FAILED,
@@ -201,7 +207,7 @@ class Checkpoints:
                 finished_at=now,
             )
             append_event(
-                self._lease.run_id, event_seq, "step.failed", record.key, error=brief(error)
+                self._lease.run_id, event_seq, EventType.STEP_FAILED, record.key, error=brief(error)
             )
 
     def _suspend(self, wake_at: datetime | None) -> None:

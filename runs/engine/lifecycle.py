@@ -37,7 +37,16 @@ from runs.errors import (
     Suspended,
     WorkerLost,
 )
-from runs.models import GLOBAL, TERMINAL_STATUSES, Policy, Run, RunStatus, Step, StepStatus
+from runs.models import (
+    GLOBAL,
+    TERMINAL_STATUSES,
+    EventType,
+    Policy,
+    Run,
+    RunStatus,
+    Step,
+    StepStatus,
+)
 
 log = logging.getLogger("stepguard.executor")
 
@@ -103,7 +112,7 @@ def execute(run: Run, lease: Lease) -> Outcome:
     try:
         _finish(
             lease,
-            "run.completed",
+            EventType.RUN_COMPLETED,
             {},
             parent_id=run.parent_id,
             status=RunStatus.COMPLETED,
@@ -183,15 +192,21 @@ def _give_back(
             **fields,
         )
         outcome = Run.objects.filter(pk=lease.run_id).values_list("status", flat=True)[0]
-        if outcome == RunStatus.HALTED and event in ("run.halted", "budget.exceeded"):
+        if outcome == RunStatus.HALTED and event in (
+            EventType.RUN_HALTED,
+            EventType.BUDGET_EXCEEDED,
+        ):
             hold = holds.holds_on(run)[0]
             event, payload = (
-                "run.halted",
+                EventType.RUN_HALTED,
                 {"scope": hold.scope, "by": hold.by, "reason": hold.reason},
             )
-        elif outcome == RunStatus.PENDING and event in ("run.halted", "budget.exceeded"):
-            lifted = "hold was lifted" if event == "run.halted" else "budget was changed"
-            event, payload = "run.requeued", {"reason": f"the {lifted} as the run paused"}
+        elif outcome == RunStatus.PENDING and event in (
+            EventType.RUN_HALTED,
+            EventType.BUDGET_EXCEEDED,
+        ):
+            lifted = "hold was lifted" if event == EventType.RUN_HALTED else "budget was changed"
+            event, payload = EventType.RUN_REQUEUED, {"reason": f"the {lifted} as the run paused"}
         elif outcome == RunStatus.HALTED:
             payload = {**payload, "halted": [h.as_json() for h in holds.holds_on(run)]}
         append_event(lease.run_id, event_seq, event, **payload)
@@ -218,7 +233,7 @@ def release(lease: Lease, reason: str) -> bool:
     try:
         _give_back(
             lease,
-            "run.released",
+            EventType.RUN_RELEASED,
             {"reason": reason},
             status=RunStatus.PENDING,
             wake_at=timezone.now(),
@@ -247,7 +262,11 @@ def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> Outcome:
             # `pending` unless a hold still covers the run when the pause is written.
             return Outcome(
                 _give_back(
-                    lease, "run.halted", payload, status=RunStatus.PENDING, wake_at=timezone.now()
+                    lease,
+                    EventType.RUN_HALTED,
+                    payload,
+                    status=RunStatus.PENDING,
+                    wake_at=timezone.now(),
                 )
             )
         payload = {
@@ -258,7 +277,7 @@ def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> Outcome:
             "estimate": stop.estimate,
         }
         outcome = _give_back(
-            lease, "budget.exceeded", payload, status=RunStatus.PENDING,
+            lease, EventType.BUDGET_EXCEEDED, payload, status=RunStatus.PENDING,
             wake_at=timezone.now(), over=stop,
         )  # fmt: skip
         if outcome == RunStatus.OVER_BUDGET:
@@ -276,7 +295,7 @@ def _cancelled(run: Run, ctx: RunContext, lease: Lease) -> Outcome:
         if failure is not None:
             _finish(
                 lease,
-                "run.failed",
+                EventType.RUN_FAILED,
                 {"reason": "a compensation failed after a cancel", "error": failure["message"]},
                 parent_id=run.parent_id,
                 status=RunStatus.FAILED,
@@ -288,7 +307,7 @@ def _cancelled(run: Run, ctx: RunContext, lease: Lease) -> Outcome:
             return Outcome.FAILED
         _finish(
             lease,
-            "run.cancelled",
+            EventType.RUN_CANCELLED,
             {
                 "by": who["cancel_requested_by"],
                 "reason": who["cancel_reason"],
@@ -315,7 +334,7 @@ def _fail(run: Run, ctx: RunContext, lease: Lease, exc: Exception) -> Outcome:
             wake_at = timezone.now() + timedelta(seconds=delay)
             outcome = _give_back(
                 lease,
-                "run.retrying",
+                EventType.RUN_RETRYING,
                 {"attempt": run.attempt + 1, "wake_at": wake_at.isoformat(), "error": brief(exc)},
                 status=RunStatus.PENDING,
                 wake_at=wake_at,
@@ -339,7 +358,7 @@ def _fail(run: Run, ctx: RunContext, lease: Lease, exc: Exception) -> Outcome:
             error["compensation_error"] = failure
         _finish(
             lease,
-            "run.failed",
+            EventType.RUN_FAILED,
             {"error": brief(exc), "reason": reason, "compensated": undone},
             parent_id=run.parent_id,
             status=RunStatus.FAILED,

@@ -20,7 +20,7 @@ from runs.errors import (
     StepFailed,
     StepMisuse,
 )
-from runs.models import Run, Step, StepKind, StepStatus
+from runs.models import EventType, Run, Step, StepKind, StepStatus
 
 MAX_KEY_LENGTH = 200
 
@@ -164,6 +164,8 @@ class Replay:
                 self._new_step(
                     seq, key, StepKind.CALL, StepStatus.COMPLETED, finished_at=timezone.now()
                 )
-                append_event(self._lease.run_id, event_seq, "step.completed", key, patch=change_id)
+                append_event(
+                    self._lease.run_id, event_seq, EventType.STEP_COMPLETED, key, patch=change_id
+                )
         self._patches[change_id] = True
         return True

@@ -27,7 +27,7 @@ from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import INPUT_LIMIT, describe_input, to_json
 from runs.engine.store import append_event, fence, fenced_write
 from runs.errors import ApprovalRevoked, ControlFlow, OperatorFailed, StepMisuse, Suspended
-from runs.models import Recovery, Step, StepKind, StepStatus
+from runs.models import EventType, Recovery, Step, StepKind, StepStatus
 
 
 class Steps:
@@ -154,7 +154,7 @@ class Steps:
             if approval is None and not shared and not moving:
                 step_pk = fenced_write(
                     self._lease,
-                    ("step.started", key, payload),
+                    (EventType.STEP_STARTED, key, payload),
                     replace(
                         self._start, estimate=delta, held=held,
                         # Without its started row a crashed step is not ambiguous: it would be
@@ -180,7 +180,9 @@ class Steps:
                     else:
                         step_pk = record.pk
                         Step.objects.filter(pk=step_pk).update(**fields)
-                    append_event(self._lease.run_id, event_seq, "step.started", key, **payload)
+                    append_event(
+                        self._lease.run_id, event_seq, EventType.STEP_STARTED, key, **payload
+                    )
         except ApprovalRevoked as exc:
             step_pk = record.pk if record is not None else None
             self._record_failure(step_pk, seq, key, idem, kind, 1, exc, old)
@@ -239,7 +241,7 @@ class Steps:
                     else:
                         Step.objects.filter(pk=record.pk).update(**fields)
                     append_event(
-                        self._lease.run_id, event_seq, "step.completed", key, attempt=tries
+                        self._lease.run_id, event_seq, EventType.STEP_COMPLETED, key, attempt=tries
                     )
                 return output
             except ControlFlow:
@@ -382,12 +384,12 @@ class Steps:
                     },
                 )
                 append_event(
-                    self._lease.run_id, event_seq, "approval.requested", record.key,
+                    self._lease.run_id, event_seq, EventType.APPROVAL_REQUESTED, record.key,
                     approval_id=request.pk, kind=ApprovalKind.AMBIGUOUS,
                 )  # fmt: skip
             else:
                 append_event(
-                    self._lease.run_id, event_seq, "approval.waiting", record.key,
+                    self._lease.run_id, event_seq, EventType.APPROVAL_WAITING, record.key,
                     approval_id=request.pk,
                 )  # fmt: skip
             self._suspend(None)

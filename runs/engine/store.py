@@ -20,7 +20,7 @@ from runs.engine.budget import NOTHING, Amount
 from runs.engine.holds import covered, covered_sql, holds_on
 from runs.engine.wakeup import doorbell, notify_runnable
 from runs.errors import Cancelled, Halted, LeaseLost, OverBudget
-from runs.models import Event, Run, RunStatus, Step
+from runs.models import Event, EventType, Run, RunStatus, Step
 
 
 @dataclass
@@ -277,7 +277,7 @@ def create_run(
         **fields,
     )
     append_event(
-        run.id, 1, "run.created", "", actor, workflow=f"{workflow}@{version}", key=key,
+        run.id, 1, EventType.RUN_CREATED, "", actor, workflow=f"{workflow}@{version}", key=key,
         **(created or {}),
     )  # fmt: skip
     # A run created under a hold (its workflow's, its parent's, the kill switch) is halted
@@ -390,4 +390,4 @@ def wake_parent(run_id, status: str, parent_id=None) -> None:
     if parent_id is None:
         parent_id = Run.objects.filter(pk=run_id).values_list("parent_id", flat=True).first()
     if parent_id is not None:
-        run_event(parent_id, "child.finished", wake=True, child=str(run_id), status=status)
+        run_event(parent_id, EventType.CHILD_FINISHED, wake=True, child=str(run_id), status=status)

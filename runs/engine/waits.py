@@ -29,7 +29,7 @@ from runs.errors import (
     Suspended,
     WaitTimeout,
 )
-from runs.models import Run, RunStatus, Signal, Step, StepKind, StepStatus
+from runs.models import EventType, Run, RunStatus, Signal, Step, StepKind, StepStatus
 
 
 @dataclass
@@ -97,7 +97,7 @@ class Waits:
                 timed_out = True
             else:
                 append_event(
-                    self._lease.run_id, event_seq, "signal.waiting", key, name=name,
+                    self._lease.run_id, event_seq, EventType.SIGNAL_WAITING, key, name=name,
                     timeout_at=record.wake_at.isoformat() if record.wake_at else None,
                 )  # fmt: skip
                 self._suspend(record.wake_at)
@@ -145,7 +145,7 @@ class Waits:
                     expires_at=expires,
                 )
                 append_event(
-                    self._lease.run_id, event_seq, "approval.requested", key,
+                    self._lease.run_id, event_seq, EventType.APPROVAL_REQUESTED, key,
                     approval_id=request.pk, action=action,
                     expires_at=expires.isoformat() if expires else None,
                 )  # fmt: skip
@@ -160,7 +160,7 @@ class Waits:
                     return outcome
                 if outcome is None:
                     append_event(
-                        self._lease.run_id, event_seq, "approval.waiting", key,
+                        self._lease.run_id, event_seq, EventType.APPROVAL_WAITING, key,
                         approval_id=request.pk,
                     )  # fmt: skip
                     self._suspend(request.expires_at)
@@ -235,7 +235,7 @@ class Waits:
                         e.seq, e.key, StepKind.CHILD, StepStatus.WAITING,
                         input={"workflow": definition.ref, "run_id": str(child.id)},
                     )  # fmt: skip
-                    events.append(("child.started", e.key, {"child": str(child.id)}))
+                    events.append((EventType.CHILD_STARTED, e.key, {"child": str(child.id)}))
             keys = {
                 f"{self.run_id}:{e.key}": e
                 for e in entries
@@ -251,7 +251,7 @@ class Waits:
                         status=StepStatus.COMPLETED, output=child.output, finished_at=now
                     )
                     e.record.status, e.record.output = StepStatus.COMPLETED, child.output
-                    events.append(("step.completed", e.key, {"child": str(child.id)}))
+                    events.append((EventType.STEP_COMPLETED, e.key, {"child": str(child.id)}))
                 elif child.status in (RunStatus.FAILED, RunStatus.CANCELLED):
                     message = (child.error or {}).get("message", child.status)
                     error = ChildFailed(f"child run {child.id} ({e.key}) {child.status}: {message}")
@@ -263,7 +263,11 @@ class Waits:
                     )
                     e.record.status = StepStatus.FAILED
                     events.append(
-                        ("step.failed", e.key, {"child": str(child.id), "error": brief(error)})
+                        (
+                            EventType.STEP_FAILED,
+                            e.key,
+                            {"child": str(child.id), "error": brief(error)},
+                        )
                     )
                 else:
                     waiting = True
@@ -272,7 +276,7 @@ class Waits:
                 failure = ChildFailed(Step.objects.get(pk=failed[0].record.pk).error["message"])
             elif waiting:
                 pending = sum(1 for e in entries if e.record.status == StepStatus.WAITING)
-                events.append(("children.waiting", "", {"pending": pending}))
+                events.append((EventType.CHILDREN_WAITING, "", {"pending": pending}))
             self._append_events(event_seq, events)  # needs the lease: before _suspend
             if waiting and not failed:
                 self._suspend(None)
@@ -301,13 +305,17 @@ class Waits:
                 append_event(
                     self._lease.run_id,
                     event_seq,
-                    "timer.fired",
+                    EventType.TIMER_FIRED,
                     key,
                     wake_at=record.wake_at.isoformat(),
                 )
                 return
             append_event(
-                self._lease.run_id, event_seq, "timer.set", key, wake_at=record.wake_at.isoformat()
+                self._lease.run_id,
+                event_seq,
+                EventType.TIMER_SET,
+                key,
+                wake_at=record.wake_at.isoformat(),
             )
             self._suspend(record.wake_at)
         raise Suspended(f"sleeping until {record.wake_at.isoformat()}")

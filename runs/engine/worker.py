@@ -29,7 +29,7 @@ from runs.engine.executor import execute, release
 from runs.engine.outage import is_disconnect, outage, reconnect, wait_for_database
 from runs.engine.store import Lease, append_event, wake_parent
 from runs.engine.wakeup import Listener, is_postgres
-from runs.models import GLOBAL, Policy, Run, RunStatus, Worker
+from runs.models import GLOBAL, EventType, Policy, Run, RunStatus, Worker
 
 log = logging.getLogger("stepguard.worker")
 
@@ -223,7 +223,7 @@ class WorkerProcess:
                 if parked:
                     held_by = [h.as_json() for h in holds.holds_on(Run.objects.get(pk=run_id))]
                     append_event(
-                        run_id, event_seq + 1, "run.halted",
+                        run_id, event_seq + 1, EventType.RUN_HALTED,
                         reason="a hold covers the run", held_by=held_by,
                     )  # fmt: skip
 
@@ -253,7 +253,7 @@ class WorkerProcess:
             )
             if updated:
                 release_holds(run_id)
-                append_event(run_id, event_seq + 1, "run.failed", reason=reason)
+                append_event(run_id, event_seq + 1, EventType.RUN_FAILED, reason=reason)
                 wake_parent(run_id, RunStatus.FAILED)
                 log.error("run %s failed: %s", run_id, reason)
             return False
@@ -271,9 +271,9 @@ class WorkerProcess:
         append_event(
             run_id,
             event_seq + 1,
-            "run.recovered"
+            EventType.RUN_RECOVERED
             if recovering
-            else ("run.woken" if status == RunStatus.WAITING else "run.claimed"),
+            else (EventType.RUN_WOKEN if status == RunStatus.WAITING else EventType.RUN_CLAIMED),
             worker=str(self.id),
             epoch=epoch + 1,
         )

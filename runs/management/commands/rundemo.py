@@ -14,7 +14,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
-from approvals.models import ApprovalRequest
+from approvals.models import ApprovalRequest, ApprovalStatus
 from examples.models import Booking, Effect
 from runs.management.commands.showrun import describe
 from runs.models import Event, Run, Step, StepStatus
@@ -154,7 +154,7 @@ class Command(BaseCommand):
             run.refresh_from_db()
             name = f"{run.workflow}@{run.version}"
             self.stdout.write(f"  {run.status:<12} {name:<18} {run.pk}  {note}")
-        request = ApprovalRequest.objects.filter(run=agent, status="pending").first()
+        request = ApprovalRequest.objects.filter(run=agent, status=ApprovalStatus.PENDING).first()
         if request:
             approve = f"python manage.py approve {request.pk} --user {DEMO_USER}"
             follow = f"python manage.py showrun {research.pk} --follow"

@@ -4,7 +4,7 @@ import time
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
-from runs.models import Event, Run
+from runs.models import Event, EventType, Run
 from runs.operations import unserved_reason
 
 
@@ -45,7 +45,7 @@ def describe(event: Event) -> str:
     text = f"#{event.seq:<4} {event.created_at:%H:%M:%S.%f}"[:-3] + f"  {event.type:<16}"
     if event.step_key:
         text += f" {event.step_key}"
-    if p.get("attempt", 1) != 1 or event.type == "step.retrying":
+    if p.get("attempt", 1) != 1 or event.type == EventType.STEP_RETRYING:
         text += f" (attempt {p.get('attempt')})"
     if p.get("recovered"):
         text += f" [recovered from an ambiguous outcome: {p['recovered']}]"
