@@ -1,6 +1,6 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import path
+from django.urls import include, path
 
 from controlplane.api import api
 from controlplane.health import health
@@ -27,11 +27,7 @@ urlpatterns = [
     path("halts", views.halts_page, name="halts"),
     path("halts/budget", views.budget_scope, name="budget-scope"),
     path("halts/<str:action>", views.halt_scope, name="halt-scope"),
-    path("approvals", views.approvals_inbox, name="approvals"),
-    path("approvals/<int:approval_id>/decide", views.decide_view, name="decide"),
-    path(
-        "approvals/<int:approval_id>/payload.json", views.approval_payload, name="approval-payload"
-    ),
+    path("", include("approvals.urls")),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

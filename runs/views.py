@@ -14,7 +14,7 @@ from uuid import UUID
 
 from django.conf import settings
 from django.contrib import messages
-from django.contrib.auth.decorators import login_required
+from django.contrib.auth.decorators import login_required, permission_required
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, QuerySet
 from django.db.models.fields.json import KT
@@ -23,11 +23,9 @@ from django.shortcuts import render
 from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils import timezone
-from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
-from approvals.models import ApprovalRequest, ApprovalStatus
-from approvals.services import decide
+from approvals.models import ApprovalStatus
 from runs import operations, queries
 from runs.engine.budget import to_usd
 from runs.engine.holds import holds_on
@@ -49,33 +47,13 @@ from runs.queries import RUN_FILTERS, BadFilter
 log = logging.getLogger("stepguard.dashboard")
 PAGE = 50
 STEP_CHUNK, EVENT_CHUNK = 200, 500
-INBOX_PAGE = 50
 # Steps worth forking from: those whose re-execution the operator must think about.
 FORK_KINDS, FORK_CHOICES = (StepKind.CALL, StepKind.LLM, StepKind.TOOL), 100
 
 
-def nav(request) -> dict:
-    """Context for the layout: pending approvals and the kill switch, on every page."""
-    if not request.user.is_authenticated:
-        return {}
-    return {
-        "nav": {
-            "pending": ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).count(),
-            "killswitch": Policy.objects.filter(scope=GLOBAL, halted_at__isnull=False).exists(),
-        }
-    }
-
-
 def viewer_required(view):
-    @login_required
-    def wrapped(request, *args, **kwargs):
-        if not request.user.has_perm("runs.view_run"):
-            raise PermissionDenied("you may not view runs (needs runs.view_run)")
-        return view(request, *args, **kwargs)
-
-    wrapped.__name__ = view.__name__
-    wrapped.__doc__ = view.__doc__
-    return wrapped
+    """A login, then the view permission (403 without it): Django's own decorators."""
+    return login_required(permission_required("runs.view_run", raise_exception=True)(view))
 
 
 def budget_percent(run: Run) -> int | None:
@@ -121,7 +99,6 @@ def runs_list(request):
             "statuses": RunStatus.values,
             "can_operate": request.user.has_perm("runs.halt_run"),
             "bulk_actions": BULK_ACTIONS,
-            **nav(request),
         },
     )
 
@@ -201,7 +178,6 @@ def bulk_view(request):
                 "fields": [(k, v) for k, vs in request.POST.lists() for v in vs
                            if k not in ("csrfmiddlewaretoken", "confirm")],
                 "retyped": "confirm" in request.POST,
-                **nav(request),
             },
         )  # fmt: skip
     done, refused = 0, []
@@ -304,7 +280,6 @@ def run_detail(request, run_id: UUID):
                 .order_by("-seq")
                 .only("run_id", "seq", "key", "kind")[:FORK_CHOICES]
             )[::-1],
-            **nav(request),
         },
     )
 
@@ -385,49 +360,6 @@ def json_download(value, filename: str) -> HttpResponse:
     return response
 
 
-@viewer_required
-def approvals_inbox(request):
-    """Pending requests across all runs, oldest first, a page at a time; each payload is cut
-    to STEPGUARD_UI_MAX_JSON bytes with a link to the whole of it."""
-    pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).select_related("run")
-    try:
-        after = max(int(request.GET.get("after", 0)), 0)
-    except ValueError:
-        after = 0
-    page = list(pending.filter(pk__gt=after).order_by("pk")[: INBOX_PAGE + 1])
-    more = len(page) > INBOX_PAGE
-    page = page[:INBOX_PAGE]
-    for request_ in page:
-        request_.shown = shown(
-            "payload", request_.payload, reverse("approval-payload", args=[request_.pk])
-        )
-    return render(
-        request,
-        "approvals/inbox.html",
-        {
-            "pending": page,
-            "pending_total": pending.count(),
-            "next_after": page[-1].pk if more else None,
-            "recent": list(
-                ApprovalRequest.objects.exclude(status=ApprovalStatus.PENDING)
-                .select_related("run", "decided_by")
-                .order_by("-decided_at")[:20]
-            ),
-            "can_decide": request.user.has_perm("approvals.decide_approvalrequest"),
-            **nav(request),
-        },
-    )
-
-
-@viewer_required
-def approval_payload(request, approval_id: int):
-    """An approval request's whole payload, as JSON."""
-    found = ApprovalRequest.objects.filter(pk=approval_id).values_list("payload", flat=True)
-    if not found:
-        raise Http404(f"no approval request #{approval_id}")
-    return json_download(found[0], f"approval-{approval_id}-payload.json")
-
-
 def _act(request, action, back: str):
     try:
         action()
@@ -436,17 +368,6 @@ def _act(request, action, back: str):
     except StepguardError as exc:
         messages.error(request, str(exc))
     return HttpResponseRedirect(back)
-
-
-@login_required
-@require_POST
-def decide_view(request, approval_id: int):
-    decision = request.POST.get("decision", "")
-    comment = request.POST.get("comment", "")
-    back = request.POST.get("next") or reverse("approvals")
-    if not url_has_allowed_host_and_scheme(back, {request.get_host()}, request.is_secure()):
-        back = reverse("approvals")
-    return _act(request, lambda: decide(approval_id, decision, request.user, comment), back)
 
 
 @login_required
@@ -476,9 +397,7 @@ def workers_page(request):
         held.setdefault(run.worker_id, []).append(run)
     rows = [{"worker": w, "runs": held.get(w.pk, [])} for w in workers]
     silent_since = timezone.now() - timedelta(seconds=settings.STEPGUARD_LEASE_SECONDS)
-    return render(
-        request, "runs/workers.html", {"rows": rows, "silent_since": silent_since, **nav(request)}
-    )
+    return render(request, "runs/workers.html", {"rows": rows, "silent_since": silent_since})
 
 
 @viewer_required
@@ -503,8 +422,7 @@ def audit_page(request):
         request,
         "runs/audit.html",
         {"events": list(events[:300]),
-         "filters": {"actor": actor, "action": action, "run": run, "system": system},
-         **nav(request)},
+         "filters": {"actor": actor, "action": action, "run": run, "system": system}},
     )  # fmt: skip
 
 
@@ -532,7 +450,6 @@ def halts_page(request):
             "global_halt": (g := policies.get(GLOBAL)) and g.halted_at and g,
             "can_operate": request.user.has_perm("runs.halt_run"),
             "can_budget": request.user.has_perm("runs.set_budget"),
-            **nav(request),
         },
     )
 

@@ -1,0 +1,11 @@
+from django.urls import path
+
+from approvals import views
+
+urlpatterns = [
+    path("approvals", views.approvals_inbox, name="approvals"),
+    path("approvals/<int:approval_id>/decide", views.decide_view, name="decide"),
+    path(
+        "approvals/<int:approval_id>/payload.json", views.approval_payload, name="approval-payload"
+    ),
+]

@@ -1,0 +1,69 @@
+"""The approvals pages: the inbox, a decision, and a request's whole payload."""
+
+from __future__ import annotations
+
+from django.contrib.auth.decorators import login_required
+from django.http import Http404
+from django.shortcuts import render
+from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_POST
+
+from approvals.models import ApprovalRequest, ApprovalStatus
+from approvals.services import decide
+from runs.views import _act, json_download, shown, viewer_required
+
+INBOX_PAGE = 50
+
+
+@viewer_required
+def approvals_inbox(request):
+    """Pending requests across all runs, oldest first, a page at a time; each payload is cut
+    to STEPGUARD_UI_MAX_JSON bytes with a link to the whole of it."""
+    pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).select_related("run")
+    try:
+        after = max(int(request.GET.get("after", 0)), 0)
+    except ValueError:
+        after = 0
+    page = list(pending.filter(pk__gt=after).order_by("pk")[: INBOX_PAGE + 1])
+    more = len(page) > INBOX_PAGE
+    page = page[:INBOX_PAGE]
+    for request_ in page:
+        request_.shown = shown(
+            "payload", request_.payload, reverse("approval-payload", args=[request_.pk])
+        )
+    return render(
+        request,
+        "approvals/inbox.html",
+        {
+            "pending": page,
+            "pending_total": pending.count(),
+            "next_after": page[-1].pk if more else None,
+            "recent": list(
+                ApprovalRequest.objects.exclude(status=ApprovalStatus.PENDING)
+                .select_related("run", "decided_by")
+                .order_by("-decided_at")[:20]
+            ),
+            "can_decide": request.user.has_perm("approvals.decide_approvalrequest"),
+        },
+    )
+
+
+@viewer_required
+def approval_payload(request, approval_id: int):
+    """An approval request's whole payload, as JSON."""
+    found = ApprovalRequest.objects.filter(pk=approval_id).values_list("payload", flat=True)
+    if not found:
+        raise Http404(f"no approval request #{approval_id}")
+    return json_download(found[0], f"approval-{approval_id}-payload.json")
+
+
+@login_required
+@require_POST
+def decide_view(request, approval_id: int):
+    decision = request.POST.get("decision", "")
+    comment = request.POST.get("comment", "")
+    back = request.POST.get("next") or reverse("approvals")
+    if not url_has_allowed_host_and_scheme(back, {request.get_host()}, request.is_secure()):
+        back = reverse("approvals")
+    return _act(request, lambda: decide(approval_id, decision, request.user, comment), back)
