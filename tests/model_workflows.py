@@ -16,7 +16,6 @@ from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
-from examples.models import Effect
 from runs.sdk import (
     NOT_FOUND,
     ApprovalExpired,
@@ -30,6 +29,7 @@ from runs.sdk import (
     WaitTimeout,
     workflow,
 )
+from tests.testapp.models import Effect
 
 NO_RETRY = RetryPolicy(max_attempts=1)
 ONE_RETRY = RetryPolicy(max_attempts=2, initial_interval=timedelta(0), jitter=0.0)
@@ -37,7 +37,7 @@ ONE_RETRY = RetryPolicy(max_attempts=2, initial_interval=timedelta(0), jitter=0.
 COST = Usage(tokens_in=10, tokens_out=5, usd=Decimal("1"))
 #: Step keys whose steps have a compensation.
 COMPENSABLE = frozenset({"reserve", "charge", "pay", "prep", "work"})
-#: Step keys of transactional steps (their write is an examples.models.Effect row).
+#: Step keys of transactional steps (their write is a tests.testapp Effect row).
 TRANSACTIONAL = frozenset({"ledger"})
 
 

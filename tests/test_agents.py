@@ -8,11 +8,13 @@ import pytest
 from approvals.models import ApprovalRequest
 from approvals.services import decide
 from examples import flight_agent, outreach, research  # noqa: F401  (registers them)
-from examples.models import Booking, Effect
+from examples.models import Booking
+from examples.models import Effect as DemoEffect
 from runs.engine.llm import cost
 from runs.models import Event, Run, RunStatus, Step
 from runs.sdk import start_run
 from tests import agent_workflows, workflows
+from tests.testapp.models import Effect
 
 pytestmark = pytest.mark.django_db
 
@@ -85,7 +87,7 @@ def test_a_guarded_tool_never_runs_without_approval(drive, demo_model, cast):
         "tool-book_flight-1", "think-2", "tool-send_confirmation-2", "think-3",
     ]  # fmt: skip
     assert Step.objects.get(run=run, key="tool-send_confirmation-2").attempt == 2  # failed once
-    assert Effect.objects.filter(label="book").count() == 1
+    assert DemoEffect.objects.filter(label="book").count() == 1
     assert Run.objects.get(pk=run.pk).output["answer"].startswith("Done.")
 
 
@@ -107,7 +109,7 @@ def test_a_spent_budget_stops_the_agent_before_its_next_turn(drive, demo_model):
     assert drive() == ["over_budget"]
     run.refresh_from_db()
     assert run.status == RunStatus.OVER_BUDGET and run.cost_micros <= 1_000
-    assert Effect.objects.filter(label="email").count() == 2
+    assert DemoEffect.objects.filter(label="email").count() == 2
     assert Step.objects.filter(run=run, kind="llm").count() == 2
 
 

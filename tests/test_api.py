@@ -101,10 +101,15 @@ def test_an_unparsable_or_oversized_body_is_refused_before_parsing(as_, client, 
     assert response.status_code == 413 and error(response)["code"] == "payload_too_large"
 
 
-def test_listing_runs_filters_and_pages_with_a_cursor(as_):
+@pytest.fixture
+def batch() -> None:
+    """Five runs of "ledger" keyed batch-0 to batch-4 (in that order) and one of "loop"."""
     for i in range(5):
         start_run("ledger", {"steps": 1}, key=f"batch-{i}")
     start_run("loop", {"queries": []})
+
+
+def test_listing_runs_pages_newest_first_through_the_cursor(as_, batch):
     vera = as_("vera")
     page = vera("get", "/runs", workflow="ledger", limit=2).json()
     assert [r["key"] for r in page["items"]] == ["batch-4", "batch-3"]
@@ -113,9 +118,16 @@ def test_listing_runs_filters_and_pages_with_a_cursor(as_):
         page = vera("get", "/runs", workflow="ledger", limit=2, cursor=page["next_cursor"]).json()
         seen += [r["key"] for r in page["items"]]
     assert seen == [f"batch-{i}" for i in range(4, -1, -1)]
+
+
+def test_listing_runs_filters_by_search_text_and_status(as_, batch):
+    vera = as_("vera")
     assert [r["key"] for r in vera("get", "/runs", q="batch-2").json()["items"]] == ["batch-2"]
     assert vera("get", "/runs", status="completed").json()["items"] == []
-    bad = vera("get", "/runs", cursor="garbage")
+
+
+def test_a_forged_cursor_is_a_400_that_names_it(as_, batch):
+    bad = as_("vera")("get", "/runs", cursor="garbage")
     assert bad.status_code == 400 and "cursor" in error(bad)["message"]
 
 
@@ -128,6 +140,10 @@ def test_a_run_its_steps_and_its_events_after_a_seq(as_, drive):
     assert [(s["key"], s["status"]) for s in steps] == [("s0", "completed"), ("s1", "completed")]
     events = vera("get", f"/runs/{run.pk}/events", after=3).json()
     assert [e["seq"] for e in events] == list(range(4, 4 + len(events)))
+
+
+def test_an_unknown_run_is_a_404_and_a_malformed_id_a_422(as_):
+    vera = as_("vera")
     assert vera("get", "/runs/00000000-0000-0000-0000-000000000000").status_code == 404
     assert vera("get", "/runs/not-a-uuid").status_code == 422
 
@@ -180,56 +196,100 @@ def test_a_viewer_can_read_but_every_action_is_refused(as_, drive, method, path,
     assert "vera may not" in error(response)["message"]
 
 
-def test_approvals_inbox_decide_and_a_second_decision_is_a_conflict(as_, drive):
+@pytest.fixture
+def pending_approval(drive) -> ApprovalRequest:
+    """A run of "approver" waiting for someone to approve charging 40."""
     run = start_run("approver", {"amount": 40})
     drive()
-    vera, ada = as_("vera"), as_("ada")
-    inbox = vera("get", "/approvals").json()
-    assert [(a["action"], a["status"], a["payload"]) for a in inbox] == [
-        ("charge card", "pending", {"amount": 40})
+    return ApprovalRequest.objects.get(run=run)
+
+
+def test_the_approvals_inbox_lists_pending_requests_with_their_payload(as_, pending_approval):
+    inbox = as_("vera")("get", "/approvals").json()
+    assert [(a["id"], a["action"], a["status"], a["payload"]) for a in inbox] == [
+        (pending_approval.pk, "charge card", "pending", {"amount": 40})
     ]
-    approval_id = inbox[0]["id"]
-    decided = ada(
-        "post", f"/approvals/{approval_id}/decide", {"decision": "approve", "comment": "ok"}
+
+
+def test_an_approval_decided_by_api_names_the_approver_and_resumes_the_run(
+    as_, drive, pending_approval
+):
+    decided = as_("ada")(
+        "post", f"/approvals/{pending_approval.pk}/decide", {"decision": "approve", "comment": "ok"}
     )
     assert decided.status_code == 200 and decided.json()["decided_by"] == "ada"
-    again = ada("post", f"/approvals/{approval_id}/decide", {"decision": "reject"})
-    assert again.status_code == 409 and "already approved by ada" in error(again)["message"]
-    assert vera("get", "/approvals/999999").status_code == 404
     drive()
-    assert Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED
+    assert Run.objects.get(pk=pending_approval.run_id).status == RunStatus.COMPLETED
 
 
-def test_signals_budgets_halts_retry_fork_and_workers(as_, drive):
-    otto = as_("otto")
+def test_a_second_decision_is_a_conflict_that_names_the_first(as_, pending_approval):
+    ada = as_("ada")
+    ada("post", f"/approvals/{pending_approval.pk}/decide", {"decision": "approve"})
+    again = ada("post", f"/approvals/{pending_approval.pk}/decide", {"decision": "reject"})
+    assert again.status_code == 409 and "already approved by ada" in error(again)["message"]
+
+
+def test_an_unknown_approval_is_a_404(as_):
+    assert as_("vera")("get", "/approvals/999999").status_code == 404
+
+
+def test_a_signal_sent_by_api_wakes_the_run_waiting_for_it(as_, drive):
     waiting = start_run("waiter", {})
+    drive()
+    sent = as_("otto")("post", f"/runs/{waiting.pk}/signals", {"name": "go", "payload": [1, 2]})
+    assert sent.status_code == 201
+    drive()
+    assert Run.objects.get(pk=waiting.pk).output == [1, 2]
+
+
+def test_raising_the_budget_of_a_paused_run_by_api_resumes_it(as_, drive):
     paused = start_run("metered", {"steps": 2}, budget_usd=Decimal("1"))
     drive()
-    sent = otto("post", f"/runs/{waiting.pk}/signals", {"name": "go", "payload": [1, 2]})
-    assert sent.status_code == 201
-    raised = otto("put", f"/runs/{paused.pk}/budget", {"usd": "5", "reason": "worth it"})
+    raised = as_("otto")("put", f"/runs/{paused.pk}/budget", {"usd": "5", "reason": "worth it"})
     assert raised.json()["budget"]["usd"] == "5.000000" and raised.json()["status"] == "pending"
-    policy = otto("put", "/workflows/metered/budget", {"usd": "10", "run_usd": "2", "reason": "c"})
+
+
+def test_a_workflows_daily_and_default_run_budgets_are_set_by_api(as_):
+    body = {"usd": "10", "run_usd": "2", "reason": "c"}
+    policy = as_("otto")("put", "/workflows/metered/budget", body)
     assert (policy.json()["daily_usd"], policy.json()["run_usd"]) == ("10.000000", "2.000000")
+
+
+def test_the_kill_switch_by_api_key_is_on_once_and_lifted_only_from_a_session(as_):
+    otto = as_("otto")
     assert otto("post", "/global/halt", {"reason": "drill"}).json()["halted"]["by"] == "otto"
     assert [p["scope"] for p in otto("get", "/halts").json()] == ["*"]
     halt_again = otto("post", "/global/halt", {"reason": "drill"})
     assert halt_again.status_code == 409
     assert otto("post", "/global/unhalt", {"reason": "over"}).status_code == 403  # API key
-    from runs.operations import unhalt
 
-    unhalt("all", "otto", "drill over")
+
+@pytest.fixture
+def completed_ledger(drive) -> Run:
+    """A completed run of "ledger" with steps s0, s1 and s2."""
+    run = start_run("ledger", {"steps": 3})
     drive()
-    assert Run.objects.get(pk=waiting.pk).output == [1, 2]
-    done = start_run("ledger", {"steps": 3})
-    drive()
-    preview = otto("get", f"/runs/{done.pk}/fork-preview", step="s1").json()
+    return run
+
+
+def test_a_fork_preview_by_api_lists_the_steps_that_will_run_again(as_, completed_ledger):
+    preview = as_("otto")("get", f"/runs/{completed_ledger.pk}/fork-preview", step="s1").json()
     assert [p["key"] for p in preview] == ["s1", "s2"]
-    fork = otto("post", f"/runs/{done.pk}/fork", {"step": "s1", "reason": "again"})
-    assert fork.status_code == 201 and fork.json()["forked_from_id"] == str(done.pk)
-    retry = otto("post", f"/runs/{done.pk}/retry", {"reason": "x"})
+
+
+def test_a_fork_by_api_names_the_run_it_came_from(as_, completed_ledger):
+    body = {"step": "s1", "reason": "again"}
+    fork = as_("otto")("post", f"/runs/{completed_ledger.pk}/fork", body)
+    assert fork.status_code == 201 and fork.json()["forked_from_id"] == str(completed_ledger.pk)
+
+
+def test_retrying_a_run_that_did_not_fail_is_a_conflict(as_, completed_ledger):
+    retry = as_("otto")("post", f"/runs/{completed_ledger.pk}/retry", {"reason": "x"})
     assert retry.status_code == 409 and "only failed runs" in error(retry)["message"]
-    workers = otto("get", "/workers").json()
+
+
+def test_the_workers_route_lists_each_worker_with_its_heartbeat(as_, drive):
+    workers = as_("otto")("get", "/workers").json()
     assert workers and set(workers[0]) >= {"host", "pid", "heartbeat_at", "runs"}
 
 
@@ -242,7 +302,7 @@ def test_the_openapi_schema_documents_the_routes_with_examples(as_):
     assert start["workflow"]["examples"] == ["flight-booking"]
 
 
-def test_the_apikey_command_creates_lists_and_revokes(cast, capsys):
+def test_the_apikey_command_prints_a_new_key_once_and_lists_keys_with_their_owner(cast, capsys):
     call_command("apikey", "create", "--user", "otto", "--name", "ci")
     text = capsys.readouterr().out.strip()
     assert text.startswith("sg_") and ApiKey.objects.get().digest not in text
@@ -251,7 +311,7 @@ def test_the_apikey_command_creates_lists_and_revokes(cast, capsys):
     assert Event.objects.count() == 0  # creating keys touches no run history
 
 
-def test_resolve_and_revoke_routes_and_policy_reads(as_, drive, expire_lease, cast):
+def test_an_ambiguous_step_is_resolved_by_api_not_decided(as_, drive, expire_lease):
     from tests import workflows
 
     asking = start_run("asker")
@@ -260,7 +320,7 @@ def test_resolve_and_revoke_routes_and_policy_reads(as_, drive, expire_lease, ca
         drive()
     expire_lease(asking.id)
     drive()
-    ada, otto = as_("ada"), as_("otto")
+    ada = as_("ada")
     ambiguous = ApprovalRequest.objects.get(run=asking)
     wrong = ada("post", f"/approvals/{ambiguous.pk}/decide", {"decision": "approve"})
     assert wrong.status_code == 400 and "use resolve" in error(wrong)["message"]
@@ -268,13 +328,21 @@ def test_resolve_and_revoke_routes_and_policy_reads(as_, drive, expire_lease, ca
         "post", f"/approvals/{ambiguous.pk}/resolve", {"choice": "happened", "output": {"ok": 1}}
     )
     assert resolved.json()["resolution"] == "happened"
+
+
+def test_an_approval_is_revoked_by_api_during_its_cooling_off(as_, drive):
     charging = start_run("approver", {"amount": 3, "cooling_off": 60})
     drive()
+    ada = as_("ada")
     action = ApprovalRequest.objects.get(run=charging)
     ada("post", f"/approvals/{action.pk}/decide", {"decision": "approve"})
     revoked = ada("post", f"/approvals/{action.pk}/revoke", {"reason": "changed my mind"})
     assert revoked.json()["status"] == "revoked"
     assert ada("get", f"/approvals/{action.pk}").json()["status"] == "revoked"
+
+
+def test_policies_are_read_back_by_api(as_):
+    otto = as_("otto")
     otto("put", "/global/budget", {"tokens": 1000, "reason": "cap"})
     assert otto("get", "/global/policy").json()["daily_tokens"] == 1000
     assert otto("get", "/workflows/nothing-here/policy").json()["halted"] is None

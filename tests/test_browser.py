@@ -289,9 +289,9 @@ def test_an_operator_raises_the_budget_of_a_run_paused_over_budget_and_it_resume
 
     from playwright.sync_api import expect
 
-    from examples.models import Effect
     from runs.models import Event, Run
     from tests.conftest import wait_until
+    from tests.testapp.models import Effect
 
     steps = 5
     run = start_run("metered", {"steps": steps, "sleep": 0.4}, budget_usd=Decimal("1.5"))
@@ -332,9 +332,9 @@ def test_an_operator_forks_a_failed_run_from_a_step_and_lands_on_the_fork(
 ):
     from playwright.sync_api import expect
 
-    from examples.models import Effect
     from runs.models import Run, Step
     from tests.conftest import wait_until
+    from tests.testapp.models import Effect
 
     broken = tmp_path / "delivery-is-down"
     broken.touch()

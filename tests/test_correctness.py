@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from approvals.models import ApprovalRequest
-from examples.models import Effect
 from runs.engine.executor import Lease, execute
 from runs.engine.serialization import to_json
 from runs.errors import Halted, OperationError, OverBudget
@@ -22,6 +21,7 @@ from runs.operations import cancel_run, fork_run, halt, set_budget, unhalt
 from runs.sdk import send_signal, start_run
 from tests import workflows
 from tests.conftest import wait_until
+from tests.testapp.models import Effect
 from tests.workflows import Crash
 
 pytestmark = pytest.mark.django_db

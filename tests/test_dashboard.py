@@ -1,10 +1,13 @@
 """The dashboard pages: login, runs, a run, the approvals inbox, and permission-gated actions."""
 
+from datetime import timedelta
+
 import pytest
 from django.test import Client
+from django.utils import timezone
 
 from approvals.models import ApprovalRequest
-from runs.models import Run, RunStatus
+from runs.models import GLOBAL, Policy, Run, RunStatus, Worker
 from runs.sdk import start_run
 from tests import workflows  # noqa: F401  (registers "metered")
 
@@ -61,21 +64,36 @@ def test_a_viewer_sees_no_action_buttons_and_is_refused_if_it_posts(browser_as, 
     assert ApprovalRequest.objects.get(pk=approval.pk).status == "pending"
 
 
-def test_an_approver_decides_from_the_inbox_and_an_operator_halts(browser_as, drive):
+@pytest.fixture
+def pending_approval(drive) -> ApprovalRequest:
+    """A run of "approver" waiting for someone to approve charging 5."""
     run = start_run("approver", {"amount": 5})
     drive()
-    approval = ApprovalRequest.objects.get(run=run)
+    return ApprovalRequest.objects.get(run=run)
+
+
+def test_an_approver_decides_from_the_inbox(browser_as, pending_approval):
     ada = browser_as("ada")
     inbox = ada.get("/approvals").content.decode()
     assert "charge card" in inbox and 'value="approve"' in inbox
-    ada.post(f"/approvals/{approval.pk}/decide", {"decision": "approve", "comment": "ok"})
-    assert ApprovalRequest.objects.get(pk=approval.pk).status == "approved"
-    again = ada.post(f"/approvals/{approval.pk}/decide", {"decision": "reject"}, follow=True)
+    ada.post(f"/approvals/{pending_approval.pk}/decide", {"decision": "approve", "comment": "ok"})
+    assert ApprovalRequest.objects.get(pk=pending_approval.pk).status == "approved"
+
+
+def test_a_second_decision_is_refused_and_names_the_first(browser_as, pending_approval):
+    ada = browser_as("ada")
+    ada.post(f"/approvals/{pending_approval.pk}/decide", {"decision": "approve", "comment": "ok"})
+    again = ada.post(
+        f"/approvals/{pending_approval.pk}/decide", {"decision": "reject"}, follow=True
+    )
     assert "already approved by ada" in again.content.decode()
-    otto = browser_as("otto")
-    other = start_run("ledger", {"steps": 1})
-    otto.post(f"/runs/{other.pk}/halt", {"reason": "look first"})
-    assert Run.objects.get(pk=other.pk).status == RunStatus.HALTED
+    assert ApprovalRequest.objects.get(pk=pending_approval.pk).status == "approved"
+
+
+def test_an_operator_halts_a_run_from_its_page(browser_as):
+    run = start_run("ledger", {"steps": 1})
+    browser_as("otto").post(f"/runs/{run.pk}/halt", {"reason": "look first"})
+    assert Run.objects.get(pk=run.pk).status == RunStatus.HALTED
 
 
 def test_actions_need_the_csrf_token(cast):
@@ -86,46 +104,79 @@ def test_actions_need_the_csrf_token(cast):
     assert Run.objects.get(pk=run.pk).halted_at is None
 
 
-def test_workers_audit_and_halts_pages(browser_as, drive, cast):
+def test_the_workers_page_lists_the_workers_that_heartbeat(browser_as, drive):
+    start_run("ledger", {"steps": 1})
+    drive()
+    assert "No worker" not in browser_as("otto").get("/workers").content.decode()
+
+
+def test_a_worker_whose_heartbeat_stopped_shows_as_silent(browser_as, drive):
+    start_run("ledger", {"steps": 1})
+    drive()
+    Worker.objects.update(stopped_at=None, heartbeat_at=timezone.now() - timedelta(minutes=5))
+    assert 'status-failed">silent</span>' in browser_as("otto").get("/workers").content.decode()
+
+
+def test_the_kill_switch_is_turned_on_from_the_halts_page_and_leaves_finished_runs_alone(
+    browser_as, drive
+):
     run = start_run("ledger", {"steps": 1})
     drive()
     otto = browser_as("otto")
-    assert "No worker" not in otto.get("/workers").content.decode()
-    from datetime import timedelta
-
-    from django.utils import timezone
-
-    from runs.models import Worker
-
-    Worker.objects.update(stopped_at=None, heartbeat_at=timezone.now() - timedelta(minutes=5))
-    assert 'status-failed">silent</span>' in otto.get("/workers").content.decode()
     otto.post("/halts/halt", {"reason": "incident 7"})
     halts = otto.get("/halts").content.decode()
     assert "Kill switch ON" in halts and "incident 7" in halts
+    finished = Run.objects.get(pk=run.pk)
+    assert (finished.status, finished.halted_at) == (RunStatus.COMPLETED, None)
+
+
+def test_the_audit_page_lists_each_action_of_an_actor_with_its_reason(browser_as):
+    otto = browser_as("otto")
+    otto.post("/halts/halt", {"reason": "incident 7"})
     otto.post("/halts/unhalt", {"reason": "over"})
     otto.post("/halts/halt", {"workflow": "ledger", "reason": "freeze ledger"})
     audit = otto.get("/audit", {"actor": "otto"}).content.decode()
     assert audit.count("<tr><td><time") == 3 and "freeze ledger" in audit
-    assert (
-        browser_as("vera").post("/halts/unhalt", {"workflow": "ledger", "reason": "x"}).status_code
-        == 403
-    )
-    assert run  # the run itself is untouched by these pages
 
 
-def test_budget_and_fork_from_the_run_page(browser_as, drive):
+def test_a_viewer_cannot_lift_a_workflow_halt_from_the_halts_page(browser_as):
+    browser_as("otto").post("/halts/halt", {"workflow": "ledger", "reason": "freeze ledger"})
+    refused = browser_as("vera").post("/halts/unhalt", {"workflow": "ledger", "reason": "x"})
+    assert refused.status_code == 403
+    assert Policy.objects.get(scope="ledger").halted_at is not None
+
+
+@pytest.fixture
+def over_budget(drive) -> Run:
+    """A run of "metered" paused over its $1 budget before its second $1 call."""
     run = start_run("metered", {"steps": 2}, budget_usd="1")
     drive()
-    otto = browser_as("otto")
-    page = otto.get(f"/runs/{run.pk}").content.decode()
+    return run
+
+
+def test_the_run_page_offers_an_operator_budget_and_fork_forms(browser_as, over_budget):
+    page = browser_as("otto").get(f"/runs/{over_budget.pk}").content.decode()
     assert "Set budget" in page and "Fork from a step" in page
-    otto.post(f"/runs/{run.pk}/budget", {"usd": "5", "reason": "raise"})
-    assert Run.objects.get(pk=run.pk).status == RunStatus.PENDING
-    bad = otto.post(f"/runs/{run.pk}/budget", {"usd": "lots", "reason": "x"}, follow=True)
+
+
+def test_raising_the_budget_of_a_paused_run_from_its_page_resumes_it(browser_as, over_budget):
+    browser_as("otto").post(f"/runs/{over_budget.pk}/budget", {"usd": "5", "reason": "raise"})
+    assert Run.objects.get(pk=over_budget.pk).status == RunStatus.PENDING
+
+
+def test_a_bad_budget_on_the_run_page_is_named(browser_as, over_budget):
+    otto = browser_as("otto")
+    bad = otto.post(f"/runs/{over_budget.pk}/budget", {"usd": "lots", "reason": "x"}, follow=True)
     assert "is not an amount of USD" in bad.content.decode()
+    assert Run.objects.get(pk=over_budget.pk).status == RunStatus.OVER_BUDGET
+
+
+def test_a_fork_from_the_run_page_lands_on_the_fork(browser_as, drive, over_budget):
+    otto = browser_as("otto")
+    otto.post(f"/runs/{over_budget.pk}/budget", {"usd": "5", "reason": "raise"})
     drive()
-    response = otto.post(f"/runs/{run.pk}/fork", {"step": "call#2", "reason": "again"})
-    fork = Run.objects.get(forked_from=run)
+    response = otto.post(f"/runs/{over_budget.pk}/fork", {"step": "call#2", "reason": "again"})
+    fork = Run.objects.get(forked_from=over_budget)
     assert response["Location"] == f"/runs/{fork.pk}"
 
 
@@ -221,20 +272,37 @@ def test_the_fork_preview_lists_the_side_effects_that_will_run_again(browser_as,
     assert "has no step &#x27;nope&#x27;" in missing
 
 
-def test_bulk_actions_on_selected_runs_and_on_a_filter_with_a_typed_confirmation(browser_as):
+@pytest.fixture
+def few_and_many() -> tuple[list[Run], list[Run]]:
+    """Three runs of "ledger" and twelve of "loop", none of them started by a worker yet."""
     few = [start_run("ledger", {"steps": 1}, key=f"few-{i}") for i in range(3)]
     many = [start_run("loop", {"queries": []}, key=f"many-{i}") for i in range(12)]
+    return few, many
+
+
+def test_the_runs_list_counts_what_a_filter_matches_before_a_bulk_action(browser_as, few_and_many):
     otto = browser_as("otto")
     page = otto.get("/", {"workflow": "loop"}).content.decode()
     assert 'hx-get="/runs/count?workflow=loop"' in page and "matching this filter" in page
     assert otto.get("/runs/count", {"workflow": "loop"}).content.decode() == "12 runs"
     assert otto.get("/runs/count", {"parent": "x"}).status_code == 400
     assert "all 15 runs (no filter)" in otto.get("/").content.decode()
-    # A few selected runs: done at once, each recorded with actor and reason.
-    otto.post("/runs/bulk", {"action": "halt", "scope": "selected", "reason": "noisy",
-                             "run": [str(r.pk) for r in few]})  # fmt: skip
+
+
+def test_a_bulk_action_on_selected_runs_is_done_at_once_and_records_the_actor(
+    browser_as, few_and_many
+):
+    few, _ = few_and_many
+    browser_as("otto").post("/runs/bulk", {"action": "halt", "scope": "selected", "reason": "noisy",
+                                           "run": [str(r.pk) for r in few]})  # fmt: skip
     assert all(Run.objects.get(pk=r.pk).halted_by == "otto" for r in few)
-    # Twelve runs by filter: the server asks for the count first, and a wrong count does nothing.
+
+
+def test_a_bulk_action_on_a_filter_asks_for_the_count_and_a_wrong_count_does_nothing(
+    browser_as, few_and_many
+):
+    _, many = few_and_many
+    otto = browser_as("otto")
     form = {"action": "cancel", "scope": "filter", "workflow": "loop", "reason": "stale"}
     asked = otto.post("/runs/bulk", form).content.decode()
     assert "Type <strong>12</strong>" in asked and 'value="loop"' in asked
@@ -244,43 +312,63 @@ def test_bulk_actions_on_selected_runs_and_on_a_filter_with_a_typed_confirmation
     done = otto.post("/runs/bulk", {**form, "confirm": "12"}, follow=True).content.decode()
     assert "cancel: 12 of 12 runs" in done
     assert Run.objects.filter(pk__in=[r.pk for r in many], status="cancelled").count() == 12
-    # Retrying runs that have not failed: refused one by one, with the reason shown.
-    again = otto.post("/runs/bulk", {"action": "retry", "scope": "selected", "reason": "x",
-                                     "run": [str(few[0].pk)]}, follow=True)  # fmt: skip
+
+
+def test_a_bulk_retry_refuses_runs_that_have_not_failed_one_by_one(browser_as, few_and_many):
+    few, _ = few_and_many
+    again = browser_as("otto").post("/runs/bulk", {"action": "retry", "scope": "selected",
+                                                   "reason": "x", "run": [str(few[0].pk)]},
+                                    follow=True)  # fmt: skip
     assert "retry: 0 of 1 runs" in again.content.decode() and "1 refused" in again.content.decode()
-    # A viewer is refused by the server; nothing changes.
+
+
+def test_a_viewer_is_refused_a_bulk_action_and_nothing_changes(browser_as, few_and_many):
+    _, many = few_and_many
     vera = browser_as("vera")
     assert vera.post("/runs/bulk", {"action": "halt", "scope": "selected", "reason": "x",
                                     "run": [str(many[0].pk)]}).status_code == 403  # fmt: skip
     assert Run.objects.get(pk=many[0].pk).halted_at is None
 
 
-def test_the_runs_list_filters_by_version_parent_and_time_and_names_bad_input(browser_as, drive):
-    from datetime import timedelta
-
-    from django.utils import timezone
-
+def test_the_runs_list_filters_by_parent(browser_as, drive):
     parent = start_run("parent", {"n": 2}, key="the-parent")
     drive()
-    vera = browser_as("vera")
-    children = vera.get("/", {"parent": str(parent.pk)}).content.decode()
+    children = browser_as("vera").get("/", {"parent": str(parent.pk)}).content.decode()
     assert children.count('name="run"') == 0 and children.count("<tr>") - 1 == 2  # 2 children
     assert "the-parent" not in children
+
+
+def test_the_runs_list_filters_by_start_time_and_version(browser_as):
+    start_run("ledger", {"steps": 1}, key="the-run")
+    vera = browser_as("vera")
     soon = (timezone.now() + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M")
     assert "No runs match." in vera.get("/", {"since": soon}).content.decode()
-    assert "the-parent" in vera.get("/", {"until": soon, "version": "1"}).content.decode()
-    bad = vera.get("/", {"since": "yesterday"}, follow=True).content.decode()
+    assert "the-run" in vera.get("/", {"until": soon, "version": "1"}).content.decode()
+
+
+def test_the_runs_list_names_a_bad_date(browser_as):
+    bad = browser_as("vera").get("/", {"since": "yesterday"}, follow=True).content.decode()
     assert "since &#x27;yesterday&#x27; is not a date and time" in bad
 
 
-def test_the_halts_page_edits_workflow_and_global_budgets_and_shows_todays_spend(browser_as, drive):
-    from runs.models import GLOBAL, Policy
-
-    run = start_run("metered", {"steps": 2})
+def test_the_halts_page_has_a_row_for_everything_and_for_each_workflow(browser_as, drive):
+    start_run("metered", {"steps": 2})
     drive()
-    otto = browser_as("otto")
-    page = otto.get("/halts").content.decode()
+    page = browser_as("otto").get("/halts").content.decode()
     assert '<th scope="row">metered</th>' in page and "everything" in page
+
+
+def test_the_halts_page_shows_todays_spend_against_a_shared_budget(browser_as, drive):
+    browser_as("otto").post("/halts/budget", {"workflow": "metered", "usd": "10", "reason": "cap"})
+    start_run("metered", {"steps": 2})  # $1 a step
+    drive()
+    page = browser_as("vera").get("/halts").content.decode()
+    row = page[page.index('<th scope="row">metered</th>') :].split("</tr>")[0]
+    assert '<td class="num">$2</td>' in row and "$10" in row
+
+
+def test_workflow_and_global_budgets_are_set_from_the_halts_page(browser_as):
+    otto = browser_as("otto")
     otto.post("/halts/budget", {"workflow": "metered", "usd": "0.000001", "run_usd": "",
                                 "reason": "tight"})  # fmt: skip
     assert Policy.objects.get(scope="metered").daily_budget_micros == 1
@@ -288,14 +376,21 @@ def test_the_halts_page_edits_workflow_and_global_budgets_and_shows_todays_spend
     assert Policy.objects.get(scope=GLOBAL).run_budget_micros == 2_500_000
     page = otto.get("/halts").content.decode()
     assert 'value="0.000001"' in page and 'value="2.5"' in page
+
+
+def test_a_bad_amount_on_the_halts_page_is_named_and_loses_no_budget(browser_as):
+    otto = browser_as("otto")
+    otto.post("/halts/budget", {"usd": "", "run_usd": "2.5", "reason": "default per run"})
     bad = otto.post("/halts/budget", {"usd": "ten", "reason": "x"}, follow=True).content.decode()
     assert "&#x27;ten&#x27; is not an amount of USD" in bad
-    assert Policy.objects.get(scope=GLOBAL).daily_budget_micros is None  # nothing lost
+    policy = Policy.objects.get(scope=GLOBAL)
+    assert (policy.daily_budget_micros, policy.run_budget_micros) == (None, 2_500_000)
+
+
+def test_a_viewer_cannot_set_budgets_from_the_halts_page(browser_as):
     refused = browser_as("vera").post("/halts/budget", {"usd": "9", "reason": "x"})
-    assert (
-        refused.status_code == 403 and Policy.objects.get(scope=GLOBAL).daily_budget_micros is None
-    )
-    assert run.pk
+    assert refused.status_code == 403
+    assert not Policy.objects.filter(scope=GLOBAL).exclude(daily_budget_micros=None).exists()
 
 
 def test_the_search_box_finds_a_run_by_id_or_by_part_of_its_key(browser_as):

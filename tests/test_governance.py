@@ -8,9 +8,8 @@ from django.db import DatabaseError, transaction
 
 from approvals.models import ApprovalRequest
 from approvals.services import decide
-from examples.models import Effect
 from runs.engine.holds import holds_on
-from runs.models import BudgetLedger, Event, Run, RunStatus, Step
+from runs.models import GLOBAL, BudgetLedger, Event, Policy, Run, RunStatus, Step
 from runs.operations import (
     OperationError,
     cancel_run,
@@ -24,6 +23,7 @@ from runs.operations import (
 from runs.sdk import send_signal, start_run
 from tests import workflows
 from tests.conftest import wait_until
+from tests.testapp.models import Effect
 
 pytestmark = pytest.mark.django_db
 
@@ -196,8 +196,14 @@ def test_an_approver_cannot_unhalt_and_an_operator_cannot_decide(drive, cast):
         unhalt(run, cast["ada"], "me")
     with pytest.raises(OperationError, match="otto may not decide approvals"):
         decide(ApprovalRequest.objects.get().pk, "approve", cast["otto"])
+
+
+def test_lifting_a_halt_needs_a_reason(cast):
+    run = start_run("ledger", {"steps": 1})
+    halt(run, cast["otto"], "check")
     with pytest.raises(OperationError, match="needs a reason"):
         unhalt(run, cast["otto"], " ")
+    assert status(run) == RunStatus.HALTED
 
 
 def test_fork_from_a_step_reuses_what_came_before_and_runs_the_rest(drive, cast):
@@ -220,14 +226,17 @@ def test_fork_from_a_step_reuses_what_came_before_and_runs_the_rest(drive, cast)
 def test_retry_reruns_a_failed_run_from_its_failure(drive, cast):
     run = start_run("flaky", {"failures": 1, "attempts": 1}, max_attempts=1)
     assert drive() == ["failed"]
-    with pytest.raises(OperationError, match="only failed runs"):
-        retry_run(start_run("ledger", {"steps": 1}).pk, cast["otto"], "no")
     retried = retry_run(run.pk, cast["otto"], "upstream fixed")
     assert (retried.status, retried.attempt, retried.max_attempts) == ("pending", 2, 2)
     drive()
     run.refresh_from_db()
     assert (run.status, run.output) == (RunStatus.COMPLETED, 2)
     assert Event.objects.get(run=run, type="run.retry_requested").actor == "otto"
+
+
+def test_only_failed_runs_can_be_retried(cast):
+    with pytest.raises(OperationError, match="only failed runs"):
+        retry_run(start_run("ledger", {"steps": 1}).pk, cast["otto"], "no")
 
 
 def test_events_cannot_be_edited():
@@ -262,16 +271,33 @@ def test_the_audit_trail_lists_every_operator_action_with_its_actor(drive, cast)
     assert all(e.payload.get("reason") for e in reasons)
 
 
-def test_the_operator_commands(drive, cast):
+def test_the_halt_command_halts_a_run_as_the_named_user(cast):
     run = start_run("ledger", {"steps": 3})
     call_command("halt", "--run", str(run.pk), "--user", "otto", "--reason", "look")
     assert status(run) == RunStatus.HALTED
+    assert Run.objects.get(pk=run.pk).halted_by == "otto"
+
+
+def test_the_unhalt_command_checks_the_named_users_permission(drive, cast):
+    run = start_run("ledger", {"steps": 3})
+    call_command("halt", "--run", str(run.pk), "--user", "otto", "--reason", "look")
     with pytest.raises(CommandError, match="vera may not lift halts"):
         call_command("unhalt", "--run", str(run.pk), "--user", "vera", "--reason", "x")
+    assert status(run) == RunStatus.HALTED
     call_command("unhalt", "--run", str(run.pk), "--user", "otto", "--reason", "ok")
+    assert drive() == ["completed"]
+
+
+def test_the_budget_command_sets_a_workflow_budget_and_names_a_bad_amount(cast):
     call_command("budget", "--workflow", "ledger", "--usd", "5", "--user", "otto", "--reason", "c")
+    assert Policy.objects.get(scope="ledger").daily_budget_micros == 5_000_000
     with pytest.raises(CommandError, match="not an amount of USD"):
         call_command("budget", "--all", "--usd", "lots", "--user", "otto", "--reason", "c")
+    assert not Policy.objects.filter(scope=GLOBAL).exclude(daily_budget_micros=None).exists()
+
+
+def test_the_fork_command_forks_a_run_from_a_step(drive, cast):
+    run = start_run("ledger", {"steps": 3})
     drive()
     call_command(
         "fork", str(run.pk), "--from-step", "s1", "--user", "otto", "--reason", "r", "--yes"

@@ -5,11 +5,11 @@ from decimal import Decimal
 import pytest
 from django.db.models import Count, Sum
 
-from examples.models import Effect
 from runs.models import BudgetLedger, Run, RunStatus, Step, StepStatus
 from runs.operations import halt, set_budget, unhalt
 from runs.sdk import start_run
 from tests.conftest import wait_until
+from tests.testapp.models import Effect
 
 pytestmark = pytest.mark.postgres
 

@@ -69,7 +69,6 @@ from hypothesis.stateful import (
 
 from approvals.models import ApprovalRequest
 from approvals.services import decide, revoke
-from examples.models import Effect
 from runs.engine import calls, checkpoints, compensation, lifecycle, replay, steps, waits, wakeup
 from runs.engine.budget import forget_cached_scopes
 from runs.engine.executor import Lease, execute
@@ -79,6 +78,7 @@ from runs.models import BudgetLedger, Event, Policy, Run, Step
 from runs.operations import cancel_run, fork_run, halt, retry_run, set_budget, unhalt
 from runs.sdk import send_signal, start_run
 from tests.model_workflows import COMPENSABLE, COST, TRANSACTIONAL, Crash, canon, probe
+from tests.testapp.models import Effect
 
 hypothesis_settings.register_profile(
     "stepguard-model",
@@ -289,7 +289,7 @@ def _reset_database() -> None:
     """Empty every table of the engine (users stay): one example's runs never meet another's."""
     models = [
         model
-        for label in ("runs", "approvals", "examples")
+        for label in ("runs", "approvals", "testapp")
         for model in apps.get_app_config(label).get_models()
         if model._meta.object_name != "ApiKey"
     ]

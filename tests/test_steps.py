@@ -6,12 +6,12 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from examples.models import Effect
 from runs.engine.budget import shared_budget_scopes
 from runs.engine.executor import Lease, RunContext
 from runs.models import Event, Run, RunStatus, Step, StepStatus
 from runs.sdk import OutputNotSerializable, UnknownWorkflow, start_run
 from tests import workflows
+from tests.testapp.models import Effect
 from tests.workflows import Crash
 
 pytestmark = pytest.mark.django_db

@@ -6,12 +6,12 @@ from django.utils import timezone
 
 from approvals.models import ApprovalKind, ApprovalRequest
 from approvals.services import decide, resolve, revoke
-from examples.models import Effect
 from runs.models import Event, Run, RunStatus, Step, StepStatus, Worker
 from runs.operations import cancel_run, unserved_reason
 from runs.sdk import DecisionError, OperationError, send_signal, start_run
 from tests import versioned_v1, versioned_v2, workflows  # noqa: F401  (registers both versions)
 from tests.conftest import wait_until
+from tests.testapp.models import Effect
 from tests.workflows import Crash
 
 pytestmark = pytest.mark.django_db

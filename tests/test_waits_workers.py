@@ -7,13 +7,13 @@ import pytest
 
 from approvals.models import ApprovalRequest
 from approvals.services import decide
-from examples.models import Effect
 from runs.models import Run, RunStatus, Step, StepStatus
 from runs.operations import cancel_run
 from runs.sdk import send_signal, start_run
 from tests import versioned_v1, versioned_v2  # noqa: F401  (registers both versions here)
 from tests.conftest import wait_until
 from tests.test_commands import run_manage
+from tests.testapp.models import Effect
 
 
 def wait_status(run, *statuses, timeout: float = 30.0) -> Run:

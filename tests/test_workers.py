@@ -8,10 +8,10 @@ import pytest
 from django.db.models import Count
 from django.utils import timezone
 
-from examples.models import Effect
 from runs.models import Event, Run, RunStatus, Step, StepStatus, Worker
 from runs.sdk import start_run
 from tests.conftest import wait_until
+from tests.testapp.models import Effect
 
 
 def completed_steps(run) -> int:
@@ -48,7 +48,6 @@ def test_a_run_survives_20_sigkills_without_running_a_completed_step_twice(spawn
     # slow step after its side effect reached the "service": 20 in all, a fresh worker each time.
     thresholds = rng.sample([t for t in range(1, 49) if t not in (10, 11, 30, 31)], 18)
     plan = sorted([(t, "progress") for t in thresholds] + [(10.5, "inside"), (30.5, "inside")])
-    kills = 0
     for point, how in plan:
         worker = spawn_worker(lease=1.0)
         worker_id = Worker.objects.get(pid=worker.pid).id
@@ -63,7 +62,6 @@ def test_a_run_survives_20_sigkills_without_running_a_completed_step_twice(spawn
             wait_until(lambda t=target: completed_steps(run) >= t, what=f"{target} steps")
             time.sleep(rng.uniform(0, 0.03))  # land anywhere in the next step
         worker.kill()
-        kills += 1
     spawn_worker(lease=1.0)
 
     run = wait_done(run, timeout=120)
@@ -86,7 +84,7 @@ def test_a_run_survives_20_sigkills_without_running_a_completed_step_twice(spawn
     assert steps["s10"].recovered == "resent" and steps["s10"].attempt >= 2
     assert steps["s30"].recovered == "reconciled" and steps["s30"].attempt == 1
     assert effects[steps["s30"].idempotency_key] == 1
-    assert kills == 20
+    # Every one of the 20 kills was noticed and recovered from.
     assert Event.objects.filter(run=run, type="run.recovered").count() == 20
 
 

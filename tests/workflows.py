@@ -1,7 +1,7 @@
 """Workflows the tests run, in-process and in real worker subprocesses.
 
-Side effects go to examples.models.Effect (one row per call, keyed by idempotency key), so a
-test can count how often each step's function really ran.
+Side effects go to tests.testapp.models.Effect (one row per call, keyed by idempotency key),
+so a test can count how often each step's function really ran.
 """
 
 import contextlib
@@ -11,8 +11,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from examples.models import Effect
 from runs.sdk import NOT_FOUND, RetryPolicy, RunContext, workflow
+from tests.testapp.models import Effect
 
 NO_RETRY = RetryPolicy(max_attempts=1)
 
