@@ -30,7 +30,8 @@ After every rule it checks, against the database (letters refine one numbered in
     completed itself, and nothing else
 
 Profiles: by default 50 examples of up to 40 rules (well under a minute on either database);
-STEPGUARD_MODEL_PROFILE=long runs 300 of up to 60 (CI, on PostgreSQL). Failing examples are
+STEPGUARD_MODEL_PROFILE=long runs 100 of up to 50 (CI, on PostgreSQL: about 3 minutes of
+its 20). Failing examples are
 kept under STEPGUARD_VAR_DIR (hypothesis-model/) and replayed first on the next run. A failure
 prints the rule sequence that reproduces it; shrinking one can take Hypothesis minutes.
 """
@@ -89,8 +90,8 @@ hypothesis_settings.register_profile(
 )
 hypothesis_settings.register_profile(
     "stepguard-model-long",
-    max_examples=300,
-    stateful_step_count=60,
+    max_examples=100,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=list(HealthCheck),
 )
