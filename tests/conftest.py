@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -190,35 +191,19 @@ def alice(django_user_model):
     return user
 
 
-@pytest.fixture
-def server(transactional_db, tmp_path):
-    """daphne on a port the OS picks, on the test database, serving static files."""
-    env = {
-        **os.environ,
-        "DATABASE_URL": database_url(),
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "SERVE_STATIC": "1",
-        "ALLOWED_HOSTS": "127.0.0.1,localhost",
-    }
-    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+@contextmanager
+def daphne(tmp_path, **env):
+    """daphne on a port the OS picks, with `env` over the test settings; yields its URL."""
     log = tmp_path / "daphne.log"
+    environ = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env}
+    environ["ALLOWED_HOSTS"] = env.get("ALLOWED_HOSTS", "127.0.0.1,localhost")
+    environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "daphne",
-                "-b",
-                "127.0.0.1",
-                "-p",
-                "0",
-                "controlplane.asgi:application",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", "0",
+             "controlplane.asgi:application"],
+            cwd=ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     try:
         match = wait_until(
             lambda: re.search(r"Listening on TCP address 127\.0\.0\.1:(\d+)", log.read_text()),
@@ -231,6 +216,13 @@ def server(transactional_db, tmp_path):
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture
+def server(transactional_db, tmp_path):
+    """daphne on the test database, serving static files."""
+    with daphne(tmp_path, DATABASE_URL=database_url(), SERVE_STATIC="1") as url:
+        yield url
 
 
 @pytest.fixture

@@ -3,12 +3,10 @@
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 from datetime import timedelta
 from io import StringIO
 
@@ -26,7 +24,7 @@ from runs.engine.worker import WorkerProcess
 from runs.models import Chore, Event, Run, RunStatus, Signal, Step, Worker
 from runs.operations import fork_run, halt
 from runs.sdk import send_signal, start_run
-from tests.conftest import ROOT, wait_until
+from tests.conftest import ROOT, daphne, wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -276,31 +274,6 @@ def test_health_is_503_when_the_database_is_down_and_tells_no_details(tmp_path):
                 "status": "down", "database": "down", "redis": "down",
                 "workers": None, "oldest_runnable_seconds": None,
             }  # fmt: skip
-
-
-@contextmanager
-def daphne(tmp_path, **env):
-    """daphne on a port the OS picks, with `env` over the test settings (the `server` fixture
-    serves the test database; this one may serve none)."""
-    log = tmp_path / "daphne.log"
-    environ = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", **env}
-    environ["ALLOWED_HOSTS"] = "127.0.0.1"
-    environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", "0",
-             "controlplane.asgi:application"],
-            cwd=ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        match = wait_until(
-            lambda: re.search(r"Listening on TCP address 127\.0\.0\.1:(\d+)", log.read_text()),
-            what="daphne to listen",
-        )
-        yield f"http://127.0.0.1:{match.group(1)}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 # -- structured logs -------------------------------------------------------------------------
