@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PORT ?= 8000
+# Test processes (pytest-xdist): one per core; each has its own test database.
+TEST_PROCESSES ?= auto
 
 .DEFAULT_GOAL := help
 .PHONY: help install run test lint format bench bench-ui screenshots
@@ -26,7 +28,7 @@ test: $(STAMP) ## lint, check migrations, run the whole suite (DATABASE_URL pick
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	DJANGO_SETTINGS_MODULE=tests.settings $(BIN)/python manage.py makemigrations --check --dry-run
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_PROCESSES)
 
 lint: $(STAMP) ## ruff check
 	$(BIN)/ruff check .

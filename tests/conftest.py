@@ -25,15 +25,35 @@ os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 
 
 def pytest_collection_modifyitems(config, items):
-    """On SQLite, PostgreSQL-only tests are deselected (not skipped): they cannot run there."""
+    """On SQLite, PostgreSQL-only tests are deselected (not skipped): they cannot run there.
+
+    Tests marked `slow` go first, so that under pytest-xdist the longest ones start at once
+    and the processes finish together instead of one waiting on a long test handed out last.
+    """
+    if connection.vendor != "postgresql":
+        keep, drop = [], []
+        for item in items:
+            (drop if item.get_closest_marker("postgres") else keep).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker):
+    """At the end, close what is still connected to the test database so it can be dropped.
+
+    The connections that Channels' `database_sync_to_async` opens live in asgiref's thread pool
+    and outlast the tests that used them; Django's teardown would fail on them after a 5 s wait.
+    """
+    yield
     if connection.vendor == "postgresql":
-        return
-    keep, drop = [], []
-    for item in items:
-        (drop if item.get_closest_marker("postgres") else keep).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+        with django_db_blocker.unblock(), connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
 
 
 def wait_until(condition: Callable[[], object], *, timeout: float = 20.0, what: str = "condition"):

@@ -22,3 +22,10 @@ STEPGUARD_WORKFLOW_MODULES = [
 STEPGUARD_POLL_INTERVAL = 0.1
 STEPGUARD_RUN_RETRY_BASE_SECONDS = 0.0
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast test logins
+
+# Under pytest-xdist each test process has its own database (pytest-django adds the worker's
+# suffix); its own Redis prefix keeps their live events apart too. Worker subprocesses inherit
+# PYTEST_XDIST_WORKER, so they land on the same prefix as the test that started them.
+_xdist_worker = os.environ.get("PYTEST_XDIST_WORKER")
+if _xdist_worker and "CONFIG" in CHANNEL_LAYERS["default"]:  # noqa: F405
+    CHANNEL_LAYERS["default"]["CONFIG"]["prefix"] = f"asgi-{_xdist_worker}"  # noqa: F405

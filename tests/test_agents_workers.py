@@ -23,6 +23,7 @@ def completed(run) -> int:
     return Step.objects.filter(run=run, status=StepStatus.COMPLETED).count()
 
 
+@pytest.mark.slow
 def test_research_killed_10_times_writes_the_same_report_and_pays_no_call_twice(
     spawn_worker, demo_model
 ):

@@ -36,6 +36,7 @@ def operator_key(cast):
     return create_key(cast["otto"])[1]
 
 
+@pytest.mark.slow
 def test_the_schema_fuzzed_gives_no_5xx_and_every_response_matches(server, operator_key):
     headers = {"Authorization": f"Bearer {operator_key}"}
     schema = schemathesis.openapi.from_url(f"{server}/api/openapi.json", headers=headers)

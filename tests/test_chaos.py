@@ -266,6 +266,7 @@ def completed_steps(reader: Reader) -> int | None:
 
 
 @pytest.mark.postgres
+@pytest.mark.slow
 def test_runs_survive_database_restarts(chaos_server, tmp_path):
     dbname = "stepguard_chaos_run"
     with chaos_server.connect("postgres") as admin:

@@ -98,6 +98,7 @@ def test_showrun_follow_prints_each_step_as_it_happens_until_the_run_ends(spawn_
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
 def test_the_demo_shows_every_capability_and_ctrl_c_stops_everything():
     demo = run_manage("rundemo", "--port", "0", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines: list[str] = []

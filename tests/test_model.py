@@ -1185,6 +1185,7 @@ ENGINE_MODULES = (replay, checkpoints, steps, calls, waits, compensation, lifecy
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
 def test_the_engine_keeps_its_invariants_under_any_sequence_of_actions(monkeypatch, settings, cast):
     settings.STEPGUARD_MAX_RECOVERIES = 2  # the lost-worker bound, reachable in a few rules
     clock = Clock()

@@ -132,10 +132,12 @@ def test_runs_stay_on_their_version_and_a_worker_without_it_leaves_them_waiting(
     assert effects("v1-a") == effects("v1-b") == 1
 
 
-def test_a_timer_fires_within_a_second_of_its_due_time_even_with_a_slow_poll(spawn_worker):
+def test_a_timer_fires_at_its_due_time_not_at_the_next_slow_poll(spawn_worker):
     run = start_run("sleeper", {"seconds": 1.5})
     spawn_worker("--poll-interval", "30")
     run = wait_status(run, RunStatus.COMPLETED, timeout=20)
     nap = Step.objects.get(run=run, key="nap")
     fired = run.events.get(type="timer.fired")
-    assert 0 <= (fired.created_at - nap.wake_at).total_seconds() < 1.0
+    # The worker woke for the timer itself, not at its next 30 s poll (typically well under
+    # 1 s late; the bound leaves room for a loaded machine).
+    assert 0 <= (fired.created_at - nap.wake_at).total_seconds() < 5

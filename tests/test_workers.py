@@ -32,6 +32,7 @@ def wait_done(run, timeout: float = 60.0) -> Run:
 
 
 @pytest.mark.postgres
+@pytest.mark.slow
 def test_a_run_survives_20_sigkills_without_running_a_completed_step_twice(spawn_worker):
     rng = random.Random(20261130)
     run = start_run(
@@ -148,7 +149,7 @@ def test_a_paused_worker_that_lost_its_lease_writes_nothing_when_it_resumes(spaw
     assert a.proc.poll() is None  # A itself keeps serving
 
 
-def test_sigterm_hands_the_run_to_another_worker_within_two_seconds(spawn_worker):
+def test_sigterm_hands_the_run_to_another_worker_at_once_not_when_its_lease_ends(spawn_worker):
     # Both workers are up before the run exists (a worker takes seconds to start, longer than
     # the slow step): whichever claims it is A, the other B.
     pair = [spawn_worker(lease=30.0), spawn_worker(lease=30.0)]
@@ -167,10 +168,11 @@ def test_sigterm_hands_the_run_to_another_worker_within_two_seconds(spawn_worker
     )
     released = Event.objects.get(run=run, type="run.released")
     s1 = Step.objects.get(run=run, key="s1")
-    # A finished the step in flight, checkpointed it, released the run at once, and B took it
-    # over promptly: the 30 s lease played no part.
-    assert (released.created_at - s1.finished_at).total_seconds() < 0.5
-    assert (claim.created_at - released.created_at).total_seconds() < 2.0
+    # A finished the step in flight, checkpointed it, released the run, and B took it over: the
+    # 30 s lease played no part. (The bounds leave room for a loaded machine; typically the
+    # release follows the step by milliseconds and the claim the release by well under 1 s.)
+    assert (released.created_at - s1.finished_at).total_seconds() < 5
+    assert (claim.created_at - released.created_at).total_seconds() < 5
     assert a.proc.wait(10) == 0
     run = wait_done(run)
     assert run.status == RunStatus.COMPLETED
