@@ -159,6 +159,12 @@ elif _db["ENGINE"] in ("django.db.backends.postgresql",):
     _db.setdefault("OPTIONS", {})
     _db["CONN_MAX_AGE"] = env_int("DB_CONN_MAX_AGE", 60)
     _db["CONN_HEALTH_CHECKS"] = True
+    # The engine's checkpoint statements are prepared (planned once per connection); Django's
+    # own queries bind on the client and never are. Off for a pooler that cannot keep prepared
+    # statements across transactions (PgBouncer before 1.21 in transaction mode).
+    if env_bool("DB_PREPARED_STATEMENTS", True):
+        _db["OPTIONS"].setdefault("prepare_threshold", 5)
+STEPGUARD_PREPARED_STATEMENTS = _db["OPTIONS"].get("prepare_threshold") is not None
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -248,6 +254,8 @@ STEPGUARD_RUN_RETRY_BASE_SECONDS = env_float("STEPGUARD_RUN_RETRY_BASE_SECONDS",
 STEPGUARD_MAX_RECOVERIES = env_int("STEPGUARD_MAX_RECOVERIES", 5, minimum=1)
 STEPGUARD_MAX_OUTPUT_BYTES = env_int("STEPGUARD_MAX_OUTPUT_BYTES", 1_048_576, minimum=1024)
 STEPGUARD_DURABLE_START = env_bool("STEPGUARD_DURABLE_START", True)
+# Write each step's completion at once, instead of with the run's next write (docs/sdk.md).
+STEPGUARD_EAGER_COMPLETIONS = env_bool("STEPGUARD_EAGER_COMPLETIONS", False)
 STEPGUARD_BUDGET_WARN_AT = env_float("STEPGUARD_BUDGET_WARN_AT", 0.8)
 STEPGUARD_MODEL_PRICES = env_json("STEPGUARD_MODEL_PRICES", {})
 # Refuse a call to a model without a price in a run under a USD budget (else: a warning event).

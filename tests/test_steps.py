@@ -6,8 +6,10 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from approvals.models import ApprovalRequest
 from runs.engine.budget import shared_budget_scopes
 from runs.engine.executor import Lease, RunContext
+from runs.errors import ApprovalRevoked, StepFailed
 from runs.models import Event, Run, RunStatus, Step, StepStatus
 from runs.sdk import OutputNotSerializable, UnknownWorkflow, start_run
 from tests import workflows
@@ -225,10 +227,14 @@ def business_statements(queries) -> list[str]:
     return [w for w in words if w not in ("SAVEPOINT", "RELEASE")]
 
 
-def replay_statements(drive, expire_lease, steps: int) -> list[str]:
+def replay_statements(drive, expire_lease, settings, steps: int) -> list[str]:
+    # Eager completions while the history is made: every step is recorded completed before
+    # the crash, so the replay measured below replays all of them and sends none again.
+    settings.STEPGUARD_EAGER_COMPLETIONS = True
     run = start_run("many", {"steps": steps, "crash": True})
     with pytest.raises(Crash):
         drive()
+    settings.STEPGUARD_EAGER_COMPLETIONS = False
     assert Step.objects.filter(run=run, status="completed").count() == steps
     Run.objects.filter(pk=run.pk).update(input={"steps": steps})
     expire_lease(run.id)
@@ -237,18 +243,20 @@ def replay_statements(drive, expire_lease, steps: int) -> list[str]:
     return business_statements(queries)
 
 
-def test_replaying_1000_completed_steps_costs_a_constant_number_of_queries(drive, expire_lease):
-    few = replay_statements(drive, expire_lease, 10)
-    many = replay_statements(drive, expire_lease, 1000)
+def test_replaying_1000_completed_steps_costs_a_constant_number_of_queries(
+    drive, expire_lease, settings
+):
+    few = replay_statements(drive, expire_lease, settings, 10)
+    many = replay_statements(drive, expire_lease, settings, 1000)
     assert many == few
     # claim (halts, stale halted runs, candidates, update, event, fetch) + load all
     # checkpoints + finish (fence, run, event) + the empty claim that ends drive().
     assert len(many) <= 15
 
 
-def one_new_step():
-    """A run held by this test, and the statements one new step cost it."""
-    run = start_run("many", {"steps": 1})
+def two_new_steps():
+    """A run held by this test, its context, and the statements two new steps cost it."""
+    run = start_run("many", {"steps": 2})
     Run.objects.filter(pk=run.pk).update(
         status=RunStatus.RUNNING, lease_until=run.created_at + timedelta(hours=1)
     )
@@ -256,20 +264,88 @@ def one_new_step():
     shared_budget_scopes()  # cached for a second: steps do not look budgets up each time
     with CaptureQueriesContext(connection) as queries:
         assert ctx.step("one", int, 1) == 1
-    return run, queries
+        assert ctx.step("two", int, 2) == 2
+    return run, ctx, queries
 
 
-def test_a_new_step_costs_two_short_transactions_of_three_statements(drive):
-    _, queries = one_new_step()
-    # started: fence, insert step, insert event; completed: fence, update step, insert event.
-    assert business_statements(queries) == [
-        "UPDATE",
-        "INSERT",
-        "INSERT",
-        "UPDATE",
-        "UPDATE",
-        "INSERT",
+def history(run) -> list[tuple[str, str]]:
+    return list(Event.objects.filter(run=run).order_by("seq").values_list("type", "step_key"))
+
+
+def test_a_step_costs_one_write_and_its_completion_rides_with_the_next(drive):
+    run, ctx, queries = two_new_steps()
+    if connection.vendor == "postgresql":
+        # fence + steps + events as data-modifying CTEs: one statement per step.
+        assert business_statements(queries) == ["WITH", "WITH"]
+    else:
+        # one's start: fence, step, event. two's start: one fence for both, one's completion
+        # (row, event), two's start (row, event): a single transaction.
+        assert business_statements(queries) == [
+            *("UPDATE", "INSERT", "INSERT"),
+            *("UPDATE", "UPDATE", "INSERT", "INSERT", "INSERT"),
+        ]
+    assert {k: s.status for k, s in steps_of(run).items()} == {
+        "one": "completed",
+        "two": "started",  # its completion waits for the run's next write
+    }
+    assert history(run)[1:] == [
+        ("step.started", "one"),
+        ("step.completed", "one"),
+        ("step.started", "two"),
     ]
+    assert ctx._lease.pending is not None and ctx._lease.pending.key == "two"
+
+
+def test_eager_completions_write_each_step_completed_at_once(drive, settings):
+    settings.STEPGUARD_EAGER_COMPLETIONS = True
+    run, ctx, queries = two_new_steps()
+    assert len(business_statements(queries)) == (4 if connection.vendor == "postgresql" else 12)
+    assert {s.status for s in steps_of(run).values()} == {"completed"}
+    assert ctx._lease.pending is None
+
+
+def test_a_crash_before_the_next_write_resends_the_finished_step_with_its_key(drive, expire_lease):
+    run = start_run("many", {"steps": 3, "crash": True})
+    with pytest.raises(Crash):  # after s2 returned, before the run's end was written
+        drive()
+    steps = steps_of(run)
+    assert [steps[k].status for k in ("s0", "s1", "s2")] == ["completed", "completed", "started"]
+
+    Run.objects.filter(pk=run.pk).update(input={"steps": 3})
+    expire_lease(run.id)
+    assert drive() == ["completed"]
+    steps = steps_of(run)
+    # Exactly what a crash during s2 would have done: s2 again, under its same key.
+    assert (steps["s2"].attempt, steps["s2"].recovered) == (2, "resent")
+    assert steps["s2"].idempotency_key == f"{run.id}:s2"
+    assert [steps[k].attempt for k in ("s0", "s1")] == [1, 1]
+
+
+def test_a_refused_start_rolls_back_to_a_pending_completion_and_the_failure_carries_it(drive):
+    """The approval-gated step is refused inside its transaction: the completion before it,
+    rolled back with that transaction, is written with the refusal's record instead."""
+    run, ctx, _ = two_new_steps()
+    request = ApprovalRequest.objects.create(run=run, step_key="ask", action="pay")
+    with pytest.raises(ApprovalRevoked, match="no longer stands"):
+        ctx.step("three", int, 3, approval=request.pk)
+    assert {k: s.status for k, s in steps_of(run).items()} == {
+        "one": "completed",
+        "two": "completed",
+        "three": "failed",
+    }
+    assert [t for t, k in history(run) if k == "two"] == ["step.started", "step.completed"]
+    assert ctx._lease.pending is None
+
+
+def test_a_transaction_step_records_the_step_before_it_first(drive):
+    run, ctx, _ = two_new_steps()
+
+    def boom():
+        raise ValueError("no")
+
+    with pytest.raises(StepFailed):
+        ctx.transaction("write", boom)
+    assert steps_of(run)["two"].status == "completed"
 
 
 def test_a_run_that_kills_its_worker_every_time_is_failed_after_a_bounded_number(
@@ -307,13 +383,12 @@ def test_progress_resets_the_lost_worker_count(drive, expire_lease, settings):
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
-def test_on_postgresql_each_checkpoint_write_is_one_statement():
-    run, queries = one_new_step()
-    # fence + step + event as data-modifying CTEs: one round trip and one commit per write.
+def test_on_postgresql_each_step_is_one_statement_and_one_commit():
+    run, _, queries = two_new_steps()
+    # Outside any transaction: each statement commits by itself.
     assert business_statements(queries) == ["WITH", "WITH"]
-    assert Step.objects.get(run=run).status == "completed"
-    assert list(Event.objects.filter(run=run).values_list("type", flat=True)) == [
-        "run.created",
-        "step.started",
-        "step.completed",
+    assert history(run)[1:] == [
+        ("step.started", "one"),
+        ("step.completed", "one"),
+        ("step.started", "two"),
     ]

@@ -7,14 +7,22 @@ from datetime import date, datetime
 from typing import NoReturn
 
 from django.conf import settings
-from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
 from runs.engine.budget import NOTHING, Amount, Usage, scopes_for, settle_shared
 from runs.engine.records import brief, error_record
 from runs.engine.retry import retryable
-from runs.engine.store import Fence, Spend, append_event, fence, fenced_write
+from runs.engine.store import (
+    Completion,
+    Fence,
+    Spend,
+    append_event,
+    atomic,
+    complete_later,
+    fence,
+    fenced_write,
+)
 from runs.errors import REPLAYED, StepFailed, StepguardError
 from runs.models import EventType, Run, RunStatus, Step, StepStatus
 
@@ -79,14 +87,20 @@ class Checkpoints:
                 update_step=(step_pk, fields),
             )
             return
-        with transaction.atomic():
+        with atomic(self._lease):
             event_seq = fence(self._lease, replace(self._start, held=held.reserved))
             self._check_approval(approval)
             Step.objects.filter(pk=step_pk).update(**fields)
             append_event(self._lease.run_id, event_seq, EventType.STEP_RETRYING, key, **payload)
 
-    def _settle_step(self, step_pk, key, payload, fields, usage: Usage | None, held) -> None:
-        """Finish a step: its row, its event and, if it spent or held anything, the budgets."""
+    def _settle_step(
+        self, step_pk, key, payload, fields, usage: Usage | None, held, *, defer=False
+    ) -> None:
+        """Finish a step: its row, its event and, if it spent or held anything, the budgets.
+
+        With `defer`, a completion that touches no budget rides with the run's next write
+        (`complete_later`) unless STEPGUARD_EAGER_COMPLETIONS asks for it now.
+        """
         fields["finished_at"] = timezone.now()
         event = (
             EventType.STEP_COMPLETED
@@ -97,6 +111,14 @@ class Checkpoints:
         # compensations of a run being given up: they must not make it look healthy again.
         progress = self._give_up is None
         if usage is None and not any(held.reserved):
+            if (
+                defer
+                and event == EventType.STEP_COMPLETED
+                and not self._compensating
+                and not settings.STEPGUARD_EAGER_COMPLETIONS
+            ):
+                complete_later(self._lease, Completion(step_pk, key, payload, fields, progress))
+                return
             fenced_write(
                 self._lease, (event, key, payload), Fence(progress=progress),
                 update_step=(step_pk, fields),
@@ -114,7 +136,7 @@ class Checkpoints:
         }
         if usage.tokens or usage.micros:
             payload = {**payload, "tokens": usage.tokens, "usd": str(usage.usd)}
-        with transaction.atomic():
+        with atomic(self._lease):
             fenced_write(
                 self._lease, (event, key, payload), Fence(progress=progress, spend=spend),
                 update_step=(step_pk, fields),
@@ -165,7 +187,7 @@ class Checkpoints:
 
     def _note_retry(self, key: str, tries: int, exc: Exception, delay: float) -> None:
         """A transaction step's failed try, recorded before the wait (it has no step row)."""
-        with transaction.atomic():
+        with atomic(self._lease):
             event_seq = fence(self._lease)
             append_event(
                 self._lease.run_id,

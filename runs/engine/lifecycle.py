@@ -25,7 +25,7 @@ from runs.engine.outage import is_disconnect
 from runs.engine.records import brief, error_record
 from runs.engine.replay import REPLAY_FIELDS
 from runs.engine.serialization import to_json
-from runs.engine.store import Fence, Lease, append_event, fence, wake_parent
+from runs.engine.store import Fence, Lease, append_event, atomic, fence, wake_parent
 from runs.engine.wakeup import notify_runnable
 from runs.errors import (
     Cancelled,
@@ -74,9 +74,10 @@ def execute(run: Run, lease: Lease) -> Outcome:
     Returns what happened: completed, failed, retrying, waiting, cancelled, released, lost,
     disconnected (the database connection broke: the caller may wait for it and execute the
     run again under the same lease) or abandoned (any other database error: lease recovery
-    resumes it). Costs one query to load every checkpoint, then at most two transactions per
-    new step.
+    resumes it). Costs one query to load every checkpoint, then one statement and commit per
+    new step (its completion travels with the next write: `store.complete_later`).
     """
+    lease.pending = None  # a completion left by an execution that broke off is not ours
     try:
         checkpoints = Step.objects.filter(run_id=run.id).order_by("seq").only(*REPLAY_FIELDS)
         history = {s.seq: s for s in checkpoints}
@@ -139,7 +140,7 @@ def _database_error(run: Run, exc: DatabaseError, doing: str) -> Outcome:
 
 
 def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields) -> None:
-    with transaction.atomic():
+    with atomic(lease):
         if fields.get("status") in TERMINAL_STATUSES:
             release_holds(lease.run_id)
             fields |= {"reserved_micros": 0, "reserved_tokens": 0}
@@ -169,7 +170,7 @@ def _give_back(
     share-locked first, so an unhalt or a budget raise committed at the same moment is either
     seen here or sees the paused run and resumes it: never lost.
     """
-    with transaction.atomic():
+    with atomic(lease):
         event_seq = fence(lease, Fence(progress=True))
         run = Run.objects.only("id", "parent_id", "workflow").get(pk=lease.run_id)
         holds.lock_holds(run)

@@ -7,10 +7,9 @@ from datetime import datetime
 from typing import NoReturn
 from uuid import UUID
 
-from django.db import transaction
 from django.utils import timezone
 
-from runs.engine.store import Fence, append_event, fence
+from runs.engine.store import Fence, append_event, atomic, fence
 from runs.errors import (
     REPLAYED,
     Cancelled,
@@ -156,7 +155,7 @@ class Replay:
             return False
         self._seq += 1
         if record is None:
-            with transaction.atomic():
+            with atomic(self._lease):
                 # A marker spends nothing: halts and cancels stop it, a spent budget does not.
                 event_seq = fence(self._lease, Fence(starting=True, compensating=True))
                 if self._cancel_requested and not self._compensating:

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from django.db import transaction
 from django.utils import timezone
 
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
@@ -25,7 +24,7 @@ from runs.engine.checkpoints import Held
 from runs.engine.records import NOT_FOUND, Decision, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import INPUT_LIMIT, describe_input, to_json
-from runs.engine.store import append_event, fence, fenced_write
+from runs.engine.store import append_event, atomic, fence, fenced_write, flush
 from runs.errors import ApprovalRevoked, ControlFlow, OperatorFailed, StepMisuse, Suspended
 from runs.models import EventType, Recovery, Step, StepKind, StepStatus
 
@@ -165,7 +164,7 @@ class Steps:
                     update_step=None if record is None else (record.pk, fields),
                 )  # fmt: skip
             else:
-                with transaction.atomic():
+                with atomic(self._lease):
                     event_seq = fence(self._lease, replace(self._start, estimate=delta, held=held))
                     if moving and old.shared:
                         release_shared(old.shared, held, old.day)
@@ -188,8 +187,11 @@ class Steps:
             self._record_failure(step_pk, seq, key, idem, kind, 1, exc, old)
         policy = retry or DEFAULT_RETRY
         held_now = Held(reserved, shared, today) if any(reserved) else Held()
+        # A step whose crash would cost a reconcile, a question or an approved side effect
+        # writes its completion at once; any other rides with the run's next write.
+        defer = approval is None and reconcile is None and on_ambiguous == "resend"
         output = self._call(
-            step_pk, key, idem, fn, args, kwargs, policy, attempt, held_now, approval
+            step_pk, key, idem, fn, args, kwargs, policy, attempt, held_now, approval, defer
         )
         return self._remember(key, compensate, output)
 
@@ -207,11 +209,12 @@ class Steps:
             return record.output
         policy = retry or DEFAULT_RETRY
         idem = f"{self.run_id}:{key}"
+        flush(self._lease)  # the step before is recorded whatever this transaction does
         tries = 0
         while True:
             tries += 1
             try:
-                with transaction.atomic():
+                with atomic(self._lease):
                     event_seq = fence(self._lease, replace(self._start, progress=True))
                     if shared := scopes_for(self.workflow):
                         # Like any step: none starts once a shared daily budget is spent.
@@ -284,8 +287,9 @@ class Steps:
             runner.close()
 
     def _call(
-        self, step_pk, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt, held, approval
-    ):
+        self, step_pk, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt, held, approval,
+        defer=False,
+    ):  # fmt: skip
         tries = 0
         while True:
             tries += 1
@@ -312,7 +316,9 @@ class Steps:
                 self._record_failure(step_pk, None, key, idem, None, attempt, exc, held)
             else:
                 fields = {"status": StepStatus.COMPLETED, "output": output}
-                self._settle_step(step_pk, key, {"attempt": attempt}, fields, usage, held)
+                self._settle_step(
+                    step_pk, key, {"attempt": attempt}, fields, usage, held, defer=defer
+                )
                 return output
 
     def _reconcile(self, record: Step, reconcile: Callable[[str], Any], idem: str) -> Any:
@@ -364,7 +370,7 @@ class Steps:
             self._record_failure(
                 record.pk, None, record.key, idem, None, record.attempt, failure, held
             )
-        with transaction.atomic():
+        with atomic(self._lease):
             event_seq, _ = self._wait_fence()
             if request is None:
                 request = ApprovalRequest.objects.create(

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 from uuid import UUID
 
@@ -23,18 +24,36 @@ from runs.errors import Cancelled, Halted, LeaseLost, OverBudget
 from runs.models import Event, EventType, Run, RunStatus, Step
 
 
+@dataclass(frozen=True)
+class Completion:
+    """A finished step whose checkpoint travels with the run's next write (`complete_later`)."""
+
+    step_id: int
+    key: str
+    payload: dict
+    fields: dict
+    progress: bool
+
+
 @dataclass
 class Lease:
-    """A worker's hold on one run; `lost` is set by the heartbeat or a refused write."""
+    """A worker's hold on one run; `lost` is set by the heartbeat or a refused write.
+
+    `pending` is the completion of the step that just finished, not yet written: the next
+    fenced write of this execution carries it (see `complete_later`).
+    """
 
     run_id: UUID
     epoch: int
     workflow: str = ""
     stopping: threading.Event = field(default_factory=threading.Event)
     lost: threading.Event = field(default_factory=threading.Event)
+    pending: Completion | None = None
 
 
 _TABLE = Run._meta.db_table
+_STEP = f'"{Step._meta.db_table}"'
+_EVENT = f'"{Event._meta.db_table}"'
 
 
 @dataclass(frozen=True)
@@ -172,15 +191,99 @@ def fence(lease: Lease, checks: Fence = Fence()) -> int:
 
     Must run inside a transaction: the UPDATE row-locks the run until commit, so a concurrent
     claim (which bumps the epoch) or operator action is ordered before or after this whole
-    write, never inside it. What else it checks and changes is `checks` (see Fence).
+    write, never inside it. What else it checks and changes is `checks` (see Fence). A pending
+    completion is written by the same statement (PostgreSQL) or transaction, its event first.
     """
-    sql, params = fence_statement(lease, checks)
-    with connection.cursor() as cursor:
+    pending = lease.pending
+    total = _with_pending(lease, checks)
+    sql, params = fence_statement(lease, total)
+    if pending is not None and connection.vendor == "postgresql":
+        tail = "SELECT event_seq FROM f"
+        sql, params = _carrying(pending, lease, sql, params, checks.events, tail)
+    with hot_cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
-    if row is None:
+    if row is None or row[0] is None:
         refused(lease, checks)
-    return row[0] - checks.events + 1
+    first = row[0] - total.events + 1
+    if pending is not None:
+        if connection.vendor != "postgresql":
+            Step.objects.filter(pk=pending.step_id).update(**pending.fields)
+            append_event(
+                lease.run_id, first, EventType.STEP_COMPLETED, pending.key, **pending.payload
+            )
+        lease.pending = None
+        first += 1
+    return first
+
+
+def complete_later(lease: Lease, completion: Completion) -> None:
+    """Let a finished step's checkpoint ride with the run's next write: one commit per step.
+
+    The code between two steps is deterministic and has no side effects, so a crash before
+    that write re-sends the step with its same idempotency key, exactly as a crash during the
+    step does. Every write of the execution carries it (the next step's start, a wait, the
+    run's end, a pause), so a run that goes on never leaves it behind.
+    """
+    flush(lease)  # never two: a completion always has a write after it (the next start)
+    lease.pending = completion
+
+
+def flush(lease: Lease) -> None:
+    """Write the pending completion now, by itself: before a transaction step, whose
+    transaction holds business writes for as long as its function runs."""
+    completion, lease.pending = lease.pending, None
+    if completion is None:
+        return
+    event = (EventType.STEP_COMPLETED, completion.key, completion.payload)
+    update = (completion.step_id, completion.fields)
+    try:
+        fenced_write(lease, event, Fence(progress=completion.progress), update_step=update)
+    except BaseException:
+        lease.pending = completion
+        raise
+
+
+@contextmanager
+def atomic(lease: Lease):
+    """`transaction.atomic()` for writes that may carry the pending completion: if the block
+    fails, its writes roll back, the completion among them, so it is pending again."""
+    pending = lease.pending
+    try:
+        with transaction.atomic():
+            yield
+    except BaseException:
+        lease.pending = pending
+        raise
+
+
+def _with_pending(lease: Lease, checks: Fence) -> Fence:
+    """The fence of a write that also carries the pending completion: one more event, and the
+    completion's progress."""
+    if lease.pending is None:
+        return checks
+    return replace(
+        checks, events=checks.events + 1, progress=checks.progress or lease.pending.progress
+    )
+
+
+def _carrying(
+    pending: Completion, lease: Lease, fence_sql: str, params: list, after: int, tail: str
+) -> tuple[str, list]:
+    """`fence_sql` as the CTE `f`, followed by the pending completion's step update and event
+    (the first of the seqs allocated: `after` more follow it), then `tail`."""
+    columns, placeholders, values = _prep(Step, pending.fields)
+    sets = ", ".join(f"{c} = {p}" for c, p in zip(columns, placeholders, strict=True))
+    event = _event_fields(pending.key, EventType.STEP_COMPLETED, pending.payload)
+    event_columns, event_placeholders, event_values = _prep(Event, event)
+    sql = (
+        f"WITH f AS ({fence_sql})"
+        f", p AS (UPDATE {_STEP} SET {sets} WHERE id = %s AND EXISTS (SELECT 1 FROM f))"
+        f", pe AS (INSERT INTO {_EVENT} (run_id, seq, {', '.join(event_columns)})"
+        f" SELECT %s::uuid, f.event_seq - %s, {', '.join(event_placeholders)} FROM f) "
+    )
+    params = [*params, *values, pending.step_id, db_id(lease.run_id), after, *event_values]
+    return sql + tail, params
 
 
 def refused(lease: Lease, checks: Fence = Fence()) -> NoReturn:
@@ -290,13 +393,37 @@ def create_run(
     return run
 
 
-def _prep(model, values: dict) -> tuple[list[str], list[Any]]:
-    columns, params = [], []
+_COLUMNS: dict[tuple[type, str], tuple[str, str, Callable[[Any], Any] | None]] = {}
+
+
+def _column(model, name: str) -> tuple[str, str, Callable[[Any], Any] | None]:
+    """A field's quoted column, its placeholder (cast to its type, so a server-side bound
+    parameter needs no inference) and its adapter (None: the value goes as it is). Cached:
+    this runs for every column of every checkpoint."""
+    found = _COLUMNS.get((model, name))
+    if found is None:
+        f = model._meta.get_field(name)
+        plain = f.get_internal_type() in (
+            "CharField", "TextField", "IntegerField", "BigIntegerField",
+            "PositiveIntegerField", "PositiveSmallIntegerField", "SmallIntegerField",
+            "BooleanField",
+        )  # fmt: skip
+        placeholder = "%s"
+        if connection.vendor == "postgresql":
+            placeholder = f"%s::{f.cast_db_type(connection)}"
+        adapt = None if plain else (lambda value, f=f: f.get_db_prep_save(value, connection))
+        found = _COLUMNS[(model, name)] = (connection.ops.quote_name(f.column), placeholder, adapt)
+    return found
+
+
+def _prep(model, values: dict) -> tuple[list[str], list[str], list[Any]]:
+    columns, placeholders, params = [], [], []
     for name, value in values.items():
-        field = model._meta.get_field(name)
-        columns.append(connection.ops.quote_name(field.column))
-        params.append(field.get_db_prep_save(value, connection))
-    return columns, params
+        column, placeholder, adapt = _column(model, name)
+        columns.append(column)
+        placeholders.append(placeholder)
+        params.append(value if adapt is None or value is None else adapt(value))
+    return columns, placeholders, params
 
 
 def _step_defaults() -> dict[str, Any]:
@@ -305,6 +432,38 @@ def _step_defaults() -> dict[str, Any]:
         for f in Step._meta.concrete_fields
         if not f.primary_key and f.name != "run"
     }
+
+
+def _event_fields(key: str, type_: str, payload: dict) -> dict[str, Any]:
+    return {
+        "step_key": key, "type": type_, "actor": "system", "payload": payload,
+        "created_at": timezone.now(),
+    }  # fmt: skip
+
+
+@contextmanager
+def hot_cursor():
+    """A cursor for the statements every step sends: on PostgreSQL it binds parameters on the
+    server, so psycopg prepares each statement after a few uses and the server plans it once
+    per connection instead of every time (Django's own cursors bind on the client and are
+    never prepared). With prepared statements switched off (`DB_PREPARED_STATEMENTS=0`, for
+    a pooler that cannot keep them), and while Django logs queries (DEBUG, tests capturing
+    them: psycopg keeps no text of a prepared statement to log), it is Django's own cursor."""
+    if (
+        connection.vendor != "postgresql"
+        or not settings.STEPGUARD_PREPARED_STATEMENTS
+        or connection.queries_logged
+    ):
+        with connection.cursor() as cursor:
+            yield cursor
+        return
+    from django.db.backends.postgresql.base import ServerBindingCursor
+
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    # Django's wrapper around it keeps query logging, execute wrappers and its error classes.
+    with connection._prepare_cursor(ServerBindingCursor(connection.connection)) as cursor:
+        yield cursor
 
 
 def fenced_write(
@@ -318,13 +477,13 @@ def fenced_write(
     """One fenced checkpoint write: insert or update a step and append its event, atomically.
 
     On PostgreSQL this is a single statement (data-modifying CTEs: fence, step, event), one
-    round trip and one commit; elsewhere the same three statements in a transaction. Returns
-    the step's id. Raises like `fence` when the run is no longer ours to write.
+    round trip and one commit, carrying the pending completion if there is one; elsewhere the
+    same statements in a transaction. Returns the step's id. Raises like `fence` when the run
+    is no longer ours to write.
     """
     type_, key, payload = event
-    now = timezone.now()
-    if connection.vendor != "postgresql" or connection.in_atomic_block:
-        with transaction.atomic():
+    if connection.vendor != "postgresql":
+        with atomic(lease):
             seq = fence(lease, checks)
             step_id = None
             if insert_step is not None:
@@ -335,51 +494,60 @@ def fenced_write(
             append_event(lease.run_id, seq, type_, key, **payload)
         return step_id
     run_id = db_id(lease.run_id)
-    fence_sql, params = fence_statement(lease, checks)
-    sql = ["WITH f AS (" + fence_sql + ")"]
-    step_table = connection.ops.quote_name(Step._meta.db_table)
+    pending = lease.pending
+    sql, params = fence_statement(lease, _with_pending(lease, checks))
+    if pending is not None:  # its event takes the seq before this write's
+        sql, params = _carrying(pending, lease, sql, params, 1, "")
+    else:
+        sql = f"WITH f AS ({sql}) "
     if insert_step is not None:
-        values = {**_step_defaults(), **insert_step}
-        columns, values_params = _prep(Step, values)
-        sql.append(
-            f", s AS (INSERT INTO {step_table} (run_id, {', '.join(columns)}) "
-            f"SELECT %s, {', '.join(['%s'] * len(columns))} FROM f RETURNING id)"
+        columns, placeholders, values = _prep(Step, {**_step_defaults(), **insert_step})
+        sql += (
+            f", s AS (INSERT INTO {_STEP} (run_id, {', '.join(columns)}) "
+            f"SELECT %s::uuid, {', '.join(placeholders)} FROM f RETURNING id)"
         )
-        params += [run_id, *values_params]
+        params += [run_id, *values]
     elif update_step is not None:
-        columns, values_params = _prep(Step, update_step[1])
-        sets = ", ".join(f"{column} = %s" for column in columns)
-        sql.append(
-            f", s AS (UPDATE {step_table} SET {sets} "
+        columns, placeholders, values = _prep(Step, update_step[1])
+        sets = ", ".join(f"{c} = {p}" for c, p in zip(columns, placeholders, strict=True))
+        sql += (
+            f", s AS (UPDATE {_STEP} SET {sets} "
             "WHERE id = %s AND EXISTS (SELECT 1 FROM f) RETURNING id)"
         )
-        params += [*values_params, update_step[0]]
+        params += [*values, update_step[0]]
     else:
-        sql.append(", s AS (SELECT NULL::bigint AS id)")
-    event_columns, event_params = _prep(
-        Event,
-        {"step_key": key, "type": type_, "actor": "system", "payload": payload, "created_at": now},
+        sql += ", s AS (SELECT NULL::bigint AS id)"
+    event_columns, event_placeholders, event_values = _prep(
+        Event, _event_fields(key, type_, payload)
     )
-    sql.append(
-        f", e AS (INSERT INTO {connection.ops.quote_name(Event._meta.db_table)} "
-        f"(run_id, seq, {', '.join(event_columns)}) "
-        f"SELECT %s, f.event_seq, {', '.join(['%s'] * len(event_columns))} FROM f)"
+    sql += (
+        f", e AS (INSERT INTO {_EVENT} (run_id, seq, {', '.join(event_columns)}) "
+        f"SELECT %s::uuid, f.event_seq, {', '.join(event_placeholders)} FROM f)"
     )
-    params += [run_id, *event_params]
-    if checks.starting and not checks.durable and not settings.STEPGUARD_DURABLE_START:
+    params += [run_id, *event_values]
+    asynchronous = (
+        checks.starting
+        and not checks.durable
+        and not settings.STEPGUARD_DURABLE_START
+        and pending is None
+        and not connection.in_atomic_block
+    )
+    if asynchronous:
         # Opted out of (STEPGUARD_DURABLE_START=0): the write-ahead row then only marks a step
         # in flight, and a crash of the database server itself in the next ~0.2 s loses it,
         # so the step is re-sent as if it never started. A step that must be reconciled or
-        # asked about (`durable`) never takes that risk. Completions always commit durably.
-        sql.append(", c AS (SELECT set_config('synchronous_commit', 'off', true) AS v)")
-        sql.append(" SELECT (SELECT event_seq FROM f), (SELECT id FROM s), (SELECT v FROM c)")
+        # asked about (`durable`) never takes that risk, nor a write that carries a completion
+        # or belongs to a larger transaction. Completions always commit durably.
+        sql += ", c AS (SELECT set_config('synchronous_commit', 'off', true) AS v)"
+        sql += " SELECT (SELECT event_seq FROM f), (SELECT id FROM s), (SELECT v FROM c)"
     else:
-        sql.append(" SELECT (SELECT event_seq FROM f), (SELECT id FROM s), NULL")
-    with connection.cursor() as cursor:
-        cursor.execute("".join(sql), params)
+        sql += " SELECT (SELECT event_seq FROM f), (SELECT id FROM s), NULL"
+    with hot_cursor() as cursor:
+        cursor.execute(sql, params)
         seq, step_id, _ = cursor.fetchone()
     if seq is None:
         refused(lease, checks)
+    lease.pending = None
     transaction.on_commit(lambda: doorbell.ring(lease.run_id), robust=True)
     return step_id
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import transaction
 from django.utils import timezone
 
 from approvals.models import ApprovalRequest, ApprovalStatus
@@ -16,7 +15,7 @@ from runs.engine import registry
 from runs.engine.budget import default_run_budget
 from runs.engine.records import Decision, as_timedelta, brief
 from runs.engine.serialization import to_json
-from runs.engine.store import append_event, create_run
+from runs.engine.store import append_event, atomic, create_run
 from runs.errors import (
     ApprovalExpired,
     ApprovalRejected,
@@ -71,7 +70,7 @@ class Waits:
         if record is not None and record.status == StepStatus.COMPLETED:
             return record.output
         timed_out = False
-        with transaction.atomic():
+        with atomic(self._lease):
             event_seq, now = self._wait_fence()
             if record is None:
                 record = self._new_step(
@@ -128,7 +127,7 @@ class Waits:
             raise StepMisuse("an approval needs an action of 1 to 200 characters")
         data = to_json(payload, what=f"the payload of approval {key!r}")
         error: StepguardError | None = None
-        with transaction.atomic():
+        with atomic(self._lease):
             event_seq, now = self._wait_fence()
             if record is None:
                 expires = None if delta is None else now + delta
@@ -217,7 +216,7 @@ class Waits:
                 definition = registry.get(e.workflow)
                 plans[e.key] = (definition, to_json(e.input, what=f"the input of child {e.key!r}"))
         failure: ChildFailed | None = None
-        with transaction.atomic():
+        with atomic(self._lease):
             event_seq, now = self._wait_fence()
             events: list[tuple[str, str, dict]] = []
             for e in entries:
@@ -290,7 +289,7 @@ class Waits:
         key, seq, record = self._enter(key)
         if record is not None and record.status == StepStatus.COMPLETED:
             return
-        with transaction.atomic():
+        with atomic(self._lease):
             event_seq, now = self._wait_fence()
             if record is None:
                 when = deadline(now)
