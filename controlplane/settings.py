@@ -164,7 +164,7 @@ elif _db["ENGINE"] in ("django.db.backends.postgresql",):
     # statements across transactions (PgBouncer before 1.21 in transaction mode).
     if env_bool("DB_PREPARED_STATEMENTS", True):
         _db["OPTIONS"].setdefault("prepare_threshold", 5)
-STEPGUARD_PREPARED_STATEMENTS = _db["OPTIONS"].get("prepare_threshold") is not None
+STEPGUARD_PREPARED_STATEMENTS = _db.get("OPTIONS", {}).get("prepare_threshold") is not None
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -70,18 +70,23 @@ class JsonFormatter(logging.Formatter):
 
 
 def log_event(sender, instance, created: bool, **kwargs) -> None:
-    """post_save of Event: one log line per event appended (when `stepguard.events` is on).
-    Type, run, step and actor only: payloads may hold what agents were given."""
-    if not created or not events_log.isEnabledFor(logging.INFO):
+    """post_save of Event: one log line per event appended (when `stepguard.events` is on)."""
+    if created:
+        event_written(instance.run_id, instance.type, instance.step_key, instance.actor)
+
+
+def event_written(run_id, type: str, step_key: str = "", actor: str = "system") -> None:
+    """Log one appended event. The engine's one-statement writes (raw SQL, no post_save) call
+    this themselves. Type, run, step and actor only: payloads may hold what agents were given."""
+    if not events_log.isEnabledFor(logging.INFO):
         return
     current = _current.get() or {}
     events_log.info(
-        "%s by %s", instance.type, instance.actor,
+        "%s by %s", type, actor,
         extra={
-            "run_id": str(instance.run_id) if instance.run_id else None,
-            "workflow": current.get("workflow")
-            if current.get("run_id") == str(instance.run_id) else None,
-            "step": instance.step_key or None,
-            "event": instance.type,
+            "run_id": str(run_id) if run_id else None,
+            "workflow": current.get("workflow") if current.get("run_id") == str(run_id) else None,
+            "step": step_key or None,
+            "event": type,
         },
     )  # fmt: skip

@@ -3,13 +3,13 @@
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from approvals.models import ApprovalRequest
 from runs.engine.budget import shared_budget_scopes
 from runs.engine.executor import Lease, RunContext
-from runs.errors import ApprovalRevoked, StepFailed
+from runs.errors import ApprovalRevoked, StepMisuse
 from runs.models import Event, Run, RunStatus, Step, StepStatus
 from runs.sdk import OutputNotSerializable, UnknownWorkflow, start_run
 from tests import workflows
@@ -340,12 +340,63 @@ def test_a_refused_start_rolls_back_to_a_pending_completion_and_the_failure_carr
 def test_a_transaction_step_records_the_step_before_it_first(drive):
     run, ctx, _ = two_new_steps()
 
-    def boom():
-        raise ValueError("no")
+    def dies():
+        raise Crash("the process dies inside the business transaction")
 
-    with pytest.raises(StepFailed):
-        ctx.transaction("write", boom)
+    with pytest.raises(Crash):
+        ctx.transaction("write", dies)
+    # Written before the business transaction began, so its rollback did not take it.
     assert steps_of(run)["two"].status == "completed"
+
+
+def test_a_carried_completion_is_dated_when_the_step_finished(drive):
+    run, _, _ = two_new_steps()
+    one = steps_of(run)["one"]
+    completed = Event.objects.get(run=run, type="step.completed", step_key="one")
+    started_two = Event.objects.get(run=run, type="step.started", step_key="two")
+    assert completed.created_at == one.finished_at <= started_two.created_at
+
+
+def test_a_step_inside_the_workflows_own_transaction_is_refused(drive):
+    run, ctx, _ = two_new_steps()
+    with pytest.raises(StepMisuse, match=r"use ctx\.transaction"), transaction.atomic():
+        ctx.step("three", int, 3)
+    # Refused before anything was written: "two" is still pending, and is carried next.
+    assert ctx.step("four", int, 4) == 4
+    assert steps_of(run)["two"].status == "completed" and "three" not in steps_of(run)
+
+
+def test_a_recovering_run_completes_each_step_at_once(drive, expire_lease):
+    run = start_run("many", {"steps": 2, "crash": True})
+    with pytest.raises(Crash):
+        drive()
+    expire_lease(run.id)
+    with pytest.raises(Crash):  # dies again right after the last step, as before
+        drive()
+    # This time the re-sent s1 was recorded before the crash: it is not sent a third time.
+    assert steps_of(run)["s1"].status == "completed" and steps_of(run)["s1"].attempt == 2
+
+
+def prepared_after_eight_steps() -> int:
+    connection.close()  # a new connection: no statement prepared on it yet
+    run = start_run("many", {"steps": 8})
+    Run.objects.filter(pk=run.pk).update(
+        status=RunStatus.RUNNING, lease_until=run.created_at + timedelta(hours=1)
+    )
+    ctx = RunContext(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch))
+    for i in range(8):
+        ctx.step(f"s{i}", int, i)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'WITH%'")
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_on_postgresql_the_step_statement_is_prepared_unless_switched_off(settings):
+    assert prepared_after_eight_steps() == 1  # from its 5th use, planned once
+    settings.STEPGUARD_PREPARED_STATEMENTS = False  # DB_PREPARED_STATEMENTS=0
+    assert prepared_after_eight_steps() == 0
 
 
 def test_a_run_that_kills_its_worker_every_time_is_failed_after_a_bounded_number(

@@ -1,5 +1,6 @@
 """Real worker processes: SIGKILL, SIGSTOP, SIGTERM, several workers at once."""
 
+import os
 import random
 import signal
 import time
@@ -221,3 +222,37 @@ def test_workers_wake_on_notify_and_the_listener_reconnects_after_its_backend_di
     wait_until(listeners, what="the listener to reconnect")
     second = start_run("ledger", {"steps": 1})
     assert wait_done(second, timeout=10).status == RunStatus.COMPLETED
+
+
+def live_worker_pids() -> set[int]:
+    return set(Worker.objects.filter(stopped_at__isnull=True).values_list("pid", flat=True))
+
+
+def test_processes_runs_a_worker_per_process_and_replaces_one_that_dies(spawn_worker):
+    supervisor = spawn_worker("--processes", "2", "--concurrency", "1", wait=False)
+    first = wait_until(lambda: live_worker_pids() if len(live_worker_pids()) == 2 else None)
+    assert supervisor.pid not in first  # the supervisor runs no runs itself
+
+    # Four runs with a slow step and one thread per process: both processes take some.
+    runs = [start_run("ledger", {"steps": 2, "slow": [0], "slow_seconds": 0.5}) for _ in range(4)]
+    assert {wait_done(run).status for run in runs} == {RunStatus.COMPLETED}
+    claimers = set(
+        Event.objects.filter(run__in=runs, type="run.claimed").values_list(
+            "payload__worker", flat=True
+        )
+    )
+    assert len(claimers) == 2
+
+    victim = min(first)
+    os.kill(victim, signal.SIGKILL)
+    replaced = wait_until(
+        lambda: (pids := live_worker_pids() - {victim}) and len(pids - first) == 1 and pids,
+        what="a new worker process in place of the killed one",
+    )
+    assert len(replaced) == 2
+
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.proc.wait(30) == 0
+    # Both children heard the signal and stopped cleanly (the killed one never could).
+    stopped = Worker.objects.filter(pid__in=replaced, stopped_at__isnull=False).count()
+    assert stopped == 2

@@ -251,10 +251,11 @@ def next_day_start():
     return datetime.combine(tomorrow, time(0), tzinfo=UTC)
 
 
-def release_holds(run_id) -> None:
+def release_holds(run_id, *, zero_run: bool = True) -> None:
     """A run ended: give back what its unfinished steps still hold (a step in flight when its
     worker died and never re-sent), from the ledgers and the day each was reserved against,
-    and zero the run's reservation. Inside the transaction that ends the run."""
+    and zero the run's reservation (unless the caller's own write does). Inside the
+    transaction that ends the run."""
     from runs.models import Run, Step, StepStatus
 
     holding = Step.objects.filter(run_id=run_id, status=StepStatus.STARTED).filter(
@@ -268,4 +269,5 @@ def release_holds(run_id) -> None:
     for micros, tokens, day, scopes in holds:
         if scopes and day:
             release_shared(list(scopes), Amount(micros, tokens), day)
-    Run.objects.filter(pk=run_id).update(reserved_micros=0, reserved_tokens=0)
+    if zero_run:
+        Run.objects.filter(pk=run_id).update(reserved_micros=0, reserved_tokens=0)

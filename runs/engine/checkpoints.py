@@ -115,6 +115,7 @@ class Checkpoints:
                 defer
                 and event == EventType.STEP_COMPLETED
                 and not self._compensating
+                and not self._eager
                 and not settings.STEPGUARD_EAGER_COMPLETIONS
             ):
                 complete_later(self._lease, Completion(step_pk, key, payload, fields, progress))

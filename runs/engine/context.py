@@ -48,6 +48,9 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         self._give_up: StepguardError | None = None
         self._compensations: list[tuple[str, Callable, Any]] = []
         self._compensating = False
+        #: A run recovering from a lost worker completes each step at once: if the process
+        #: keeps dying right after a step, that step must not be re-sent each time.
+        self._eager = run.recoveries > 0
         self._patches: dict[str, bool] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: asyncio.Runner | None = None  # a sync workflow's event loop, see _await

@@ -25,7 +25,7 @@ from runs.engine.outage import is_disconnect
 from runs.engine.records import brief, error_record
 from runs.engine.replay import REPLAY_FIELDS
 from runs.engine.serialization import to_json
-from runs.engine.store import Fence, Lease, append_event, atomic, fence, wake_parent
+from runs.engine.store import Fence, Lease, append_event, atomic, fence, fenced_write, wake_parent
 from runs.engine.wakeup import notify_runnable
 from runs.errors import (
     Cancelled,
@@ -79,8 +79,10 @@ def execute(run: Run, lease: Lease) -> Outcome:
     """
     lease.pending = None  # a completion left by an execution that broke off is not ours
     try:
-        checkpoints = Step.objects.filter(run_id=run.id).order_by("seq").only(*REPLAY_FIELDS)
-        history = {s.seq: s for s in checkpoints}
+        history = {}
+        if not _brand_new(run):
+            checkpoints = Step.objects.filter(run_id=run.id).order_by("seq").only(*REPLAY_FIELDS)
+            history = {s.seq: s for s in checkpoints}
     except DatabaseError as exc:
         return _database_error(run, exc, "loading checkpoints")
     ctx = RunContext(run, history, lease)
@@ -115,6 +117,7 @@ def execute(run: Run, lease: Lease) -> Outcome:
             lease,
             EventType.RUN_COMPLETED,
             {},
+            holding=ctx._holding(),
             parent_id=run.parent_id,
             status=RunStatus.COMPLETED,
             output=output,
@@ -128,6 +131,13 @@ def execute(run: Run, lease: Lease) -> Outcome:
     return Outcome.COMPLETED
 
 
+def _brand_new(run: Run) -> bool:
+    """A run whose history is its creation and this claim: it has no checkpoints to load.
+    (Steps are written with events, so any step would have moved `event_seq` past 2; a fork's
+    inherited steps are copied without, hence the fork test.)"""
+    return run.event_seq == 2 and run.forked_from_id is None
+
+
 def _database_error(run: Run, exc: DatabaseError, doing: str) -> Outcome:
     """A checkpoint read or write failed, so nothing of it is recorded. A broken connection
     (the server restarting) is the caller's to wait out; anything else is logged in full and
@@ -139,15 +149,20 @@ def _database_error(run: Run, exc: DatabaseError, doing: str) -> Outcome:
     return Outcome.ABANDONED
 
 
-def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields) -> None:
+def _finish(
+    lease: Lease, event: str, payload: dict, *, parent_id=None, holding=True, **fields
+) -> None:
+    """End the run: its row and its event in one fenced write (with the last step's pending
+    completion), after giving back what unfinished steps still hold (`holding`: there may
+    be some)."""
+    ending = fields.get("status") in TERMINAL_STATUSES
     with atomic(lease):
-        if fields.get("status") in TERMINAL_STATUSES:
-            release_holds(lease.run_id)
+        if ending:
+            if holding:
+                release_holds(lease.run_id, zero_run=False)  # the write below zeroes the run's
             fields |= {"reserved_micros": 0, "reserved_tokens": 0}
-        event_seq = fence(lease, Fence(progress=True))
-        Run.objects.filter(pk=lease.run_id).update(**fields)
-        append_event(lease.run_id, event_seq, event, **payload)
-        if parent_id is not None and fields.get("status") in TERMINAL_STATUSES:
+        fenced_write(lease, (event, "", payload), Fence(progress=True, run=tuple(fields.items())))
+        if parent_id is not None and ending:
             wake_parent(lease.run_id, fields["status"], parent_id)
 
 

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import cache
 from typing import Any, NoReturn
 from uuid import UUID
 
@@ -20,7 +21,8 @@ from django.utils import timezone
 from runs.engine.budget import NOTHING, Amount
 from runs.engine.holds import covered, covered_sql, holds_on
 from runs.engine.wakeup import doorbell, notify_runnable
-from runs.errors import Cancelled, Halted, LeaseLost, OverBudget
+from runs.errors import Cancelled, Halted, LeaseLost, OverBudget, StepMisuse
+from runs.logcontext import event_written
 from runs.models import Event, EventType, Run, RunStatus, Step
 
 
@@ -49,6 +51,7 @@ class Lease:
     stopping: threading.Event = field(default_factory=threading.Event)
     lost: threading.Event = field(default_factory=threading.Event)
     pending: Completion | None = None
+    depth: int = 0  # how many of the engine's own `atomic` blocks are open
 
 
 _TABLE = Run._meta.db_table
@@ -85,6 +88,7 @@ class Fence:
     spend: Spend | None = None  # a finishing step's usage, and its reservation given back
     progress: bool = False  # a step finished: the poison-run count starts again
     durable: bool = False  # True: a durable start even with STEPGUARD_DURABLE_START=0
+    run: tuple[tuple[str, Any], ...] = ()  # more columns of the run row to set: (field, value)
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,10 @@ def fence_statement(lease: Lease, checks: Fence = Fence()) -> tuple[str, list[An
         ]  # fmt: skip
     if checks.progress:
         sets += ", recoveries = 0"
+    if checks.run:
+        columns, placeholders, values = _prep(Run, dict(checks.run))
+        sets += "".join(f", {c} = {p}" for c, p in zip(columns, placeholders, strict=True))
+        params += values
     sql = f"UPDATE {_TABLE} SET {sets} WHERE id = %s AND lease_epoch = %s AND status = %s"
     params += [db_id(lease.run_id), lease.epoch, RunStatus.RUNNING]
     for condition in CONDITIONS:
@@ -194,6 +202,7 @@ def fence(lease: Lease, checks: Fence = Fence()) -> int:
     write, never inside it. What else it checks and changes is `checks` (see Fence). A pending
     completion is written by the same statement (PostgreSQL) or transaction, its event first.
     """
+    _own_transaction(lease)
     pending = lease.pending
     total = _with_pending(lease, checks)
     sql, params = fence_statement(lease, total)
@@ -209,9 +218,11 @@ def fence(lease: Lease, checks: Fence = Fence()) -> int:
     if pending is not None:
         if connection.vendor != "postgresql":
             Step.objects.filter(pk=pending.step_id).update(**pending.fields)
-            append_event(
-                lease.run_id, first, EventType.STEP_COMPLETED, pending.key, **pending.payload
-            )
+            Event.objects.create(
+                run_id=lease.run_id, seq=first, **_completed_event(pending)
+            )  # the doorbell rings for the write that carried it
+        else:
+            event_written(lease.run_id, EventType.STEP_COMPLETED, pending.key)
         lease.pending = None
         first += 1
     return first
@@ -249,12 +260,33 @@ def atomic(lease: Lease):
     """`transaction.atomic()` for writes that may carry the pending completion: if the block
     fails, its writes roll back, the completion among them, so it is pending again."""
     pending = lease.pending
+    lease.depth += 1
     try:
         with transaction.atomic():
             yield
     except BaseException:
         lease.pending = pending
         raise
+    finally:
+        lease.depth -= 1
+
+
+def _own_transaction(lease: Lease) -> None:
+    """Refuse a checkpoint write inside a transaction the engine does not own.
+
+    A step's checkpoint must commit when the engine says so: inside workflow code's own
+    `transaction.atomic()` its rows (and the completion before it) would be rolled back with
+    that block after the step's side effect happened. The test suite's per-test transaction is
+    not the workflow's, and is allowed.
+    """
+    if lease.depth or not connection.in_atomic_block:
+        return
+    if all(getattr(block, "_from_testcase", False) for block in connection.atomic_blocks):
+        return
+    raise StepMisuse(
+        "a step inside transaction.atomic(): a step's checkpoint commits on its own; "
+        "use ctx.transaction for database writes that must commit with a step"
+    )
 
 
 def _with_pending(lease: Lease, checks: Fence) -> Fence:
@@ -274,8 +306,7 @@ def _carrying(
     (the first of the seqs allocated: `after` more follow it), then `tail`."""
     columns, placeholders, values = _prep(Step, pending.fields)
     sets = ", ".join(f"{c} = {p}" for c, p in zip(columns, placeholders, strict=True))
-    event = _event_fields(pending.key, EventType.STEP_COMPLETED, pending.payload)
-    event_columns, event_placeholders, event_values = _prep(Event, event)
+    event_columns, event_placeholders, event_values = _prep(Event, _completed_event(pending))
     sql = (
         f"WITH f AS ({fence_sql})"
         f", p AS (UPDATE {_STEP} SET {sets} WHERE id = %s AND EXISTS (SELECT 1 FROM f))"
@@ -410,7 +441,10 @@ def _column(model, name: str) -> tuple[str, str, Callable[[Any], Any] | None]:
         )  # fmt: skip
         placeholder = "%s"
         if connection.vendor == "postgresql":
-            placeholder = f"%s::{f.cast_db_type(connection)}"
+            # `text`, not `varchar(n)`: an explicit cast to varchar(n) would cut a value too
+            # long silently; assigning text to the column checks its length.
+            kind = "text" if f.get_internal_type() in ("CharField", "TextField") else None
+            placeholder = f"%s::{kind or f.cast_db_type(connection)}"
         adapt = None if plain else (lambda value, f=f: f.get_db_prep_save(value, connection))
         found = _COLUMNS[(model, name)] = (connection.ops.quote_name(f.column), placeholder, adapt)
     return found
@@ -426,12 +460,20 @@ def _prep(model, values: dict) -> tuple[list[str], list[str], list[Any]]:
     return columns, placeholders, params
 
 
+@cache
 def _step_defaults() -> dict[str, Any]:
+    """Every column of a new step row (no column has a database default); read-only."""
     return {
         f.name: f.get_default()
         for f in Step._meta.concrete_fields
         if not f.primary_key and f.name != "run"
     }
+
+
+def _completed_event(pending: Completion) -> dict[str, Any]:
+    """The carried completion's event, dated when the step finished, not when it was written."""
+    event = _event_fields(pending.key, EventType.STEP_COMPLETED, pending.payload)
+    return event | {"created_at": pending.fields.get("finished_at", event["created_at"])}
 
 
 def _event_fields(key: str, type_: str, payload: dict) -> dict[str, Any]:
@@ -482,6 +524,9 @@ def fenced_write(
     is no longer ours to write.
     """
     type_, key, payload = event
+    _own_transaction(lease)
+    if update_step is not None and lease.pending and lease.pending.step_id == update_step[0]:
+        flush(lease)  # one statement must not update the same step row twice
     if connection.vendor != "postgresql":
         with atomic(lease):
             seq = fence(lease, checks)
@@ -547,6 +592,9 @@ def fenced_write(
         seq, step_id, _ = cursor.fetchone()
     if seq is None:
         refused(lease, checks)
+    if pending is not None:
+        event_written(lease.run_id, EventType.STEP_COMPLETED, pending.key)
+    event_written(lease.run_id, type_, key)
     lease.pending = None
     transaction.on_commit(lambda: doorbell.ring(lease.run_id), robust=True)
     return step_id

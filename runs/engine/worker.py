@@ -18,7 +18,7 @@ from functools import reduce
 from operator import or_
 
 from django.conf import settings
-from django.db import close_old_connections, transaction
+from django.db import close_old_connections, connection, transaction
 from django.db.models import F, Min, Q
 from django.utils import timezone
 
@@ -28,13 +28,16 @@ from runs.engine.budget import release_holds
 from runs.engine.executor import execute, release
 from runs.engine.outage import is_disconnect, outage, reconnect, wait_for_database
 from runs.engine.store import Lease, append_event, wake_parent
-from runs.engine.wakeup import Listener, is_postgres
-from runs.models import GLOBAL, EventType, Policy, Run, RunStatus, Worker
+from runs.engine.wakeup import Listener, doorbell, is_postgres
+from runs.logcontext import event_written
+from runs.models import GLOBAL, Event, EventType, Policy, Run, RunStatus, Worker
 
 log = logging.getLogger("stepguard.worker")
 
 
 WAKEABLE = (RunStatus.PENDING, RunStatus.WAITING, RunStatus.OVER_BUDGET)
+RUN_TABLE = f'"{Run._meta.db_table}"'
+EVENT_TABLE = f'"{Event._meta.db_table}"'
 #: Times one claim of a run is taken up again after its connection broke; past that, a
 #: connection that breaks whatever we do is left to lease recovery and its poison-run bound.
 MAX_CARRY_ON = 10
@@ -73,6 +76,7 @@ class WorkerProcess:
                 "no workflows registered: pass --import MODULE or set STEPGUARD_WORKFLOW_MODULES"
             )
         self.workflows = sorted(d.ref for d in definitions)
+        self._mine_refs = sorted((d.name, d.version) for d in definitions)
         self._mine = reduce(or_, (Q(workflow=d.name, version=d.version) for d in definitions))
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -135,7 +139,10 @@ class WorkerProcess:
             # thread still inside the step can never write; the next owner re-sends that step.
             lease.lost.set()
             try:
-                if release(lease, "worker shutting down; grace period expired mid-step"):
+                # A lease of its own: the run's thread may still be writing with `lease`, and a
+                # completion pending there is not this thread's to write (it is re-sent).
+                mine = Lease(lease.run_id, lease.epoch)
+                if release(mine, "worker shutting down; grace period expired mid-step"):
                     log.warning("run %s released mid-step after the grace period", lease.run_id)
             except Exception:
                 log.exception("run %s: could not release; its lease will expire", lease.run_id)
@@ -176,6 +183,15 @@ class WorkerProcess:
 
     def claim(self, limit: int) -> list[Run]:
         now = timezone.now()
+        if connection.vendor == "postgresql":
+            claimed = self._claim_in_one_statement(limit, now)
+            outage.ok()  # the database answered
+            if len(claimed) < limit:
+                # Nothing more is runnable now: the due runs left are held or poison runs,
+                # which the statement skips. Park the held ones; fail the poison ones.
+                self._park_held(now)
+                claimed += self._claim_poisoned(now)
+            return claimed
         claimed_ids = []
         self._park_held(now)
         outage.ok()  # the database answered
@@ -198,6 +214,73 @@ class WorkerProcess:
         runs = Run.objects.filter(id__in=epochs, worker=self.id)
         # Whatever was taken over between our commit and this read is dropped, not adopted.
         return [run for run in runs if run.lease_epoch == epochs[run.id]]
+
+    def _claim_in_one_statement(self, limit: int, now) -> list[Run]:
+        """PostgreSQL: lock up to `limit` runnable runs (SKIP LOCKED: workers never wait on
+        each other), take their leases and append their claim events, in one statement.
+
+        Held runs and poison runs (recovered too often) are left to `claim`'s slow path.
+        """
+        fields = [f for f in Run._meta.concrete_fields]
+        columns = ", ".join(f'r."{f.column}"' for f in fields)
+        mine = " OR ".join(["(workflow = %s AND version = %s)"] * len(self._mine_refs))
+        sql = f"""
+            WITH c AS (
+                SELECT id, status AS was FROM {RUN_TABLE}
+                WHERE ((status = ANY(%s) AND wake_at <= %s) OR (status = %s AND lease_until < %s))
+                  AND ({mine})
+                  AND NOT (status = %s AND recoveries + 1 >= %s)
+                  AND NOT {holds.covered_sql()}
+                ORDER BY wake_at
+                LIMIT %s
+                FOR UPDATE SKIP LOCKED
+            ), u AS (
+                UPDATE {RUN_TABLE} r SET
+                    status = %s, worker_id = %s, lease_until = %s,
+                    lease_epoch = r.lease_epoch + 1, event_seq = r.event_seq + 1,
+                    recoveries = r.recoveries + CASE WHEN c.was = %s THEN 1 ELSE 0 END,
+                    started_at = CASE WHEN r.lease_epoch = 0 THEN %s ELSE r.started_at END
+                FROM c WHERE r.id = c.id
+                RETURNING {columns}, c.was
+            ), e AS (
+                INSERT INTO {EVENT_TABLE}
+                    (run_id, seq, step_key, type, actor, payload, created_at)
+                SELECT id, event_seq, '',
+                    CASE was WHEN %s THEN %s WHEN %s THEN %s ELSE %s END,
+                    'system', jsonb_build_object('worker', %s::text, 'epoch', lease_epoch), %s
+                FROM u
+            )
+            SELECT * FROM u ORDER BY wake_at
+        """
+        poison = 2 * settings.STEPGUARD_MAX_RECOVERIES
+        params = [
+            list(WAKEABLE), now, RunStatus.RUNNING, now,
+            *(part for ref in self._mine_refs for part in ref),
+            RunStatus.RUNNING, poison, limit,
+            RunStatus.RUNNING, self.id, now + self.lease, RunStatus.RUNNING, now,
+            RunStatus.RUNNING, EventType.RUN_RECOVERED,
+            RunStatus.WAITING, EventType.RUN_WOKEN, EventType.RUN_CLAIMED,
+            str(self.id), now,
+        ]  # fmt: skip
+        runs = list(Run.objects.raw(sql, params))
+        kinds = {RunStatus.RUNNING: EventType.RUN_RECOVERED, RunStatus.WAITING: EventType.RUN_WOKEN}
+        for run in runs:
+            doorbell.ring(run.id)
+            event_written(run.id, kinds.get(run.was, EventType.RUN_CLAIMED))
+        return runs
+
+    def _claim_poisoned(self, now) -> list[Run]:
+        """Fail the due runs past twice the poison-run bound (see `_claim_one`)."""
+        poisoned = Run.objects.filter(
+            self._mine,
+            status=RunStatus.RUNNING,
+            lease_until__lt=now,
+            recoveries__gte=2 * settings.STEPGUARD_MAX_RECOVERIES - 1,
+        ).values_list("id", "status", "lease_epoch", "event_seq", "recoveries")[:50]
+        for candidate in poisoned:
+            with transaction.atomic():
+                self._claim_one(*candidate, now)
+        return []
 
     def _park_held(self, now) -> None:
         """Runs a hold covers that are due or whose worker died: mark them halted, never run

@@ -1,5 +1,9 @@
 import logging
+import os
 import signal
+import subprocess
+import sys
+import time
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
@@ -27,10 +31,21 @@ class Command(BaseCommand):
         parser.add_argument("--lease-seconds", type=float, default=None)
         parser.add_argument("--poll-interval", type=float, default=None)
         parser.add_argument("--grace", type=float, default=None, help="SIGTERM grace, seconds")
+        parser.add_argument(
+            "--processes",
+            type=int,
+            default=1,
+            help="worker processes on this host, each with --concurrency threads (one Python "
+            "process uses one core); a supervisor restarts one that dies",
+        )
 
-    def handle(self, *args, modules, concurrency, lease_seconds, poll_interval, grace, **options):
+    def handle(
+        self, *args, modules, concurrency, lease_seconds, poll_interval, grace, processes, **options
+    ):
         if concurrency < 1:
             raise CommandError("--concurrency must be at least 1")
+        if processes < 1:
+            raise CommandError("--processes must be at least 1")
         if lease_seconds is not None and lease_seconds < 1:
             raise CommandError("--lease-seconds must be at least 1")
         try:
@@ -45,6 +60,8 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         if options["verbosity"] > 0:
             logging.getLogger("stepguard").setLevel(logging.INFO)
+        if processes > 1:
+            raise SystemExit(Supervisor(processes, self.stdout).run())
 
         def on_signal(signum, frame):
             if worker.stopping.is_set():
@@ -57,9 +74,87 @@ class Command(BaseCommand):
         # With LOG_FORMAT=json every line of the process is a JSON object, these two as well.
         say = log.info if settings.LOG_FORMAT == "json" else self.stdout.write
         say(
-            f"worker {worker.id} pid {__import__('os').getpid()} serving "
+            f"worker {worker.id} pid {os.getpid()} serving "
             f"{', '.join(worker.workflows)} (concurrency {concurrency})"
         )
         self.stdout.flush()
         worker.run_forever()
         say(f"worker {worker.id} stopped")
+
+
+#: A child that exits on its own this soon after its start is misconfigured, not unlucky.
+EARLY_EXIT_SECONDS = 10.0
+
+
+def child_argv(argv: list[str]) -> list[str]:
+    """This command line without `--processes`: what each child runs."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--processes":
+            skip = True
+        elif not arg.startswith("--processes="):
+            out.append(arg)
+    return [sys.executable, *out]
+
+
+class Supervisor:
+    """`runworker --processes N`: N worker processes, so one host uses all its cores.
+
+    Each child is an ordinary worker (its own Worker row, leases, heartbeats); claims are
+    exclusive in the database, so they share the queue like workers on different hosts. A
+    signal is passed on to every child (a second one still means "release everything now").
+    A child that dies is restarted, unless it exits on its own within EARLY_EXIT_SECONDS of
+    starting (a bad setting or import): then all stop and its exit status is returned.
+    """
+
+    def __init__(self, processes: int, out):
+        self.processes = processes
+        self.out = out
+        self.argv = child_argv(sys.argv)
+        self.children: dict[int, tuple[subprocess.Popen, float]] = {}
+        self.stopping = False
+
+    def say(self, message: str) -> None:
+        self.out.write(message)
+        self.out.flush()
+
+    def start_child(self) -> None:
+        child = subprocess.Popen(self.argv)
+        self.children[child.pid] = (child, time.monotonic())
+
+    def on_signal(self, signum, frame) -> None:
+        self.stopping = True
+        for child, _ in self.children.values():
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+        self.say(f"supervisor pid {os.getpid()}: starting {self.processes} worker processes")
+        for _ in range(self.processes):
+            self.start_child()
+        status = 0
+        while self.children:
+            try:
+                pid, raw = os.wait()
+            except ChildProcessError:
+                break
+            entry = self.children.pop(pid, None)
+            if entry is None:
+                continue
+            code = os.waitstatus_to_exitcode(raw)
+            entry[0].returncode = code
+            if self.stopping:
+                continue
+            if code > 0 and time.monotonic() - entry[1] < EARLY_EXIT_SECONDS:
+                self.say(f"worker process {pid} exited with {code} at start; stopping all")
+                status = code
+                self.on_signal(signal.SIGTERM, None)
+                continue
+            self.say(f"worker process {pid} ended ({code}); starting another")
+            self.start_child()
+        self.say("supervisor stopped")
+        return status
