@@ -219,21 +219,32 @@ class WorkerProcess:
         """PostgreSQL: lock up to `limit` runnable runs (SKIP LOCKED: workers never wait on
         each other), take their leases and append their claim events, in one statement.
 
-        Held runs and poison runs (recovered too often) are left to `claim`'s slow path.
+        Due runs and runs whose worker died are looked up apart, each in the order of its own
+        partial index, so a claim reads about `limit` rows however long the queue is. Held
+        runs and poison runs (recovered too often) are left to `claim`'s slow path.
         """
         fields = [f for f in Run._meta.concrete_fields]
         columns = ", ".join(f'r."{f.column}"' for f in fields)
         mine = " OR ".join(["(workflow = %s AND version = %s)"] * len(self._mine_refs))
         sql = f"""
-            WITH c AS (
-                SELECT id, status AS was FROM {RUN_TABLE}
-                WHERE ((status = ANY(%s) AND wake_at <= %s) OR (status = %s AND lease_until < %s))
-                  AND ({mine})
-                  AND NOT (status = %s AND recoveries + 1 >= %s)
+            WITH due AS (
+                SELECT id, status AS was, wake_at AS at FROM {RUN_TABLE}
+                WHERE status = ANY(%s) AND wake_at <= %s AND ({mine})
                   AND NOT {holds.covered_sql()}
                 ORDER BY wake_at
                 LIMIT %s
                 FOR UPDATE SKIP LOCKED
+            ), lost AS (
+                SELECT id, status AS was, lease_until AS at FROM {RUN_TABLE}
+                WHERE status = %s AND lease_until < %s AND ({mine})
+                  AND recoveries + 1 < %s
+                  AND NOT {holds.covered_sql()}
+                ORDER BY lease_until
+                LIMIT %s
+                FOR UPDATE SKIP LOCKED
+            ), c AS (
+                SELECT id, was FROM (SELECT * FROM lost UNION ALL SELECT * FROM due) AS both_
+                ORDER BY at LIMIT %s
             ), u AS (
                 UPDATE {RUN_TABLE} r SET
                     status = %s, worker_id = %s, lease_until = %s,
@@ -253,10 +264,11 @@ class WorkerProcess:
             SELECT * FROM u ORDER BY wake_at
         """
         poison = 2 * settings.STEPGUARD_MAX_RECOVERIES
+        refs = [part for ref in self._mine_refs for part in ref]
         params = [
-            list(WAKEABLE), now, RunStatus.RUNNING, now,
-            *(part for ref in self._mine_refs for part in ref),
-            RunStatus.RUNNING, poison, limit,
+            list(WAKEABLE), now, *refs, limit,
+            RunStatus.RUNNING, now, *refs, poison, limit,
+            limit,
             RunStatus.RUNNING, self.id, now + self.lease, RunStatus.RUNNING, now,
             RunStatus.RUNNING, EventType.RUN_RECOVERED,
             RunStatus.WAITING, EventType.RUN_WOKEN, EventType.RUN_CLAIMED,
