@@ -135,6 +135,9 @@ class Run(models.Model):
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     cancel_requested_by = models.CharField(max_length=150, blank=True, default="")
     cancel_reason = models.TextField(blank=True, default="")
+    # Where the run's trace continues (W3C traceparent carrier; runs/tracing.py): null when the
+    # process that started it had no tracer configured.
+    trace_context = models.JSONField(null=True, blank=True, editable=False)
 
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)

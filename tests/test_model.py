@@ -38,6 +38,7 @@ prints the rule sequence that reproduces it; shrinking one can take Hypothesis m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import traceback
@@ -271,6 +272,21 @@ def _counted_write(instruments: Instruments, write):
         return result
 
     return fenced_write
+
+
+def _counted_atomic(instruments: Instruments, atomic):
+    """`store.atomic(lease)`, the engine's transaction block: a commit point when outermost."""
+
+    @contextlib.contextmanager
+    def counted(lease):
+        outer = not connection.in_atomic_block
+        n = instruments.point() if outer else None
+        with atomic(lease):
+            yield
+        if outer:
+            instruments.after(n)
+
+    return counted
 
 
 def _noted_scopes(instruments: Instruments, scopes_for):
@@ -572,17 +588,19 @@ class EngineModel(RuleBasedStateMachine):
             Q(reserved_micros__gt=0) | Q(reserved_tokens__gt=0)
         )
         current = {
-            pk: (day, micros, tokens)
-            for pk, day, micros, tokens in started.values_list(
-                "id", "reserved_on", "reserved_micros", "reserved_tokens"
+            pk: (day, micros, tokens, tuple(scopes or ()))
+            for pk, day, micros, tokens, scopes in started.values_list(
+                "id", "reserved_on", "reserved_micros", "reserved_tokens", "reserved_scopes"
             )
         }
         for pk in list(self.holds):
             if pk not in current:
                 del self.holds[pk]
-        for pk, (day, micros, tokens) in current.items():
-            if pk not in self.holds or self.holds[pk][1:] != (day, micros, tokens):
-                self.holds[pk] = (self.instruments.shared, day, micros, tokens)
+        # A hold moved to other ledgers (re-sent under a budget set since) is a new hold too,
+        # even for the same amount on the same day.
+        for pk, (day, micros, tokens, scopes) in current.items():
+            if pk not in self.holds or self.holds[pk][1:] != (day, micros, tokens, scopes):
+                self.holds[pk] = (self.instruments.shared, day, micros, tokens, scopes)
 
     # -- operator actions -----------------------------------------------------------------------
 
@@ -969,7 +987,7 @@ class EngineModel(RuleBasedStateMachine):
         snap = self.snapshot()
         steps = {s["id"]: s for s in snap.steps}
         expected: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
-        for pk, (scopes, day, _, _) in self.holds.items():
+        for pk, (scopes, day, *_) in self.holds.items():
             step = steps.get(pk)
             if step is None or step["status"] != "started":
                 continue
@@ -1200,6 +1218,8 @@ def test_the_engine_keeps_its_invariants_under_any_sequence_of_actions(monkeypat
     for name, wrap in (
         ("transaction", lambda _: _Transaction(instruments)),
         ("fenced_write", lambda write: _counted_write(instruments, write)),
+        ("flush", lambda write: _counted_write(instruments, write)),
+        ("atomic", lambda atomic: _counted_atomic(instruments, atomic)),
         ("scopes_for", lambda lookup: _noted_scopes(instruments, lookup)),
     ):
         users = [module for module in ENGINE_MODULES if hasattr(module, name)]

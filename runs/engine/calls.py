@@ -9,6 +9,7 @@ from typing import Any
 
 from django.conf import settings
 
+from runs import tracing
 from runs.engine import llm as llm_engine
 from runs.engine.budget import Metered, Usage, scopes_for
 from runs.engine.records import accepts, signature_names
@@ -62,12 +63,14 @@ class ModelCalls:
                     raise refused from exc
                 raise
             data = llm_engine.as_json(response)
-            return Metered(data, llm_engine.usage_of(data, model))
+            usage = llm_engine.usage_of(data, model)
+            tracing.model_call(data, usage)
+            return Metered(data, usage)
 
         recorded = llm_engine.recorded_request(request)
         return self._run_step(
             key, invoke, (recorded,), {}, retry=retry, estimate=guess, kind=StepKind.LLM,
-            input_limit=settings.STEPGUARD_MAX_OUTPUT_BYTES,
+            input_limit=settings.STEPGUARD_MAX_OUTPUT_BYTES, model=model,
         )  # fmt: skip
 
     def _unpriced(self, key: str, model: str) -> None:

@@ -51,6 +51,7 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         #: A run recovering from a lost worker completes each step at once: if the process
         #: keeps dying right after a step, that step must not be re-sent each time.
         self._eager = run.recoveries > 0
+        self._trace = None  # the OpenTelemetry context steps descend from (runs/tracing.py)
         self._patches: dict[str, bool] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: asyncio.Runner | None = None  # a sync workflow's event loop, see _await

@@ -16,6 +16,7 @@ from django.db.models import Case, DateTimeField, F, Q, Value, When
 from django.db.models.functions import Cast
 from django.utils import timezone
 
+from runs import tracing
 from runs.engine import holds, registry
 from runs.engine.bridge import run_async
 from runs.engine.budget import next_day_start, release_holds
@@ -69,6 +70,16 @@ class Outcome(StrEnum):
 
 
 def execute(run: Run, lease: Lease) -> Outcome:
+    """Run one claimed run until it completes, fails, waits, is cancelled or released: see
+    `_execute`. Traced as one span, under the trace the run was started in (runs/tracing.py)."""
+    worker = str(run.worker_id) if run.worker_id else None
+    with tracing.execution(run, worker) as parent:
+        outcome = _execute(run, lease, parent)
+        tracing.outcome(parent, outcome)
+        return outcome
+
+
+def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
     """Run one claimed run until it completes, fails, waits, is cancelled or released.
 
     Returns what happened: completed, failed, retrying, waiting, cancelled, released, lost,
@@ -86,6 +97,7 @@ def execute(run: Run, lease: Lease) -> Outcome:
     except DatabaseError as exc:
         return _database_error(run, exc, "loading checkpoints")
     ctx = RunContext(run, history, lease)
+    ctx._trace = trace_parent
     if run.recoveries >= settings.STEPGUARD_MAX_RECOVERIES:
         started = next((s.key for s in history.values() if s.status == StepStatus.STARTED), None)
         ctx._give_up = WorkerLost(

@@ -11,6 +11,7 @@ from typing import Any
 from django.utils import timezone
 
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
+from runs import tracing
 from runs.engine.budget import (
     NOTHING,
     Amount,
@@ -92,6 +93,7 @@ class Steps:
         kind: str = StepKind.CALL,
         internal: bool = False,
         input_limit: int = INPUT_LIMIT,
+        model: str = "",
     ) -> Any:
         key, seq, record = self._enter(key, internal=internal)
         if record is not None and record.status == StepStatus.COMPLETED:
@@ -149,50 +151,52 @@ class Steps:
         if any(reserved):
             fields["reserved_micros"], fields["reserved_tokens"] = reserved
             fields["reserved_on"], fields["reserved_scopes"] = today, shared
-        try:
-            if approval is None and not shared and not moving:
-                step_pk = fenced_write(
-                    self._lease,
-                    (EventType.STEP_STARTED, key, payload),
-                    replace(
-                        self._start, estimate=delta, held=held,
-                        # Without its started row a crashed step is not ambiguous: it would be
-                        # re-sent, skipping the reconcile or the question it was promised.
-                        durable=reconcile is not None or on_ambiguous == "ask",
-                    ),
-                    insert_step=fields if record is None else None,
-                    update_step=None if record is None else (record.pk, fields),
-                )  # fmt: skip
-            else:
-                with atomic(self._lease):
-                    event_seq = fence(self._lease, replace(self._start, estimate=delta, held=held))
-                    if moving and old.shared:
-                        release_shared(old.shared, held, old.day)
-                    if shared:
-                        if moving:
-                            reserve_shared(shared, reserved, NOTHING, today)
+        with tracing.step(self._trace, key, kind, attempt, model):
+            try:
+                if approval is None and not shared and not moving:
+                    step_pk = fenced_write(
+                        self._lease,
+                        (EventType.STEP_STARTED, key, payload),
+                        replace(
+                            self._start, estimate=delta, held=held,
+                            # Without its started row a crashed step is not ambiguous: it would be
+                            # re-sent, skipping the reconcile or the question it was promised.
+                            durable=reconcile is not None or on_ambiguous == "ask",
+                        ),
+                        insert_step=fields if record is None else None,
+                        update_step=None if record is None else (record.pk, fields),
+                    )  # fmt: skip
+                else:
+                    with atomic(self._lease):
+                        starting = replace(self._start, estimate=delta, held=held)
+                        event_seq = fence(self._lease, starting)
+                        if moving and old.shared:
+                            release_shared(old.shared, held, old.day)
+                        if shared:
+                            if moving:
+                                reserve_shared(shared, reserved, NOTHING, today)
+                            else:
+                                reserve_shared(shared, delta, held, today)
+                        self._check_approval(approval)
+                        if record is None:
+                            step_pk = Step.objects.create(run_id=self._lease.run_id, **fields).pk
                         else:
-                            reserve_shared(shared, delta, held, today)
-                    self._check_approval(approval)
-                    if record is None:
-                        step_pk = Step.objects.create(run_id=self._lease.run_id, **fields).pk
-                    else:
-                        step_pk = record.pk
-                        Step.objects.filter(pk=step_pk).update(**fields)
-                    append_event(
-                        self._lease.run_id, event_seq, EventType.STEP_STARTED, key, **payload
-                    )
-        except ApprovalRevoked as exc:
-            step_pk = record.pk if record is not None else None
-            self._record_failure(step_pk, seq, key, idem, kind, 1, exc, old)
-        policy = retry or DEFAULT_RETRY
-        held_now = Held(reserved, shared, today) if any(reserved) else Held()
-        # A step whose crash would cost a reconcile, a question or an approved side effect
-        # writes its completion at once; any other rides with the run's next write.
-        defer = approval is None and reconcile is None and on_ambiguous == "resend"
-        output = self._call(
-            step_pk, key, idem, fn, args, kwargs, policy, attempt, held_now, approval, defer
-        )
+                            step_pk = record.pk
+                            Step.objects.filter(pk=step_pk).update(**fields)
+                        append_event(
+                            self._lease.run_id, event_seq, EventType.STEP_STARTED, key, **payload
+                        )
+            except ApprovalRevoked as exc:
+                step_pk = record.pk if record is not None else None
+                self._record_failure(step_pk, seq, key, idem, kind, 1, exc, old)
+            policy = retry or DEFAULT_RETRY
+            held_now = Held(reserved, shared, today) if any(reserved) else Held()
+            # A step whose crash would cost a reconcile, a question or an approved side effect
+            # writes its completion at once; any other rides with the run's next write.
+            defer = approval is None and reconcile is None and on_ambiguous == "resend"
+            output = self._call(
+                step_pk, key, idem, fn, args, kwargs, policy, attempt, held_now, approval, defer
+            )
         return self._remember(key, compensate, output)
 
     def transaction(

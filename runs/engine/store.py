@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from runs import tracing
 from runs.engine.budget import NOTHING, Amount
 from runs.engine.holds import covered, covered_sql, holds_on
 from runs.engine.wakeup import doorbell, notify_runnable
@@ -400,6 +401,7 @@ def create_run(
     """Insert a runnable run and its first event (by `actor`, with `created` in its payload).
     Call inside a transaction."""
     fields.setdefault("max_attempts", settings.STEPGUARD_RUN_MAX_ATTEMPTS)
+    fields.setdefault("trace_context", tracing.carrier_for_new_run(workflow))
     run = Run.objects.create(
         workflow=workflow,
         version=version,
