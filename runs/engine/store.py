@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 from uuid import UUID
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.utils import timezone
 
 from runs import tracing
@@ -426,39 +426,46 @@ def create_run(
     return run
 
 
-_COLUMNS: dict[tuple[type, str], tuple[str, str, Callable[[Any], Any] | None]] = {}
+_COLUMNS: dict[tuple[type, str], tuple[str, str, Callable[..., Any] | None]] = {}
+
+#: Types psycopg adapts itself on PostgreSQL (the engine's datetimes are always aware), so
+#: Django's per-value preparation, a fifth of a step's Python, is skipped for them.
+_NATIVE_ON_POSTGRESQL = (
+    "CharField", "TextField", "IntegerField", "BigIntegerField", "PositiveIntegerField",
+    "PositiveSmallIntegerField", "SmallIntegerField", "BooleanField", "DateTimeField",
+    "DateField", "UUIDField", "ForeignKey",
+)  # fmt: skip
+_NATIVE = _NATIVE_ON_POSTGRESQL[:8]
 
 
-def _column(model, name: str) -> tuple[str, str, Callable[[Any], Any] | None]:
+def _column(model, name: str) -> tuple[str, str, Callable[..., Any] | None]:
     """A field's quoted column, its placeholder (cast to its type, so a server-side bound
-    parameter needs no inference) and its adapter (None: the value goes as it is). Cached:
-    this runs for every column of every checkpoint."""
+    parameter needs no inference) and its adapter, `adapt(value, connection)` (None: the
+    value goes as it is). Cached: this runs for every column of every checkpoint."""
     found = _COLUMNS.get((model, name))
     if found is None:
         f = model._meta.get_field(name)
-        plain = f.get_internal_type() in (
-            "CharField", "TextField", "IntegerField", "BigIntegerField",
-            "PositiveIntegerField", "PositiveSmallIntegerField", "SmallIntegerField",
-            "BooleanField",
-        )  # fmt: skip
-        placeholder = "%s"
+        kind = f.get_internal_type()
+        placeholder, native = "%s", _NATIVE
         if connection.vendor == "postgresql":
+            native = _NATIVE_ON_POSTGRESQL
             # `text`, not `varchar(n)`: an explicit cast to varchar(n) would cut a value too
             # long silently; assigning text to the column checks its length.
-            kind = "text" if f.get_internal_type() in ("CharField", "TextField") else None
-            placeholder = f"%s::{kind or f.cast_db_type(connection)}"
-        adapt = None if plain else (lambda value, f=f: f.get_db_prep_save(value, connection))
+            cast = "text" if kind in ("CharField", "TextField") else f.cast_db_type(connection)
+            placeholder = f"%s::{cast}"
+        adapt = None if kind in native else (lambda value, db, f=f: f.get_db_prep_save(value, db))
         found = _COLUMNS[(model, name)] = (connection.ops.quote_name(f.column), placeholder, adapt)
     return found
 
 
 def _prep(model, values: dict) -> tuple[list[str], list[str], list[Any]]:
+    db = connections[DEFAULT_DB_ALIAS]  # once, not through the proxy for every value
     columns, placeholders, params = [], [], []
     for name, value in values.items():
         column, placeholder, adapt = _column(model, name)
         columns.append(column)
         placeholders.append(placeholder)
-        params.append(value if adapt is None or value is None else adapt(value))
+        params.append(value if adapt is None or value is None else adapt(value, db))
     return columns, placeholders, params
 
 
