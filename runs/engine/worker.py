@@ -190,7 +190,7 @@ class WorkerProcess:
                 # Nothing more is runnable now: the due runs left are held or poison runs,
                 # which the statement skips. Park the held ones; fail the poison ones.
                 self._park_held(now)
-                claimed += self._claim_poisoned(now)
+                self._fail_poisoned(now)
             return claimed
         claimed_ids = []
         self._park_held(now)
@@ -281,7 +281,7 @@ class WorkerProcess:
             event_written(run.id, kinds.get(run.was, EventType.RUN_CLAIMED))
         return runs
 
-    def _claim_poisoned(self, now) -> list[Run]:
+    def _fail_poisoned(self, now) -> None:
         """Fail the due runs past twice the poison-run bound (see `_claim_one`)."""
         poisoned = Run.objects.filter(
             self._mine,
@@ -292,7 +292,6 @@ class WorkerProcess:
         for candidate in poisoned:
             with transaction.atomic():
                 self._claim_one(*candidate, now)
-        return []
 
     def _park_held(self, now) -> None:
         """Runs a hold covers that are due or whose worker died: mark them halted, never run
