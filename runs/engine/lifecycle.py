@@ -129,7 +129,6 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
             lease,
             EventType.RUN_COMPLETED,
             {},
-            holding=ctx._holding(),
             parent_id=run.parent_id,
             status=RunStatus.COMPLETED,
             output=output,
@@ -161,17 +160,13 @@ def _database_error(run: Run, exc: DatabaseError, doing: str) -> Outcome:
     return Outcome.ABANDONED
 
 
-def _finish(
-    lease: Lease, event: str, payload: dict, *, parent_id=None, holding=True, **fields
-) -> None:
+def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields) -> None:
     """End the run: its row and its event in one fenced write (with the last step's pending
-    completion), after giving back what unfinished steps still hold (`holding`: there may
-    be some)."""
+    completion), after giving back what unfinished steps still hold."""
     ending = fields.get("status") in TERMINAL_STATUSES
     with atomic(lease):
         if ending:
-            if holding:
-                release_holds(lease.run_id, zero_run=False)  # the write below zeroes the run's
+            release_holds(lease.run_id, zero_run=False)  # the write below zeroes the run's
             fields |= {"reserved_micros": 0, "reserved_tokens": 0}
         fenced_write(lease, (event, "", payload), Fence(progress=True, run=tuple(fields.items())))
         if parent_id is not None and ending:

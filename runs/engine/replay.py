@@ -100,14 +100,6 @@ class Replay:
         if self._lease.stopping.is_set():
             raise Released("worker shutting down")
 
-    def _holding(self) -> bool:
-        """Whether a step left `started` by an earlier execution may still hold budget: the
-        steps of this one all gave back what they held when they finished."""
-        return any(
-            r.status == StepStatus.STARTED and (r.reserved_micros or r.reserved_tokens)
-            for r in self._history.values()
-        )
-
     def _check_all_replayed(self) -> None:
         """A run that returns before the positions its history holds took another path than
         it recorded (steps removed from the end of the code): that is a changed workflow too."""

@@ -285,6 +285,7 @@ class WorkerProcess:
         """Fail the due runs past twice the poison-run bound (see `_claim_one`)."""
         poisoned = Run.objects.filter(
             self._mine,
+            holds.uncovered(),
             status=RunStatus.RUNNING,
             lease_until__lt=now,
             recoveries__gte=2 * settings.STEPGUARD_MAX_RECOVERIES - 1,

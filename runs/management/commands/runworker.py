@@ -87,16 +87,9 @@ EARLY_EXIT_SECONDS = 10.0
 
 
 def child_argv(argv: list[str]) -> list[str]:
-    """This command line without `--processes`: what each child runs."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--processes":
-            skip = True
-        elif not arg.startswith("--processes="):
-            out.append(arg)
-    return [sys.executable, *out]
+    """This command line for a child: `--processes=1` last, which wins over any earlier (or
+    abbreviated) `--processes`."""
+    return [sys.executable, *argv, "--processes=1"]
 
 
 class Supervisor:
@@ -121,7 +114,10 @@ class Supervisor:
         self.out.flush()
 
     def start_child(self) -> None:
-        child = subprocess.Popen(self.argv)
+        # A session of its own: a terminal's Ctrl-C (or a service manager signalling the
+        # whole group) reaches the children once, through the supervisor, not twice, which
+        # they would take as "release everything now".
+        child = subprocess.Popen(self.argv, start_new_session=True)
         self.children[child.pid] = (child, time.monotonic())
 
     def on_signal(self, signum, frame) -> None:
