@@ -428,14 +428,14 @@ def create_run(
 
 _COLUMNS: dict[tuple[type, str], tuple[str, str, Callable[..., Any] | None]] = {}
 
-#: Types psycopg adapts itself on PostgreSQL (the engine's datetimes are always aware), so
-#: Django's per-value preparation, a fifth of a step's Python, is skipped for them.
-_NATIVE_ON_POSTGRESQL = (
+#: Field types whose values go to the driver as they are; on PostgreSQL psycopg also adapts
+#: datetimes, dates and ids itself (the engine's datetimes are always aware), so Django's
+#: per-value preparation, a fifth of a step's Python, is skipped for them.
+_NATIVE = (
     "CharField", "TextField", "IntegerField", "BigIntegerField", "PositiveIntegerField",
-    "PositiveSmallIntegerField", "SmallIntegerField", "BooleanField", "DateTimeField",
-    "DateField", "UUIDField", "ForeignKey",
+    "PositiveSmallIntegerField", "SmallIntegerField", "BooleanField",
 )  # fmt: skip
-_NATIVE = _NATIVE_ON_POSTGRESQL[:8]
+_NATIVE_ON_POSTGRESQL = (*_NATIVE, "DateTimeField", "DateField", "UUIDField", "ForeignKey")
 
 
 def _column(model, name: str) -> tuple[str, str, Callable[..., Any] | None]:
