@@ -56,15 +56,23 @@ def django_db_setup(django_db_setup, django_db_blocker):
             )
 
 
-def wait_until(condition: Callable[[], object], *, timeout: float = 20.0, what: str = "condition"):
-    """Poll `condition` until it returns something truthy; fail with `what` after `timeout` s."""
+def wait_until(
+    condition: Callable[[], object],
+    *,
+    timeout: float = 20.0,
+    what: str | Callable[[], str] = "condition",
+):
+    """Poll `condition` until it returns something truthy; fail with `what` after `timeout` s
+    (a callable `what` is asked at the failure, to show the state that was waited on)."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+            pytest.fail(
+                f"timed out after {timeout}s waiting for {what() if callable(what) else what}"
+            )
         time.sleep(0.02)
 
 

@@ -98,13 +98,14 @@ class Command(BaseCommand):
 
     # -- the demo --------------------------------------------------------------------------------
 
-    def wait(self, condition, timeout: float = 60.0):
+    def wait(self, condition, what: str, timeout: float = 60.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             value = condition()
             if value:
                 return value
             time.sleep(0.2)
+        self.stdout.write(self.style.WARNING(f"demo: gave up after {timeout:.0f} s on {what}"))
         return None
 
     def demo_agents(self) -> None:
@@ -129,7 +130,7 @@ class Command(BaseCommand):
             {"prospects": [f"vip{i}@example.com" for i in range(6)], "pause_seconds": 1},
         )
         crash = self.demo_crash(research)
-        if self.wait(lambda: Effect.objects.filter(label="email").exists()):
+        if self.wait(lambda: Effect.objects.filter(label="email").exists(), "the first email"):
             halt(stopped, DEMO_USER, "demo: an operator stops the outreach campaign")
         self.wait(
             lambda: (
@@ -139,6 +140,7 @@ class Command(BaseCommand):
                 )
                 and Run.objects.get(pk=research.pk).is_terminal
             ),
+            "the demo runs to stop running",
             timeout=120,
         )
         rows = [
@@ -195,14 +197,18 @@ class Command(BaseCommand):
         def done() -> int:
             return Step.objects.filter(run=research, status=StepStatus.COMPLETED).count()
 
-        if not self.wait(lambda: done() >= 10, timeout=60):
+        if not self.wait(lambda: done() >= 10, "10 research steps", timeout=60):
             return "did not get far enough to crash"
         at = done()
         self.children[1].kill()
         self.children[1].wait()
         self.stdout.write(f"demo: killed the worker (SIGKILL) after step {at} of the research run")
         self.children[1] = self.worker()
-        self.wait(lambda: Run.objects.get(pk=research.pk).is_terminal, timeout=120)
+        self.wait(
+            lambda: Run.objects.get(pk=research.pk).is_terminal,
+            "the research run to end after the crash",
+            timeout=120,
+        )
         resent = Step.objects.filter(run=research, recovered="resent").count()
         self.stdout.write(
             self.style.SUCCESS(
