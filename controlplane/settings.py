@@ -256,6 +256,9 @@ STEPGUARD_MAX_OUTPUT_BYTES = env_int("STEPGUARD_MAX_OUTPUT_BYTES", 1_048_576, mi
 STEPGUARD_DURABLE_START = env_bool("STEPGUARD_DURABLE_START", True)
 # Write each step's completion at once, instead of with the run's next write (docs/sdk.md).
 STEPGUARD_EAGER_COMPLETIONS = env_bool("STEPGUARD_EAGER_COMPLETIONS", False)
+# A step's retry delay (its backoff, or a provider's Retry-After) of at least this many seconds
+# is a durable timer that gives the worker thread back; shorter ones are slept in the thread.
+STEPGUARD_DURABLE_RETRY_SECONDS = env_float("STEPGUARD_DURABLE_RETRY_SECONDS", 5.0)
 STEPGUARD_BUDGET_WARN_AT = env_float("STEPGUARD_BUDGET_WARN_AT", 0.8)
 STEPGUARD_MODEL_PRICES = env_json("STEPGUARD_MODEL_PRICES", {})
 # Refuse a call to a model without a price in a run under a USD budget (else: a warning event).

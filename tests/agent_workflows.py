@@ -14,12 +14,11 @@ def base_url() -> str:
     return os.environ["STEPGUARD_MODEL_BASE_URL"]
 
 
-def openai_client(*, asynchronous: bool = False):
+def openai_client(*, asynchronous: bool = False, **options):
     from openai import AsyncOpenAI, OpenAI
 
-    return (AsyncOpenAI if asynchronous else OpenAI)(
-        base_url=base_url(), api_key="k", max_retries=0
-    )
+    options = {"max_retries": 0} | options
+    return (AsyncOpenAI if asynchronous else OpenAI)(base_url=base_url(), api_key="k", **options)
 
 
 def anthropic_client():
@@ -59,7 +58,8 @@ def llm_options(ctx: RunContext, input: dict):
         call = openai_client().responses.create
         request = {"model": "gpt-4.1-mini"} | request
     else:
-        call = getattr(openai_client().chat.completions, options.get("method", "create"))
+        client = openai_client(**options.get("client", {}))
+        call = getattr(client.chat.completions, options.get("method", "create"))
         request = {"model": "gpt-4o-mini", "max_tokens": 50} | request
     return ctx.llm("ask", call, retry=retry, **request)
 

@@ -1,9 +1,11 @@
 """Model calls, tools and the agent loop, against the scripted demo model on 127.0.0.1."""
 
 import json
+from datetime import timedelta
 from decimal import ROUND_CEILING, Decimal
 
 import pytest
+from django.utils import timezone
 
 from approvals.models import ApprovalRequest
 from approvals.services import decide
@@ -12,7 +14,7 @@ from examples.models import Booking
 from examples.models import Effect as DemoEffect
 from runs.engine.llm import cost
 from runs.models import Event, Run, RunStatus, Step
-from runs.sdk import start_run
+from runs.sdk import RetryPolicy, start_run
 from tests import agent_workflows, workflows
 from tests.testapp.models import Effect
 
@@ -390,3 +392,66 @@ def test_a_busy_provider_is_retried_after_the_delay_it_asks_for(
     retrying = Event.objects.get(run=run, type="step.retrying")
     assert retrying.payload["delay_s"] == delay
     assert only_llm_step(run).attempt == 2 and demo_model.total == 2
+
+
+def test_a_long_retry_after_is_a_durable_wait_that_holds_no_worker(drive, demo_model, llm_options):
+    # A Retry-After of a minute was slept in the worker thread, which sat idle for that minute.
+    llm_options.update(request={"messages": [HI]}, retry=RetryPolicy(max_attempts=3))
+    demo_model.fail_next(429, headers={"retry-after": "60"}, times=2)
+    run = start_run("llm-options", budget_usd="1")
+    assert drive() == ["waiting"]  # the thread was given back at once
+    run.refresh_from_db()
+    step = only_llm_step(run)
+    assert step.status == "waiting" and step.attempt == 1 and step.reserved_micros > 0
+    assert run.wake_at == step.wake_at
+    assert 55 <= (step.wake_at - timezone.now()).total_seconds() <= 60
+    retrying = Event.objects.get(run=run, type="step.retrying")
+    assert retrying.payload["delay_s"] == 60 and retrying.payload["attempt"] == 2
+    assert drive() == []  # nothing to do until then, and nothing was sent again
+    assert demo_model.total == 1
+
+    def a_minute_passes():
+        past = timezone.now() - timedelta(seconds=1)
+        Run.objects.filter(pk=run.pk).update(wake_at=past)
+        Step.objects.filter(pk=step.pk).update(wake_at=past)
+
+    a_minute_passes()
+    assert drive() == ["waiting"]  # the second try was refused alike
+    a_minute_passes()
+    assert drive() == ["completed"]
+    step.refresh_from_db()
+    assert (step.status, step.attempt, step.wake_at) == ("completed", 3, None)
+    keys = {k for k in demo_model.calls}
+    assert keys == {step.idempotency_key} and demo_model.calls[step.idempotency_key] == 3
+    run.refresh_from_db()
+    assert run.cost_micros == step.cost_micros > 0 and run.reserved_micros == 0
+
+
+def test_a_durable_retry_delay_counts_against_the_step_s_attempts(drive, demo_model, llm_options):
+    llm_options.update(request={"messages": [HI]}, retry=RetryPolicy(max_attempts=2))
+    demo_model.fail_next(429, headers={"retry-after": "30"}, times=5)
+    run = start_run("llm-options")
+    assert drive() == ["waiting"]
+    Run.objects.filter(pk=run.pk).update(wake_at=timezone.now())
+    assert drive() == ["waiting"]  # woken early (the step's own time has not come): waits on
+    assert demo_model.total == 1
+    Step.objects.filter(run=run).update(wake_at=timezone.now())
+    Run.objects.filter(pk=run.pk).update(wake_at=timezone.now())
+    drive()
+    # The second try was the last the policy allows: the step failed, and the run's own retry
+    # (from the top) starts a new sequence of tries, waiting for the provider again.
+    failed = Event.objects.get(run=run, type="step.failed")
+    assert failed.payload["attempt"] == 2 and "429" in failed.payload["error"]["message"]
+    run.refresh_from_db()
+    assert run.attempt == 2 and run.status == "waiting" and demo_model.total == 3
+
+
+def test_the_sdk_s_own_retries_are_turned_off_inside_a_step(drive, demo_model, llm_options):
+    # OpenAI() retries twice by default: each step attempt sent up to 3 requests, unrecorded.
+    llm_options.update(request={"messages": [HI]}, client={"max_retries": 2})
+    demo_model.fail_next(500, times=2)
+    run = start_run("llm-options")
+    assert drive() == ["completed"]
+    step = only_llm_step(run)
+    assert step.attempt == 3 and demo_model.total == 3  # one request per recorded attempt
+    assert Event.objects.filter(run=run, type="step.retrying").count() == 2

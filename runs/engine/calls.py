@@ -57,7 +57,7 @@ class ModelCalls:
                 headers |= request.get("extra_headers") or {}
                 kwargs = {**request, "extra_headers": headers}
             try:
-                response = self._await(call(**kwargs))
+                response = self._await(llm_engine.without_sdk_retries(call)(**kwargs))
             except Exception as exc:
                 if (refused := llm_engine.rejected(exc)) is not None:
                     raise refused from exc

@@ -220,6 +220,22 @@ def refuse_streaming(call: Any, request: dict) -> None:
         )
 
 
+def without_sdk_retries(call: Any) -> Any:
+    """`call` on a copy of its client with the SDK's own retries off (openai and anthropic
+    default to 2): they would resend inside one step attempt, unrecorded and unchecked against
+    budgets and halts, and multiply with the step's retries. The copy shares the client's
+    connection pool. Anything that is not a client resource's method is returned as it is."""
+    resource = getattr(call, "__self__", None)
+    client = getattr(resource, "_client", None)
+    if not getattr(client, "max_retries", 0) or not callable(getattr(client, "with_options", None)):
+        return call
+    try:
+        quiet = type(resource)(client.with_options(max_retries=0))
+    except TypeError:  # a resource this does not know how to rebuild: leave it be
+        return call
+    return getattr(quiet, call.__name__, call)
+
+
 #: Statuses worth sending the same request again for: the provider was busy or broken.
 RETRYABLE_STATUSES = frozenset({408, 409, 429})
 

@@ -9,8 +9,9 @@ from datetime import timedelta
 from runs.engine.llm import retry_after
 from runs.errors import StepguardError
 
-#: The longest a step sleeps for a provider's Retry-After while holding its worker thread.
-MAX_RETRY_AFTER = 300.0
+#: The longest a provider's Retry-After is honoured: a day (a delay of at least
+#: STEPGUARD_DURABLE_RETRY_SECONDS is a timer that holds no worker thread).
+MAX_RETRY_AFTER = 86_400.0
 
 
 @dataclass(frozen=True)

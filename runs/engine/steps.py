@@ -6,8 +6,10 @@ import asyncio
 import inspect
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from datetime import timedelta
+from typing import Any, NoReturn
 
+from django.conf import settings
 from django.utils import timezone
 
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
@@ -110,6 +112,11 @@ class Steps:
             )
             if found is not NOT_FOUND:
                 return self._remember(key, compensate, found)
+        tries = 0  # the tries of this retry sequence so far: a durable retry delay goes on with it
+        if record is not None and record.status == StepStatus.WAITING:
+            tries = (record.error or {}).get("tries", record.attempt)
+            if record.wake_at is not None and record.wake_at > timezone.now():
+                self._retry_later(record.pk, key, record.wake_at)  # woken early: not yet
         if record is None:
             attempt, payload = 1, {"attempt": 1}
             fields: dict[str, Any] = {
@@ -131,6 +138,7 @@ class Steps:
                 "run_attempt": self.attempt,
                 "error": None,
                 "finished_at": None,
+                "wake_at": None,
             }
             if ambiguous:
                 fields["recovered"] = payload["recovered"] = Recovery.RESENT
@@ -195,8 +203,9 @@ class Steps:
             # writes its completion at once; any other rides with the run's next write.
             defer = approval is None and reconcile is None and on_ambiguous == "resend"
             output = self._call(
-                step_pk, key, idem, fn, args, kwargs, policy, attempt, held_now, approval, defer
-            )
+                step_pk, key, idem, fn, args, kwargs, policy, attempt, held_now, approval, defer,
+                tries,
+            )  # fmt: skip
         return self._remember(key, compensate, output)
 
     def transaction(
@@ -292,9 +301,8 @@ class Steps:
 
     def _call(
         self, step_pk, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt, held, approval,
-        defer=False,
+        defer=False, tries=0,
     ):  # fmt: skip
-        tries = 0
         while True:
             tries += 1
             try:
@@ -307,8 +315,11 @@ class Steps:
                 raise
             except Exception as exc:
                 if (delay := policy.next_delay(exc, tries)) is not None:
+                    payload = {"attempt": attempt + 1, "delay_s": round(delay, 3)}
+                    payload["error"] = brief(exc)
+                    if delay >= settings.STEPGUARD_DURABLE_RETRY_SECONDS:
+                        self._retry_later(step_pk, key, None, delay, payload, tries)
                     attempt += 1
-                    payload = {"attempt": attempt, "delay_s": round(delay, 3), "error": brief(exc)}
                     self._sleep(delay)
                     try:
                         # A retry is a new start: the halt, the cancel, the budget and the
@@ -324,6 +335,27 @@ class Steps:
                     step_pk, key, {"attempt": attempt}, fields, usage, held, defer=defer
                 )
                 return output
+
+    def _retry_later(self, step_pk, key, until, delay=0.0, payload=None, tries=0) -> NoReturn:
+        """Wait for a step's next try as a timer, holding no worker thread: a provider's
+        Retry-After of a minute costs no thread for a minute. The step is `waiting` until
+        then, keeping what it holds against the budgets; the run resumes there and tries it
+        again with the same idempotency key, counting on from `tries`."""
+        with atomic(self._lease):
+            event_seq, now = self._wait_fence()
+            if until is None:
+                until = now + timedelta(seconds=delay)
+                Step.objects.filter(pk=step_pk).update(
+                    status=StepStatus.WAITING,
+                    wake_at=until,
+                    error={**(payload or {}).get("error", {}), "tries": tries},
+                )
+            append_event(
+                self._lease.run_id, event_seq, EventType.STEP_RETRYING, key,
+                **(payload or {}), until=until.isoformat(),
+            )  # fmt: skip
+            self._suspend(until)
+        raise Suspended(f"step {key!r} tries again at {until.isoformat()}")
 
     def _reconcile(self, record: Step, reconcile: Callable[[str], Any], idem: str) -> Any:
         # An exception here propagates unrecorded: the step stays `started` (still ambiguous),
