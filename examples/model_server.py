@@ -140,6 +140,12 @@ class DemoModel:
             message = {"role": "assistant", "content": text}
             reason, out = "stop", text
         usage_in, usage_out = _tokens(prompt), _tokens(out)
+        cap = body.get("max_completion_tokens") or body.get("max_tokens")
+        if cap and usage_out > cap and message["content"]:  # cut short, as a provider would
+            message["content"] = message["content"][: cap * 4]
+            reason, usage_out = "length", cap
+        # A reasoning model (o1, o3, o4-mini...) thinks first: reported inside the output.
+        reasoning = 3 * usage_out if re.match(r"o\d", body.get("model", "")) else 0
         # With a prompt_cache_key, everything before the last message is a cacheable prefix.
         cached = self.cache(json.dumps(messages[:-1]))[0] if "prompt_cache_key" in body else 0
         return {
@@ -152,9 +158,10 @@ class DemoModel:
             ],
             "usage": {
                 "prompt_tokens": usage_in,
-                "completion_tokens": usage_out,
-                "total_tokens": usage_in + usage_out,
+                "completion_tokens": usage_out + reasoning,
+                "total_tokens": usage_in + usage_out + reasoning,
                 "prompt_tokens_details": {"cached_tokens": cached},
+                "completion_tokens_details": {"reasoning_tokens": reasoning},
             },
         }
 

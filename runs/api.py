@@ -134,6 +134,7 @@ class StepOut(Schema):
     error: Any
     tokens_in: int
     tokens_out: int
+    usage: Any = Field(description="a model call's model, and its tokens and USD per kind")
     started_at: datetime
     finished_at: datetime | None
     wake_at: datetime | None
@@ -281,6 +282,34 @@ def list_runs(request, filters: Query[Filters]):
 def get_run(request, run_id: UUID):
     viewer(request)
     return RunOut.of(run_or_404(run_id))
+
+
+class KindUsage(Schema):
+    tokens: int
+    usd: Decimal
+
+
+class ModelUsage(Schema):
+    calls: int
+    tokens_in: int
+    tokens_out: int
+    usd: Decimal
+    kinds: dict[str, KindUsage]
+
+
+class UsageOut(Schema):
+    spend: Spend
+    models: dict[str, ModelUsage]
+    unpriced: list[str] = Field(description="models called with no price: their USD is 0")
+
+
+@router.get("/runs/{run_id}/usage", response={200: UsageOut, **ERRORS_422})
+def run_usage(request, run_id: UUID):
+    """What the run's model calls spent, per model and per kind of token (input, cached input,
+    cache write, output, reasoning), each priced at its own rate: the run's bill."""
+    viewer(request)
+    run = run_or_404(run_id)
+    return queries.usage(run)
 
 
 @router.get("/runs/{run_id}/steps", response={200: list[StepOut], **ERRORS_422})

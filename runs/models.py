@@ -228,6 +228,9 @@ class Step(models.Model):
     tokens_in = models.BigIntegerField(default=0)
     tokens_out = models.BigIntegerField(default=0)
     cost_micros = models.BigIntegerField(default=0)
+    usage = models.JSONField(
+        null=True, blank=True, help_text="a model call's tokens and USD per kind, and its model"
+    )
     reserved_micros = models.BigIntegerField(default=0, help_text="estimate held while running")
     reserved_tokens = models.BigIntegerField(default=0)
     reserved_on = models.DateField(null=True, blank=True, help_text="ledger day of the hold")

@@ -10,10 +10,12 @@ from __future__ import annotations
 import base64
 from collections.abc import Mapping
 from datetime import datetime
+from decimal import Decimal
 from uuid import UUID
 
 from django.db.models import Q, QuerySet
 
+from runs.engine.budget import to_usd
 from runs.errors import OperationError, StepguardError
 from runs.models import Run, StepKind, StepStatus
 from runs.operations import in_utc
@@ -112,3 +114,35 @@ def step_matches(step, chosen: dict) -> bool:
     """`step_filter` for a step already in hand (the live feed's new rows)."""
     wanted = all(getattr(step, k) == v for k, v in chosen.items() if v)
     return wanted or step.status == StepStatus.FAILED
+
+
+def usage(run: Run) -> dict:
+    """A run's model spend per model and per kind of token, from its steps' recorded usage."""
+    models: dict[str, dict] = {}
+    unpriced: set[str] = set()
+    rows = run.steps.filter(usage__isnull=False).values_list(
+        "usage", "tokens_in", "tokens_out", "cost_micros"
+    )
+    for breakdown, tokens_in, tokens_out, micros in rows.iterator(chunk_size=500):
+        name = breakdown.get("model") or "?"
+        if not breakdown.get("priced", True):
+            unpriced.add(name)
+        entry = models.setdefault(
+            name, {"calls": 0, "tokens_in": 0, "tokens_out": 0, "micros": 0, "kinds": {}}
+        )
+        entry["calls"] += 1
+        entry["tokens_in"] += tokens_in
+        entry["tokens_out"] += tokens_out
+        entry["micros"] += micros
+        for kind, spent in (breakdown.get("kinds") or {}).items():
+            total = entry["kinds"].setdefault(kind, {"tokens": 0, "usd": Decimal(0)})
+            total["tokens"] += spent["tokens"]
+            total["usd"] += Decimal(spent["usd"])
+    for entry in models.values():
+        entry["usd"] = to_usd(entry.pop("micros"))
+    spend = {
+        "tokens_in": run.tokens_in,
+        "tokens_out": run.tokens_out,
+        "usd": to_usd(run.cost_micros),
+    }
+    return {"spend": spend, "models": models, "unpriced": sorted(unpriced)}

@@ -60,7 +60,8 @@ def llm_options(ctx: RunContext, input: dict):
     else:
         client = openai_client(**options.get("client", {}))
         call = getattr(client.chat.completions, options.get("method", "create"))
-        request = {"model": "gpt-4o-mini", "max_tokens": 50} | request
+        defaults = {} if options.get("no_max_tokens") else {"max_tokens": 50}
+        request = {"model": "gpt-4o-mini"} | defaults | request
     return ctx.llm("ask", call, retry=retry, **request)
 
 

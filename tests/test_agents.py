@@ -455,3 +455,57 @@ def test_the_sdk_s_own_retries_are_turned_off_inside_a_step(drive, demo_model, l
     step = only_llm_step(run)
     assert step.attempt == 3 and demo_model.total == 3  # one request per recorded attempt
     assert Event.objects.filter(run=run, type="step.retrying").count() == 2
+
+
+def test_usage_is_recorded_per_kind_each_at_its_price(
+    drive, demo_model, llm_options, client, cast
+):
+    # A bill needs more than tokens in and out: cached input, reasoning... each has its rate.
+    first = {"model": "o3-mini", "messages": [HI, {"role": "user", "content": "x" * 4000}]}
+    llm_options.update(request=first | {"prompt_cache_key": "k"})
+    start_run("llm-options")
+    run = start_run("llm-options")  # the same prefix again: read from the cache
+    assert drive() == ["completed", "completed"]
+    step = only_llm_step(run)
+    usage = step.output["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    reasoning = usage["completion_tokens_details"]["reasoning_tokens"]
+    assert cached > 0 and reasoning > 0
+    kinds = step.usage["kinds"]
+    assert step.usage["model"] == "o3-mini" and step.usage["priced"] is True
+    assert kinds["cached_input"]["tokens"] == cached
+    assert kinds["input"]["tokens"] == usage["prompt_tokens"] - cached
+    assert kinds["reasoning"]["tokens"] == reasoning
+    assert kinds["output"]["tokens"] == usage["completion_tokens"] - reasoning
+    rates = {"input": "1.10", "cached_input": "0.55", "output": "4.40", "reasoning": "4.40"}
+    for kind, rate in rates.items():
+        expected = Decimal(rate) * kinds[kind]["tokens"] / 1_000_000
+        assert Decimal(kinds[kind]["usd"]) == expected
+    total = sum(Decimal(k["usd"]) for k in kinds.values())
+    assert step.cost_micros == int((total * 1_000_000).to_integral_value(ROUND_CEILING))
+
+    client.force_login(cast["vera"])  # a viewer
+    bill = client.get(f"/api/runs/{run.pk}/usage").json()
+    assert bill["models"]["o3-mini"]["calls"] == 1 and bill["unpriced"] == []
+    assert bill["models"]["o3-mini"]["kinds"]["reasoning"]["tokens"] == reasoning
+    assert Decimal(bill["spend"]["usd"]) == Decimal(step.cost_micros) / 1_000_000
+    steps = client.get(f"/api/runs/{run.pk}/steps").json()
+    assert steps[0]["usage"] == step.usage
+
+
+def test_an_answer_with_no_max_tokens_is_capped_to_what_the_budget_has_left(
+    drive, demo_model, llm_options
+):
+    # With no max_tokens, the estimate assumed 1,024 tokens while the model may answer 16k:
+    # a run under budget paid past it. Now the request carries the cap the budget allows.
+    llm_options.update(request={"model": "gpt-4o-mini", "messages": [HI]}, no_max_tokens=True)
+    run = start_run("llm-options", budget_usd="0.0003")  # $0.0003 at $0.60/M out: ~500 tokens
+    assert drive() == ["completed"]
+    sent = demo_model.bodies[-1]
+    step = only_llm_step(run)
+    assert 400 < sent["max_completion_tokens"] < 500
+    assert step.input[0]["max_completion_tokens"] == sent["max_completion_tokens"]
+    unbudgeted = start_run("llm-options")
+    assert drive() == ["completed"]
+    assert "max_completion_tokens" not in demo_model.bodies[-1]
+    assert only_llm_step(unbudgeted).status == "completed"

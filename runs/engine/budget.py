@@ -7,7 +7,7 @@ engines add and compare it exactly.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import ROUND_CEILING, Decimal
 from typing import Any, NamedTuple
 
@@ -68,6 +68,9 @@ class Usage:
     tokens_in: int = 0
     tokens_out: int = 0
     usd: Decimal = Decimal(0)
+    #: A model call's tokens and USD per kind (input, cached input, ..., reasoning), recorded
+    #: on its step as `Step.usage`; not part of what is compared or reserved.
+    breakdown: dict | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.tokens_in < 0 or self.tokens_out < 0:

@@ -16,7 +16,7 @@ from runs.engine.records import accepts, signature_names
 from runs.engine.retry import RetryPolicy
 from runs.engine.store import fenced_write
 from runs.errors import UnpricedModel
-from runs.models import EventType, Policy, StepKind
+from runs.models import EventType, Policy, Run, StepKind
 
 log = logging.getLogger("stepguard.executor")
 
@@ -46,6 +46,8 @@ class ModelCalls:
         """
         llm_engine.refuse_streaming(call, request)
         model = str(request.get("model", ""))
+        if self._budgeted and not any(k in request for k in llm_engine.MAX_TOKENS_FIELDS):
+            request = self._capped(call, model, request)
         guess = llm_engine.estimate(model, request) if estimate is True else (estimate or None)
 
         def invoke(recorded):
@@ -72,6 +74,20 @@ class ModelCalls:
             key, invoke, (recorded,), {}, retry=retry, estimate=guess, kind=StepKind.LLM,
             input_limit=settings.STEPGUARD_MAX_OUTPUT_BYTES, model=model,
         )  # fmt: skip
+
+    def _capped(self, call: Callable, model: str, request: dict) -> dict:
+        """With no `max_tokens` (or its variant) given, a model may answer at length: cap it to
+        what the run's budget has left, so the call fits instead of pausing the run. A call
+        re-sent after a crash keeps the cap it was first sent with (its recorded request)."""
+        field = llm_engine.max_tokens_field(call)
+        if field is None:
+            return request
+        record = self._history.get(self._seq)
+        if record is not None and record.input and isinstance(record.input[0], dict):
+            cap = record.input[0].get(field)
+        else:
+            cap = llm_engine.answer_cap(model, request, Run.objects.get(pk=self._lease.run_id))
+        return request if cap is None else {**request, field: cap}
 
     def _unpriced(self, key: str, model: str) -> None:
         """A model with no price spends nothing in USD, so a USD budget can never stop it: say

@@ -135,6 +135,8 @@ class Checkpoints:
             "reserved_tokens": 0,
             "reserved_scopes": [],
         }
+        if usage.breakdown is not None:
+            fields["usage"] = usage.breakdown
         if usage.tokens or usage.micros:
             payload = {**payload, "tokens": usage.tokens, "usd": str(usage.usd)}
         with atomic(self._lease):

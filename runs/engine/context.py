@@ -56,6 +56,7 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: asyncio.Runner | None = None  # a sync workflow's event loop, see _await
         self._usd_budget = run.budget_micros is not None
+        self._budgeted = self._usd_budget or run.budget_tokens is not None
         self._unpriced_models: set[str] = set()
         lease.workflow = run.workflow
         self._last_seq = max(history, default=-1)

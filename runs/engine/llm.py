@@ -136,11 +136,15 @@ def plain(value: Any) -> Any:
 
 def token_kinds(usage: dict) -> dict[str, int]:
     """`usage` of any of the three protocols as tokens per kind: fresh and cached input, cache
-    writes (Anthropic's 1-hour ones apart) and output. OpenAI counts cached tokens inside its
-    input tokens; Anthropic reports them beside its input tokens."""
+    writes (Anthropic's 1-hour ones apart), output and reasoning. OpenAI counts cached tokens
+    inside its input tokens and reasoning tokens inside its output tokens; Anthropic reports
+    cache reads and writes beside its input tokens."""
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    out_details = usage.get("completion_tokens_details") or usage.get("output_tokens_details")
     total_in = usage.get("prompt_tokens", usage.get("input_tokens")) or 0
+    total_out = usage.get("completion_tokens", usage.get("output_tokens")) or 0
     cached = details.get("cached_tokens") or 0
+    reasoning = (out_details or {}).get("reasoning_tokens") or 0
     read = usage.get("cache_read_input_tokens") or 0
     write = usage.get("cache_creation_input_tokens") or 0
     write_1h = (usage.get("cache_creation") or {}).get("ephemeral_1h_input_tokens") or 0
@@ -149,28 +153,37 @@ def token_kinds(usage: dict) -> dict[str, int]:
         "cached_input": min(cached, total_in) + read,
         "cache_write": write - min(write_1h, write),
         "cache_write_1h": min(write_1h, write),
-        "output": usage.get("completion_tokens", usage.get("output_tokens")) or 0,
+        "output": total_out - min(reasoning, total_out),
+        "reasoning": min(reasoning, total_out),
     }
 
 
 def usage_of(data: dict, model: str) -> Usage:
     """Tokens and USD from `usage`, each kind of token at its own price: cache reads at the
     cached-input price, cache writes at the cache-write price (Anthropic's 1-hour writes at
-    twice the input price). Tokens in count every input token, cached or not."""
+    twice the input price), reasoning at the output price. Tokens in count every input token,
+    cached or not. The breakdown per kind (tokens and USD of each) goes with it, for billing."""
     kinds = token_kinds(data.get("usage") or {})
     tokens_in = kinds["input"] + kinds["cached_input"] + kinds["cache_write"]
     tokens_in += kinds["cache_write_1h"]
-    price = price_of(data.get("model"), model)
-    if price is None:
-        return Usage(tokens_in, kinds["output"], Decimal(0))
-    usd = (
-        kinds["input"] * price.input
-        + kinds["cached_input"] * price.cached_input
-        + kinds["cache_write"] * price.cache_write
-        + kinds["cache_write_1h"] * 2 * price.input
-        + kinds["output"] * price.output
-    ) / Decimal(1_000_000)
-    return Usage(tokens_in, kinds["output"], usd)
+    tokens_out = kinds["output"] + kinds["reasoning"]
+    priced = next((m for m in (data.get("model"), model) if m and price_of(m)), None)
+    price = price_of(priced) if priced else None
+    rates = {
+        "input": price.input,
+        "cached_input": price.cached_input,
+        "cache_write": price.cache_write,
+        "cache_write_1h": 2 * price.input,
+        "output": price.output,
+        "reasoning": price.output,
+    } if price else {}  # fmt: skip
+    usd = {k: n * rates.get(k, Decimal(0)) / Decimal(1_000_000) for k, n in kinds.items()}
+    breakdown = {
+        "model": priced or data.get("model") or model,
+        "priced": price is not None,
+        "kinds": {k: {"tokens": n, "usd": str(usd[k])} for k, n in kinds.items() if n},
+    }
+    return Usage(tokens_in, tokens_out, sum(usd.values(), Decimal(0)), breakdown=breakdown)
 
 
 def _prompt_size(value: Any) -> tuple[int, int]:
@@ -199,11 +212,41 @@ def estimate(model: str, request: dict) -> Usage:
     chars, images = _prompt_size([prompt, plain(request.get("tools"))])
     tokens_in = chars // 4 + 1 + images * IMAGE_TOKENS
     tokens_out = next(
-        (request[k] for k in ("max_tokens", "max_output_tokens", "max_completion_tokens")
-         if isinstance(request.get(k), int)),
-        1024,
-    )  # fmt: skip
+        (request[k] for k in MAX_TOKENS_FIELDS if isinstance(request.get(k), int)), 1024
+    )
     return Usage(tokens_in, tokens_out, cost(model, tokens_in, tokens_out))
+
+
+#: Where each protocol takes the most tokens the model may answer, by the client resource's
+#: class: chat completions, the responses API, Anthropic's messages.
+MAX_TOKENS_FIELD = {
+    "Completions": "max_completion_tokens",
+    "Responses": "max_output_tokens",
+    "Messages": "max_tokens",
+}
+MAX_TOKENS_FIELDS = ("max_tokens", "max_output_tokens", "max_completion_tokens")
+
+
+def max_tokens_field(call: Any) -> str | None:
+    """The request field that caps the answer of `call`, if it is a client method we know."""
+    resource = type(getattr(call, "__self__", None)).__name__.removeprefix("Async")
+    return MAX_TOKENS_FIELD.get(resource)
+
+
+def answer_cap(model: str, request: dict, run) -> int | None:
+    """The most tokens the answer can have within what the run's own budget has left after the
+    prompt (its spend and what other steps hold reserved), or None if it has no budget. At
+    least 1: a prompt that does not fit pauses the run at its reservation instead."""
+    prompt = estimate(model, {**request, "max_tokens": 0})
+    caps = []
+    if run.budget_tokens is not None:
+        used = run.tokens_in + run.tokens_out + run.reserved_tokens + prompt.tokens_in
+        caps.append(run.budget_tokens - used)
+    price = price_of(model)
+    if run.budget_micros is not None and price is not None and price.output > 0:
+        left = run.budget_micros - run.cost_micros - run.reserved_micros - prompt.micros
+        caps.append(int(Decimal(left) / price.output))  # micro-USD / (USD per 1M tokens)
+    return max(1, min(caps)) if caps else None
 
 
 def recorded_request(kwargs: dict) -> dict:
