@@ -457,9 +457,7 @@ def test_the_sdk_s_own_retries_are_turned_off_inside_a_step(drive, demo_model, l
     assert Event.objects.filter(run=run, type="step.retrying").count() == 2
 
 
-def test_usage_is_recorded_per_kind_each_at_its_price(
-    drive, demo_model, llm_options, client, cast
-):
+def test_usage_is_recorded_per_kind_each_at_its_price(drive, demo_model, llm_options, client, cast):
     # A bill needs more than tokens in and out: cached input, reasoning... each has its rate.
     first = {"model": "o3-mini", "messages": [HI, {"role": "user", "content": "x" * 4000}]}
     llm_options.update(request=first | {"prompt_cache_key": "k"})
