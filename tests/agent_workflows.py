@@ -1,6 +1,7 @@
 """Agent workflows for tests/test_agents.py, written the way the providers' own guides write
 them, each against the demo model on 127.0.0.1 with the official client libraries."""
 
+import json
 import os
 from datetime import timedelta
 
@@ -62,7 +63,9 @@ def llm_options(ctx: RunContext, input: dict):
         call = getattr(client.chat.completions, options.get("method", "create"))
         defaults = {} if options.get("no_max_tokens") else {"max_tokens": 50}
         request = {"model": "gpt-4o-mini"} | defaults | request
-    return ctx.llm("ask", call, retry=retry, **request)
+    response = ctx.llm("ask", call, retry=retry, **request)
+    options["returned"] = type(response).__name__
+    return response if isinstance(response, dict) else response.model_dump(mode="json")
 
 
 def book(city: str, amount: int) -> dict:
@@ -101,3 +104,63 @@ def sdk_objects_in_messages(ctx: RunContext, input):
     turns.append({"role": "assistant", "content": Message.model_validate(reply).content})
     turns.append({"role": "user", "content": "b"})
     return ctx.llm("claude-1", claude.messages.create, messages=turns, **request)["content"]
+
+
+def get_weather(latitude: float, longitude: float) -> str:
+    from tests import workflows
+
+    workflows.calls["get_weather"] = workflows.calls.get("get_weather", 0) + 1
+    if "get_weather" in workflows.crash_at:
+        workflows.crash_at.discard("get_weather")
+        raise workflows.Crash("get_weather")
+    return f"14C at {latitude},{longitude}"
+
+
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current temperature for the given coordinates.",
+            "parameters": {
+                "type": "object",
+                "properties": {"latitude": {"type": "number"}, "longitude": {"type": "number"}},
+                "required": ["latitude", "longitude"],
+            },
+        },
+    }
+]
+
+
+# OpenAI's function-calling guide, made durable: the statements marked "# durable" are the only
+# ones changed (typed=True keeps the SDK's objects, so the rest reads as in the guide).
+@workflow("guide-weather")  # durable
+def guide_weather(ctx: RunContext, input):  # durable
+    client = openai_client()
+    messages = [
+        {"role": "system", "content": "SCRIPT: get_weather\nARGS get_weather: "
+         '{"latitude": 48.85, "longitude": 2.35}'},
+        {"role": "user", "content": "What is the weather like in Paris today?"},
+    ]  # fmt: skip
+    completion = ctx.llm(
+        "ask",
+        client.chat.completions.create,
+        typed=True,
+        model="gpt-4.1",
+        messages=messages,
+        tools=WEATHER_TOOLS,
+    )  # durable: was client.chat.completions.create(model=..., messages=..., tools=...)
+    tool_call = completion.choices[0].message.tool_calls[0]
+    args = json.loads(tool_call.function.arguments)
+    result = ctx.tool("get_weather", get_weather, args)  # durable
+    messages.append(completion.choices[0].message)
+    messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": str(result)})
+    completion_2 = ctx.llm(
+        "answer",
+        client.chat.completions.create,
+        typed=True,
+        model="gpt-4.1",
+        messages=messages,
+        tools=WEATHER_TOOLS,
+    )  # durable: was client.chat.completions.create(model=..., messages=..., tools=...)
+    return completion_2.choices[0].message.content

@@ -507,3 +507,48 @@ def test_an_answer_with_no_max_tokens_is_capped_to_what_the_budget_has_left(
     assert drive() == ["completed"]
     assert "max_completion_tokens" not in demo_model.bodies[-1]
     assert only_llm_step(unbudgeted).status == "completed"
+
+
+def test_typed_responses_are_the_client_s_own_objects_on_the_first_run_and_on_replay(
+    drive, demo_model, expire_lease
+):
+    # The guide's code reads completion.choices[0].message.tool_calls[0]: with typed=True it
+    # runs unchanged, on the first run and on the resume that replays the model's answer.
+    workflows.calls.clear()
+    workflows.crash_at.add("get_weather")
+    run = start_run("guide-weather")
+    with pytest.raises(workflows.Crash):
+        drive()
+    expire_lease(run.id)
+    assert drive() == ["completed"]
+    run.refresh_from_db()
+    assert run.output.startswith("Done. Tool results: 14C at 48.85,2.35")
+    assert demo_model.total == 2  # "ask" replayed as a ChatCompletion, not asked again
+    assert workflows.calls["get_weather"] == 2  # the crashed call, re-sent
+    ask = Step.objects.get(run=run, key="ask")
+    assert ask.output["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == (
+        "get_weather"
+    )  # stored as JSON all the same
+
+
+@pytest.mark.parametrize(
+    ("protocol", "type_name"),
+    [("chat", "ChatCompletion"), ("responses", "Response"), ("anthropic", "Message")],
+)
+def test_typed_true_returns_each_protocol_s_response_type(
+    drive, demo_model, llm_options, protocol, type_name
+):
+    prompt = {"input": "hi"} if protocol == "responses" else {"messages": [HI]}
+    llm_options.update(protocol=protocol, request=prompt | {"typed": True})
+    run = start_run("llm-options")
+    assert drive() == ["completed"]
+    assert agent_workflows.options["returned"] == type_name
+    assert only_llm_step(run).output["usage"]  # the step keeps the JSON
+
+
+def test_typed_refuses_what_it_cannot_type_before_anything_is_sent(drive, demo_model, llm_options):
+    llm_options.update(request={"messages": [HI], "typed": dict})
+    run = start_run("llm-options")
+    assert drive() == ["failed"]
+    assert "not a pydantic model class" in Run.objects.get(pk=run.pk).error["message"]
+    assert demo_model.total == 0

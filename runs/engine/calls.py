@@ -32,8 +32,9 @@ class ModelCalls:
         *,
         estimate: Usage | bool = True,
         retry: RetryPolicy | None = None,
+        typed: bool | type = False,
         **request: Any,
-    ) -> dict:
+    ) -> Any:
         """Call a model once for this run: `call(**request)`, e.g.
         `ctx.llm("think-0", client.chat.completions.create, model=..., messages=...)`.
 
@@ -42,8 +43,11 @@ class ModelCalls:
         request on the step and the tokens and USD of `usage` on the step and the run. The
         call carries the step's idempotency key as an `Idempotency-Key` header. By default
         the prompt plus `max_tokens` is reserved against the budgets first (`estimate=False`
-        to skip, or a Usage of your own).
+        to skip, or a Usage of your own). With `typed=True` (or a response class) the response
+        comes back as the client's own type, `ChatCompletion`, `Response` or `Message`, rebuilt
+        from the same JSON on replay, so code written for the SDK keeps `.choices[0].message`.
         """
+        cls = llm_engine.response_type(call, typed)
         llm_engine.refuse_streaming(call, request)
         model = str(request.get("model", ""))
         if self._budgeted and not any(k in request for k in llm_engine.MAX_TOKENS_FIELDS):
@@ -70,10 +74,11 @@ class ModelCalls:
             return Metered(data, usage)
 
         recorded = llm_engine.recorded_request(request)
-        return self._run_step(
+        output = self._run_step(
             key, invoke, (recorded,), {}, retry=retry, estimate=guess, kind=StepKind.LLM,
             input_limit=settings.STEPGUARD_MAX_OUTPUT_BYTES, model=model,
         )  # fmt: skip
+        return output if cls is None else llm_engine.typed_response(cls, output)
 
     def _capped(self, call: Callable, model: str, request: dict) -> dict:
         """With no `max_tokens` (or its variant) given, a model may answer at length: cap it to

@@ -6,6 +6,7 @@ Works with the official `openai` client (chat completions and responses) and the
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import time
@@ -277,6 +278,45 @@ def without_sdk_retries(call: Any) -> Any:
     except TypeError:  # a resource this does not know how to rebuild: leave it be
         return call
     return getattr(quiet, call.__name__, call)
+
+
+#: The response type of each client method `typed=True` knows, by the client's package and the
+#: resource's class: the same class on the first run and on replay.
+RESPONSE_TYPES = {
+    ("openai", "Completions"): ("openai.types.chat", "ChatCompletion"),
+    ("openai", "Responses"): ("openai.types.responses", "Response"),
+    ("anthropic", "Messages"): ("anthropic.types", "Message"),
+}
+
+
+def response_type(call: Any, typed: bool | type) -> type | None:
+    """The class `typed` asks `ctx.llm` to return: itself, or for `True` the response type of
+    the client method `call`; None for a plain dict."""
+    if typed is False or typed is None:
+        return None
+    if isinstance(typed, type):
+        if not callable(getattr(typed, "model_validate", None)):
+            raise StepMisuse(f"typed={typed.__name__} is not a pydantic model class")
+        return typed
+    resource = type(getattr(call, "__self__", None))
+    known = RESPONSE_TYPES.get(
+        (resource.__module__.split(".")[0], resource.__name__.removeprefix("Async"))
+    )
+    if known is None:
+        raise StepMisuse(
+            f"typed=True does not know what {getattr(call, '__qualname__', call)!r} returns: "
+            "pass the response class itself (typed=ChatCompletion)"
+        )
+    return getattr(importlib.import_module(known[0]), known[1])
+
+
+def typed_response(cls: type, data: dict) -> Any:
+    """The recorded JSON as `cls` again. A response that no longer validates (a newer SDK that
+    tightened a field) is built without validation rather than failing a replay."""
+    try:
+        return cls.model_validate(data)
+    except ValueError:
+        return cls.model_construct(**data)
 
 
 #: Statuses worth sending the same request again for: the provider was busy or broken.
