@@ -1,5 +1,5 @@
 """A scripted DEMO model on 127.0.0.1, speaking the OpenAI chat completions and responses
-protocols and Anthropic's messages protocol, with usage and tool calls.
+protocols and Anthropic's messages protocol, with usage and tool calls, streamed or not.
 
 Not a language model: it answers from a script so the demo and the tests run with no network.
 With tools offered, it calls them in the order a `SCRIPT: tool_a, tool_b` line in the system
@@ -223,6 +223,67 @@ class DemoModel:
         }
 
 
+def _pieces(text: str, size: int = 12) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
+
+
+def stream_events(route: str, body: dict, response: dict) -> list[tuple[str | None, dict | str]]:
+    """`response` as the server-sent events its protocol streams: (event name, data)."""
+    if route == "/chat/completions":
+        head = {k: response[k] for k in ("id", "created", "model")}
+        head["object"] = "chat.completion.chunk"
+        choice = response["choices"][0]
+        message = choice["message"]
+
+        def chunk(delta: dict, finish=None) -> dict:
+            return head | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+        events = [chunk({"role": "assistant", "content": ""})]
+        events += [chunk({"content": piece}) for piece in _pieces(message.get("content") or "")]
+        for index, call in enumerate(message.get("tool_calls") or []):
+            events.append(chunk({"tool_calls": [{"index": index, **call}]}))
+        events.append(chunk({}, choice["finish_reason"]))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append(head | {"choices": [], "usage": response["usage"]})
+        return [(None, e) for e in events] + [(None, "[DONE]")]
+    if route == "/responses":
+        item = response["output"][0]
+        text = item["content"][0]["text"]
+        where = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+        empty = {"type": "output_text", "text": "", "annotations": []}
+        started = response | {"status": "in_progress", "output": []}
+        events = [
+            {"type": "response.created", "response": started},
+            {"type": "response.output_item.added", "output_index": 0,
+             "item": item | {"status": "in_progress", "content": []}},
+            {"type": "response.content_part.added", **where, "part": empty},
+            *({"type": "response.output_text.delta", **where, "delta": piece, "logprobs": []}
+              for piece in _pieces(text)),
+            {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
+            {"type": "response.content_part.done", **where, "part": item["content"][0]},
+            {"type": "response.output_item.done", "output_index": 0, "item": item},
+            {"type": "response.completed", "response": response},
+        ]  # fmt: skip
+        for number, event in enumerate(events):
+            event["sequence_number"] = number
+        return [(e["type"], e) for e in events]
+    # Anthropic's messages
+    text = response["content"][0]["text"]
+    usage = response["usage"]
+    start = response | {"content": [], "stop_reason": None, "usage": usage | {"output_tokens": 1}}
+    events = [
+        {"type": "message_start", "message": start},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        *({"type": "content_block_delta", "index": 0,
+           "delta": {"type": "text_delta", "text": piece}} for piece in _pieces(text)),
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": response["stop_reason"],
+         "stop_sequence": None}, "usage": {"output_tokens": usage["output_tokens"]}},
+        {"type": "message_stop"},
+    ]  # fmt: skip
+    return [(e["type"], e) for e in events]
+
+
 def serve(port: int = 0) -> tuple[ThreadingHTTPServer, DemoModel]:
     """Start the demo model on 127.0.0.1 in a daemon thread; returns the server and its state."""
     model = DemoModel()
@@ -264,14 +325,31 @@ def serve(port: int = 0) -> tuple[ThreadingHTTPServer, DemoModel]:
                 "/responses": model.responses,
                 "/messages": model.messages,
             }
-            handler = next((h for path, h in routes.items() if self.path.endswith(path)), None)
+            route = next((path for path in routes if self.path.endswith(path)), None)
+            handler = routes.get(route)
             if handler is None:
                 return self._send(404, {"error": {"message": f"no route {self.path}"}})
             failure = model.record(self.headers.get("Idempotency-Key"), body)
             if failure is not None:
                 status, headers, error = failure
                 return self._send(status, error, headers)
+            if body.get("stream"):
+                return self._stream(stream_events(route, body, handler(body)))
             return self._send(200, handler(body))
+
+        def _stream(self, events) -> None:
+            """Server-sent events, one write each, as a provider streams them."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for name, data in events:
+                text = data if isinstance(data, str) else json.dumps(data)
+                frame = (f"event: {name}\n" if name else "") + f"data: {text}\n\n"
+                raw = frame.encode()
+                self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     threading.Thread(target=server.serve_forever, name="demo-model", daemon=True).start()

@@ -22,10 +22,53 @@ def openai_client(*, asynchronous: bool = False, **options):
     return (AsyncOpenAI if asynchronous else OpenAI)(base_url=base_url(), api_key="k", **options)
 
 
-def anthropic_client():
-    from anthropic import Anthropic
+def anthropic_client(*, asynchronous: bool = False):
+    from anthropic import Anthropic, AsyncAnthropic
 
-    return Anthropic(base_url=base_url().removesuffix("/v1"), api_key="k", max_retries=0)
+    return (AsyncAnthropic if asynchronous else Anthropic)(
+        base_url=base_url().removesuffix("/v1"), api_key="k", max_retries=0
+    )
+
+
+#: The text deltas the streaming workflows were handed, in order.
+deltas: list[str] = []
+
+
+def stream_request(protocol: str, asynchronous: bool, helper: bool):
+    """The call and request of a streamed model call of `protocol` (its `.stream()` helper or
+    `create(stream=True)`), on a sync or an async client."""
+    if protocol == "anthropic":
+        resource = anthropic_client(asynchronous=asynchronous).messages
+        request = {"model": "claude-3-5-haiku-20241022", "max_tokens": 64}
+        request["messages"] = [{"role": "user", "content": "stream about durable agents"}]
+    elif protocol == "responses":
+        resource = openai_client(asynchronous=asynchronous).responses
+        request = {"model": "gpt-4.1-mini", "input": "stream about durable agents"}
+    else:
+        resource = openai_client(asynchronous=asynchronous).chat.completions
+        request = {"model": "gpt-4o-mini", "max_tokens": 50}
+        request["messages"] = [{"role": "user", "content": "stream about durable agents"}]
+    if helper:
+        return resource.stream, request
+    return resource.create, request | {"stream": True}
+
+
+@workflow("llm-stream")
+def llm_stream(ctx: RunContext, input: dict):
+    call, request = stream_request(input["protocol"], input["async_client"], input["helper"])
+    response = ctx.llm("ask", call, on_delta=deltas.append, **request)
+    from tests import workflows
+
+    if "after-stream" in workflows.crash_at:
+        workflows.crash_at.discard("after-stream")
+        raise workflows.Crash("after-stream")
+    return response
+
+
+@workflow("llm-stream-async")
+async def llm_stream_async(ctx, input: dict):
+    call, request = stream_request(input["protocol"], True, input["helper"])
+    return await ctx.llm("ask", call, on_delta=deltas.append, **request)
 
 
 @workflow("sync-with-async-client")
@@ -51,7 +94,9 @@ def llm_options(ctx: RunContext, input: dict):
     protocol = options.get("protocol", "chat")
     retry = options.get("retry", RetryPolicy(max_attempts=3, initial_interval=timedelta(0)))
     request = options.get("request", {})
-    if protocol == "anthropic":
+    if protocol == "plain":  # a function of one's own, not a client's method
+        call = lambda **request: {"choices": []}  # noqa: E731
+    elif protocol == "anthropic":
         client = anthropic_client()
         call = getattr(client.messages, options.get("method", "create"))
         request = {"model": "claude-3-5-haiku-20241022", "max_tokens": 64} | request

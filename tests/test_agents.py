@@ -159,26 +159,13 @@ def test_a_sync_workflow_with_an_async_client_sends_each_call_once(drive, demo_m
     assert all(demo_model.calls[s.idempotency_key] == 1 for s in steps)
 
 
-@pytest.mark.parametrize(
-    ("protocol", "method", "request_options"),
-    [
-        ("chat", "create", {"stream": True}),
-        ("responses", "create", {"stream": True}),
-        ("anthropic", "create", {"stream": True}),
-        ("anthropic", "stream", {}),
-    ],
-)
-def test_a_streamed_model_call_is_refused_before_anything_is_sent(
-    drive, demo_model, llm_options, protocol, method, request_options
-):
-    prompt = {"input": "hi"} if protocol == "responses" else {"messages": [HI]}
-    llm_options.update(protocol=protocol, method=method, request=request_options | prompt)
+def test_streaming_what_cannot_stream_is_refused_before_anything_is_sent(drive, llm_options):
+    llm_options.update(protocol="plain", request={"stream": True})
     run = start_run("llm-options")
     assert drive() == ["failed"]
     run.refresh_from_db()
-    assert run.error["code"] == "sdk_misuse" and "stream" in run.error["message"]
+    assert run.error["code"] == "sdk_misuse" and "cannot stream" in run.error["message"]
     assert run.attempt == 1  # not retried: it cannot work the next time either
-    assert demo_model.total == 0
     assert not Step.objects.filter(run=run).exists()
 
 
@@ -552,3 +539,47 @@ def test_typed_refuses_what_it_cannot_type_before_anything_is_sent(drive, demo_m
     assert drive() == ["failed"]
     assert "not a pydantic model class" in Run.objects.get(pk=run.pk).error["message"]
     assert demo_model.total == 0
+
+
+def text_of(protocol: str, response: dict) -> str:
+    if protocol == "chat":
+        return response["choices"][0]["message"]["content"]
+    if protocol == "responses":
+        return response["output"][0]["content"][0]["text"]
+    return response["content"][0]["text"]
+
+
+@pytest.mark.parametrize("protocol", ["chat", "responses", "anthropic"])
+@pytest.mark.parametrize(("async_client", "helper"), [(False, False), (True, True)])
+def test_a_streamed_answer_is_recorded_whole_and_its_deltas_are_not_replayed(
+    drive, demo_model, expire_lease, protocol, async_client, helper
+):
+    # stream=True paid and then failed with a TypeError, and the step retried it: 3 paid calls.
+    agent_workflows.deltas.clear()
+    workflows.crash_at.add("after-stream")
+    shape = {"protocol": protocol, "async_client": async_client, "helper": helper}
+    run = start_run("llm-stream", shape)
+    with pytest.raises(workflows.Crash):
+        drive()
+    streamed = list(agent_workflows.deltas)
+    assert len(streamed) > 1  # handed over piece by piece
+    step = only_llm_step(run)
+    assert step.status == "completed" and "".join(streamed) == text_of(protocol, step.output)
+    usage = step.output["usage"]
+    assert step.tokens_out == usage.get("completion_tokens", usage.get("output_tokens")) > 1
+    assert step.cost_micros > 0 and step.input[0]["stream"] is True
+    expire_lease(run.id)
+    assert drive() == ["completed"]  # the resume replays the final response...
+    assert agent_workflows.deltas == streamed  # ...and emits no delta again
+    assert demo_model.total == 1 and demo_model.bodies[0]["stream"] is True
+
+
+@pytest.mark.parametrize("protocol", ["chat", "anthropic"])
+@pytest.mark.django_db(transaction=True)  # its checkpoints are written from a thread of its own
+def test_an_async_workflow_streams_too(drive, demo_model, protocol):
+    agent_workflows.deltas.clear()
+    run = start_run("llm-stream-async", {"protocol": protocol, "helper": False})
+    assert drive() == ["completed"]
+    output = Run.objects.get(pk=run.pk).output
+    assert "".join(agent_workflows.deltas) == text_of(protocol, output)
+    assert only_llm_step(run).tokens_in > 0 and demo_model.total == 1

@@ -33,6 +33,7 @@ class ModelCalls:
         estimate: Usage | bool = True,
         retry: RetryPolicy | None = None,
         typed: bool | type = False,
+        on_delta: Callable[[str], Any] | None = None,
         **request: Any,
     ) -> Any:
         """Call a model once for this run: `call(**request)`, e.g.
@@ -46,9 +47,15 @@ class ModelCalls:
         to skip, or a Usage of your own). With `typed=True` (or a response class) the response
         comes back as the client's own type, `ChatCompletion`, `Response` or `Message`, rebuilt
         from the same JSON on replay, so code written for the SDK keeps `.choices[0].message`.
+
+        With `stream=True` (or the client's `.stream` method) the answer is streamed inside the
+        step: `on_delta(text)` gets each piece of text as it arrives, and the step records the
+        final response and its usage. A replay returns the final response and emits no deltas.
         """
         cls = llm_engine.response_type(call, typed)
-        llm_engine.refuse_streaming(call, request)
+        streaming = llm_engine.streams(call, request)
+        if streaming:
+            llm_engine.stream_call(call, request)  # refuses what cannot stream, before the step
         model = str(request.get("model", ""))
         if self._budgeted and not any(k in request for k in llm_engine.MAX_TOKENS_FIELDS):
             request = self._capped(call, model, request)
@@ -63,7 +70,12 @@ class ModelCalls:
                 headers |= request.get("extra_headers") or {}
                 kwargs = {**request, "extra_headers": headers}
             try:
-                response = self._await(llm_engine.without_sdk_retries(call)(**kwargs))
+                if streaming:
+                    helper, kwargs = llm_engine.stream_call(call, kwargs)
+                    manager = llm_engine.without_sdk_retries(helper)(**kwargs)
+                    response = self._await(llm_engine.consume(manager, on_delta))
+                else:
+                    response = self._await(llm_engine.without_sdk_retries(call)(**kwargs))
             except Exception as exc:
                 if (refused := llm_engine.rejected(exc)) is not None:
                     raise refused from exc
@@ -73,7 +85,7 @@ class ModelCalls:
             tracing.model_call(data, usage)
             return Metered(data, usage)
 
-        recorded = llm_engine.recorded_request(request)
+        recorded = llm_engine.recorded_request(request | ({"stream": True} if streaming else {}))
         output = self._run_step(
             key, invoke, (recorded,), {}, retry=retry, estimate=guess, kind=StepKind.LLM,
             input_limit=settings.STEPGUARD_MAX_OUTPUT_BYTES, model=model,

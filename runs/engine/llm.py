@@ -10,6 +10,7 @@ import importlib
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from email.utils import parsedate_to_datetime
@@ -52,7 +53,7 @@ DEFAULT_PRICES: dict[str, tuple[str, ...] | str] = {
 
 REQUEST_FIELDS = (
     "model", "messages", "input", "instructions", "system", "tools", "tool_choice",
-    "max_tokens", "max_output_tokens", "max_completion_tokens", "temperature",
+    "max_tokens", "max_output_tokens", "max_completion_tokens", "temperature", "stream",
 )  # fmt: skip
 
 #: What an image (or a base64 document) in a prompt is reserved as: about the most a provider
@@ -254,14 +255,62 @@ def recorded_request(kwargs: dict) -> dict:
     return {k: plain(kwargs[k]) for k in REQUEST_FIELDS if k in kwargs}
 
 
-def refuse_streaming(call: Any, request: dict) -> None:
-    """A streamed response cannot be checkpointed yet: refuse before anything is sent, rather
-    than pay for a call whose answer the step cannot read (and then retry it)."""
-    if request.get("stream") or getattr(call, "__name__", "") == "stream":
+def streams(call: Any, request: dict) -> bool:
+    """Whether the call asks for a streamed answer: `stream=True`, or a `.stream()` helper."""
+    return bool(request.get("stream")) or getattr(call, "__name__", "") == "stream"
+
+
+def stream_call(call: Any, request: dict) -> tuple[Any, dict]:
+    """The client's `.stream()` helper for `call` and its arguments: it yields typed events and
+    accumulates the final response (with usage: chat completions are asked to include it)."""
+    resource = getattr(call, "__self__", None)
+    helper = getattr(resource, "stream", None)
+    if not callable(helper):
         raise StepMisuse(
-            "ctx.llm cannot record a streamed response yet: call the client's create() "
-            "without stream=True (and not its .stream() helper)"
+            f"ctx.llm cannot stream {getattr(call, '__qualname__', call)!r}: stream with the "
+            "official openai or anthropic client's create(stream=True) or .stream()"
         )
+    kwargs = {k: v for k, v in request.items() if k != "stream"}
+    if type(resource).__name__.removeprefix("Async") == "Completions":
+        kwargs["stream_options"] = {**(kwargs.get("stream_options") or {}), "include_usage": True}
+    return helper, kwargs
+
+
+def _delta_text(event: Any) -> str | None:
+    """The text an event of any of the three protocols' stream helpers adds, if any."""
+    kind = getattr(event, "type", "")
+    if kind in ("content.delta", "response.output_text.delta"):
+        return getattr(event, "delta", None)
+    if kind == "text":  # anthropic
+        return getattr(event, "text", None)
+    return None
+
+
+def _final(stream: Any) -> Any:
+    for name in ("get_final_completion", "get_final_response", "get_final_message"):
+        if callable(method := getattr(stream, name, None)):
+            return method()
+    raise OutputNotSerializable(f"cannot read the final response of {type(stream).__name__}")
+
+
+def consume(manager: Any, on_delta: Callable[[str], Any] | None) -> Any:
+    """Read a stream to its end, handing each text delta to `on_delta`; returns the final
+    response (a coroutine for an async client's stream)."""
+    if hasattr(manager, "__aenter__"):
+
+        async def read():
+            async with manager as stream:
+                async for event in stream:
+                    if on_delta is not None and (text := _delta_text(event)):
+                        on_delta(text)
+                return await _final(stream)
+
+        return read()
+    with manager as stream:
+        for event in stream:
+            if on_delta is not None and (text := _delta_text(event)):
+                on_delta(text)
+        return _final(stream)
 
 
 def without_sdk_retries(call: Any) -> Any:
