@@ -23,6 +23,7 @@ from django.db import connection
 from django.db.models import Q
 from django.template.loader import render_to_string
 from django.utils.crypto import constant_time_compare
+from django.utils.html import escape
 
 from runs.engine.wakeup import EventsListener
 from runs.models import Event, Run, Step
@@ -137,6 +138,14 @@ class RunConsumer(AsyncWebsocketConsumer):
     async def run_doorbell(self, event):
         """A worker wrote events for this run: look now rather than at the next poll."""
         self.bell.set()
+
+    async def step_delta(self, event):
+        """A piece of a model's streamed answer: appended to its step's row while it runs (the
+        row is redrawn with the recorded response when the step completes)."""
+        seq, text = event.get("seq"), event.get("text")
+        if isinstance(seq, int) and isinstance(text, str):
+            piece = f'<output id="stream-{seq}" hx-swap-oob="beforeend">{escape(text)}</output>'
+            await self.send(text_data=piece)
 
     async def _pump(self):
         loop = asyncio.get_running_loop()

@@ -1,6 +1,7 @@
 """The live run feed: a websocket that sends every event after the client's last seq."""
 
 import asyncio
+import html
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +13,7 @@ from controlplane.asgi import application
 from runs.consumers import RunConsumer
 from runs.engine.store import run_event
 from runs.sdk import start_run
+from tests import agent_workflows  # registers the streaming workflow before workers start
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -153,3 +155,83 @@ def test_a_reconnect_resumes_after_the_last_seq_it_saw_without_duplicates(drive,
     _, backfill = collect(communicator(run, cast["vera"], after=seen[-1]), 2)
     again = [int(s) for s in re.findall(r'id="event-(\d+)"', backfill)]
     assert again == [seen[-1] + 1]  # only what was missed, once
+
+
+def test_a_streamed_answer_reaches_the_live_page_piece_by_piece(drive, demo_model, cast, settings):
+    """The deltas travel by the Channels layer (Redis) to the run page's socket, escaped, as
+    appends to the step's row; the page's feed of events carries on beside them."""
+    import uuid
+
+    from django.db import connections
+
+    settings.REDIS_URL = "redis://127.0.0.1:6379/0"
+    settings.CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [settings.REDIS_URL], "prefix": f"test-{uuid.uuid4().hex[:8]}"},
+        }
+    }
+    agent_workflows.deltas.clear()
+    shape = {"protocol": "chat", "async_client": False, "helper": False}
+    run = start_run("llm-stream", shape)
+    comm = communicator(run, cast["vera"], after=0, query="&last=-1")
+
+    def worker():
+        try:
+            return drive()
+        finally:
+            connections.close_all()
+
+    async def go():
+        connected, _ = await comm.connect()
+        assert connected
+        await asyncio.sleep(0)
+        outcome = asyncio.get_running_loop().run_in_executor(None, worker)
+        pieces = []
+        while True:
+            frame = await comm.receive_from(timeout=10)
+            found = re.fullmatch(
+                r'<output id="stream-0" hx-swap-oob="beforeend">(.*)</output>', frame, re.S
+            )
+            if found:
+                pieces.append(found.group(1))
+            if (
+                outcome.done()
+                and agent_workflows.deltas
+                and len(pieces)
+                and ("".join(pieces) == html.escape("".join(agent_workflows.deltas), quote=True))
+            ):
+                break
+        await comm.disconnect()
+        return await outcome, pieces
+
+    outcome, pieces = run_async(go)
+    assert outcome == ["completed"]
+    assert "".join(pieces) == html.escape("".join(agent_workflows.deltas))
+    assert "".join(agent_workflows.deltas).startswith("[demo model]")
+
+
+def test_deltas_travel_by_notify_without_redis(settings):
+    """Without Redis, a worker sends deltas by PostgreSQL NOTIFY, which the web process's
+    listener turns into the same messages."""
+    import json as jsonlib
+
+    import psycopg
+    from django.db import connection
+
+    from runs.engine.wakeup import DELTAS_CHANNEL, Doorbell, EventsListener
+
+    if connection.vendor != "postgresql":
+        assert not Doorbell().enabled() or settings.REDIS_URL  # SQLite alone: pages poll
+        return
+    settings.REDIS_URL = ""
+    params = connection.get_connection_params()
+    with psycopg.connect(**params, autocommit=True) as listener:
+        listener.execute(f"LISTEN {DELTAS_CHANNEL}")
+        Doorbell().publish(set(), [("r-1", 3, "<b>hi</b>" * 300)])
+        notes = list(listener.notifies(timeout=5, stop_after=2))
+    payloads = [jsonlib.loads(n.payload) for n in notes]
+    assert "".join(p["text"] for p in payloads) == "<b>hi</b>" * 300
+    assert EventsListener.messages(DELTAS_CHANNEL, notes[0].payload) == [
+        ("r-1", {"type": "step.delta", "seq": 3, "text": payloads[0]["text"]})
+    ]

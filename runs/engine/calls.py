@@ -15,6 +15,7 @@ from runs.engine.budget import Metered, Usage, scopes_for
 from runs.engine.records import accepts, signature_names
 from runs.engine.retry import RetryPolicy
 from runs.engine.store import fenced_write
+from runs.engine.wakeup import doorbell
 from runs.errors import UnpricedModel
 from runs.models import EventType, Policy, Run, StepKind
 
@@ -73,7 +74,8 @@ class ModelCalls:
                 if streaming:
                     helper, kwargs = llm_engine.stream_call(call, kwargs)
                     manager = llm_engine.without_sdk_retries(helper)(**kwargs)
-                    response = self._await(llm_engine.consume(manager, on_delta))
+                    relay = self._relay(on_delta)
+                    response = self._await(llm_engine.consume(manager, relay))
                 else:
                     response = self._await(llm_engine.without_sdk_retries(call)(**kwargs))
             except Exception as exc:
@@ -91,6 +93,17 @@ class ModelCalls:
             input_limit=settings.STEPGUARD_MAX_OUTPUT_BYTES, model=model,
         )  # fmt: skip
         return output if cls is None else llm_engine.typed_response(cls, output)
+
+    def _relay(self, on_delta: Callable[[str], Any] | None) -> Callable[[str], None]:
+        """Each streamed piece of text to `on_delta` and to the run's live page."""
+        run_id, seq = self.run_id, self._step_seq
+
+        def relay(text: str) -> None:
+            doorbell.stream(run_id, seq, text)
+            if on_delta is not None:
+                on_delta(text)
+
+        return relay
 
     def _capped(self, call: Callable, model: str, request: dict) -> dict:
         """With no `max_tokens` (or its variant) given, a model may answer at length: cap it to

@@ -98,6 +98,7 @@ class Steps:
         model: str = "",
     ) -> Any:
         key, seq, record = self._enter(key, internal=internal)
+        self._step_seq = seq
         if record is not None and record.status == StepStatus.COMPLETED:
             # A step copied from the run this one was forked from did its side effect there:
             # this run undoes only what it did itself.

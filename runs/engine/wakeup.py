@@ -5,6 +5,7 @@ listener connection, a database restart) delays work by at most one poll interva
 """
 
 import asyncio
+import json
 import logging
 import threading
 
@@ -58,6 +59,9 @@ class Listener(threading.Thread):
 
 
 EVENTS_CHANNEL = "stepguard_events"
+DELTAS_CHANNEL = "stepguard_deltas"
+#: The most text one delta message carries (NOTIFY payloads stay under 8 kB).
+DELTA_CHARS = 2000
 
 
 class Doorbell:
@@ -74,6 +78,7 @@ class Doorbell:
 
     def __init__(self):
         self._ids: set[str] = set()
+        self._deltas: dict[tuple[str, int], list[str]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
@@ -88,12 +93,25 @@ class Doorbell:
             return
         with self._lock:
             self._ids.add(str(run_id))
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name="stepguard-doorbell", daemon=True
-                )
-                self._thread.start()
+            self._start()
         self._wake.set()
+
+    def stream(self, run_id, seq: int, text: str) -> None:
+        """A piece of a model's streamed answer for the live page of the run (step `seq`):
+        a display hint like the doorbell, coalesced the same way, never stored."""
+        if not self.enabled() or not text:
+            return
+        with self._lock:
+            self._deltas.setdefault((str(run_id), seq), []).append(text)
+            self._start()
+        self._wake.set()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._loop, name="stepguard-doorbell", daemon=True
+            )
+            self._thread.start()
 
     def _loop(self) -> None:
         import time
@@ -103,24 +121,35 @@ class Doorbell:
             self._wake.clear()
             with self._lock:
                 ids, self._ids = self._ids, set()
-            if not ids:
+                deltas, self._deltas = self._deltas, {}
+            if not ids and not deltas:
                 continue
+            pieces = [
+                (run_id, seq, text[i : i + DELTA_CHARS])
+                for (run_id, seq), parts in deltas.items()
+                for text in ["".join(parts)]
+                for i in range(0, len(text), DELTA_CHARS)
+            ]
             try:
-                self.publish(ids)
+                self.publish(ids, pieces)
             except Exception as exc:
                 log.warning("doorbell not published (%s); pages fall back to polling", exc)
                 connections.close_all()
             time.sleep(self.REST)
 
-    def publish(self, ids: set[str]) -> None:
-
+    def publish(self, ids: set[str], deltas: list[tuple[str, int, str]] = ()) -> None:
         if settings.REDIS_URL:
             from channels.layers import get_channel_layer
 
             layer = get_channel_layer()
+            messages = [(i, {"type": "run.doorbell"}) for i in ids]
+            messages += [
+                (run_id, {"type": "step.delta", "seq": seq, "text": text})
+                for run_id, seq, text in deltas
+            ]
 
             async def send():
-                sends = (layer.group_send(f"run-{i}", {"type": "run.doorbell"}) for i in ids)
+                sends = (layer.group_send(f"run-{i}", message) for i, message in messages)
                 for failed in await asyncio.gather(*sends, return_exceptions=True):
                     if isinstance(failed, Exception):
                         raise failed
@@ -138,6 +167,10 @@ class Doorbell:
                 batch = []
         if batch:
             self._notify(batch)
+        for run_id, seq, text in deltas:
+            payload = json.dumps({"run": run_id, "seq": seq, "text": text})
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_notify(%s, %s)", [DELTAS_CHANNEL, payload])
 
     @staticmethod
     def _notify(ids: list[str]) -> None:
@@ -166,6 +199,15 @@ class EventsListener(threading.Thread):
                 cls._started = cls(loop, layer)
                 cls._started.start()
 
+    @staticmethod
+    def messages(channel: str, payload: str) -> list[tuple[str, dict]]:
+        if channel == DELTAS_CHANNEL:
+            delta = json.loads(payload)
+            return [
+                (delta["run"], {"type": "step.delta", "seq": delta["seq"], "text": delta["text"]})
+            ]
+        return [(run_id, {"type": "run.doorbell"}) for run_id in payload.split(",")]
+
     def run(self) -> None:
         import asyncio
         import time
@@ -174,9 +216,9 @@ class EventsListener(threading.Thread):
             try:
                 with psycopg.connect(**self.params, autocommit=True) as conn:
                     conn.execute(f"LISTEN {EVENTS_CHANNEL}")
+                    conn.execute(f"LISTEN {DELTAS_CHANNEL}")
                     for note in conn.notifies():
-                        for run_id in note.payload.split(","):
-                            message = {"type": "run.doorbell"}
+                        for run_id, message in self.messages(note.channel, note.payload):
                             self.loop.call_soon_threadsafe(
                                 asyncio.ensure_future,
                                 self.layer.group_send(f"run-{run_id}", message),
