@@ -82,6 +82,32 @@ class DemoModel:
         self._failures: list[tuple[int, dict[str, str], dict]] = []
         self._cached: set[str] = set()
         self._lock = threading.Lock()
+        self.in_flight = self.max_in_flight = 0
+        self._arrivals = threading.Condition()
+        self._hold: tuple[int, float] | None = None
+
+    def hold(self, count: int, timeout: float = 5.0) -> None:
+        """Answer no request until `count` are in flight together (or `timeout` s passed):
+        calls made one after the other each wait the whole timeout, concurrent ones none."""
+        self._hold = (count, timeout)
+
+    @contextlib.contextmanager
+    def answering(self):
+        with self._arrivals:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            if self._hold is not None:
+                count, timeout = self._hold
+                if self.in_flight >= count:
+                    self._hold = None  # met: let every held request go
+                    self._arrivals.notify_all()
+                else:
+                    self._arrivals.wait_for(lambda: self._hold is None, timeout)
+        try:
+            yield
+        finally:
+            with self._arrivals:
+                self.in_flight -= 1
 
     def record(self, key: str | None, body: dict) -> tuple[int, dict[str, str], dict] | None:
         """Count a call; returns the failure to answer it with, if one is queued."""
@@ -333,9 +359,11 @@ def serve(port: int = 0) -> tuple[ThreadingHTTPServer, DemoModel]:
             if failure is not None:
                 status, headers, error = failure
                 return self._send(status, error, headers)
+            with model.answering():
+                answer = handler(body)
             if body.get("stream"):
-                return self._stream(stream_events(route, body, handler(body)))
-            return self._send(200, handler(body))
+                return self._stream(stream_events(route, body, answer))
+            return self._send(200, answer)
 
         def _stream(self, events) -> None:
             """Server-sent events, one write each, as a provider streams them."""

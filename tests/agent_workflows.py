@@ -209,3 +209,55 @@ def guide_weather(ctx: RunContext, input):  # durable
         tools=WEATHER_TOOLS,
     )  # durable: was client.chat.completions.create(model=..., messages=..., tools=...)
     return completion_2.choices[0].message.content
+
+
+@workflow("llm-gather")
+async def llm_gather(ctx, input: dict):
+    """Three model calls, then two tools, each set at once with asyncio.gather."""
+    import asyncio
+
+    from tests import workflows
+
+    client = openai_client(asynchronous=True)
+    asks = [
+        ctx.llm(
+            f"ask-{i}",
+            client.chat.completions.create,
+            model="gpt-4o-mini",
+            max_tokens=20,
+            messages=[{"role": "user", "content": f"question number {i}"}],
+        )
+        for i in range(3)
+    ]
+    answers = await asyncio.gather(*asks)
+
+    async def lookup(n: int, idempotency_key: str) -> str:
+        workflows.calls[f"lookup-{n}"] = workflows.calls.get(f"lookup-{n}", 0) + 1
+        await asyncio.sleep(0.01 * (3 - n))  # finish in the reverse order
+        return f"{n}:{idempotency_key}:{ctx.idempotency_key}"
+
+    found = await asyncio.gather(*(ctx.tool(f"lookup-{n}", lookup, {"n": n}) for n in range(2)))
+    if "after-gather" in workflows.crash_at:
+        workflows.crash_at.discard("after-gather")
+        raise workflows.Crash("after-gather")
+    return {"answers": [a["choices"][0]["message"]["content"] for a in answers], "found": found}
+
+
+@workflow("gather-many")
+async def gather_many(ctx, input: dict):
+    """More steps at once than the workflow has database threads."""
+    import asyncio
+
+    async def echo(n: int) -> int:
+        await asyncio.sleep(0.001 * (n % 5))
+        return n
+
+    return await asyncio.gather(*(ctx.step(f"echo-{n}", echo, n) for n in range(input["n"])))
+
+
+@workflow("nested-async-step")
+async def nested_async_step(ctx, input):
+    async def outer():
+        return await ctx.step("inner", lambda: 1)
+
+    return await ctx.step("outer", outer)

@@ -583,3 +583,58 @@ def test_an_async_workflow_streams_too(drive, demo_model, protocol):
     output = Run.objects.get(pk=run.pk).output
     assert "".join(agent_workflows.deltas) == text_of(protocol, output)
     assert only_llm_step(run).tokens_in > 0 and demo_model.total == 1
+
+
+@pytest.mark.django_db(transaction=True)  # its checkpoints are written from threads of their own
+def test_gathered_model_calls_run_concurrently_and_replay_in_the_same_positions(
+    drive, demo_model, expire_lease
+):
+    # Each ctx.llm held the workflow's one database thread for the whole call: 3 x 1 s calls
+    # took 3 s. The demo model answers none until all three are in flight.
+    demo_model.hold(3)
+    workflows.calls.clear()
+    workflows.crash_at.add("after-gather")
+    run = start_run("llm-gather")
+    with pytest.raises(workflows.Crash):
+        drive()
+    assert demo_model.max_in_flight == 3
+    steps = Step.objects.filter(run=run).order_by("seq")
+    assert [(s.seq, s.key) for s in steps] == [
+        (0, "ask-0"), (1, "ask-1"), (2, "ask-2"), (3, "lookup-0"), (4, "lookup-1"),
+    ]  # fmt: skip
+    # The last step to finish waits for the run's next write to record it (one commit per
+    # step), so the crash leaves it started: the resume re-sends it with its key.
+    unrecorded = {s.key for s in steps if s.status == "started"}
+    assert len(unrecorded) <= 1 and unrecorded <= {"lookup-0", "lookup-1"}
+    expire_lease(run.id)
+    assert drive() == ["completed"]  # replayed in the same positions: no NonDeterminismError
+    output = Run.objects.get(pk=run.pk).output
+    assert [a.split(" (note")[0] for a in output["answers"]] == [
+        f"[demo model] question number {i}" for i in range(3)
+    ]
+    # Each tool saw its own idempotency key, both as an argument and as ctx.idempotency_key.
+    assert output["found"] == [f"{n}:{run.id}:lookup-{n}:{run.id}:lookup-{n}" for n in range(2)]
+    assert demo_model.total == 3
+    assert workflows.calls == {f"lookup-{n}": 1 + (f"lookup-{n}" in unrecorded) for n in range(2)}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_more_steps_at_once_than_threads_all_complete_in_order(drive):
+    from runs.engine.bridge import MAX_CONCURRENT_STEPS
+
+    n = MAX_CONCURRENT_STEPS + 8
+    run = start_run("gather-many", {"n": n})
+    assert drive() == ["completed"]
+    assert Run.objects.get(pk=run.pk).output == list(range(n))
+    keys = list(Step.objects.filter(run=run).order_by("seq").values_list("key", flat=True))
+    assert keys == [f"echo-{i}" for i in range(n)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_step_inside_an_async_step_is_refused(drive):
+    run = start_run("nested-async-step")
+    assert drive() == ["failed"]
+    run.refresh_from_db()
+    assert (run.error["step"], run.error["cause"]["code"]) == ("outer", "sdk_misuse")
+    assert "a step was called inside step 'outer'" in run.error["cause"]["message"]
+    assert run.attempt == 1  # not retried: it cannot work the next time either

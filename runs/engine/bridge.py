@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
@@ -13,6 +14,75 @@ from uuid import UUID
 from django.db import connection
 
 from runs.engine.context import RunContext
+from runs.engine.steps import CURRENT_STEP
+from runs.errors import StepMisuse
+
+#: Threads an async workflow's checkpoints may use at once: one per step in flight.
+MAX_CONCURRENT_STEPS = 32
+
+
+class Turnstile:
+    """Lets an async workflow's steps run concurrently while its context stays one-at-a-time.
+
+    Each call from the workflow takes a ticket on the event loop, in the order the workflow
+    made the calls (asyncio.gather starts its awaitables in order), and enters the context in
+    ticket order: so step positions are assigned exactly as in a sequential replay, whatever
+    the threads do. A step leaves the context while it only waits for its async call (or a
+    retry delay) and comes back to write its checkpoint; calls that are not steps (waits,
+    children, the agent loop) keep it until they return.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._issued = 0
+        self._serving = 0
+        self._busy = False
+        self._abandoned: set[int] = set()
+        self._local = threading.local()
+
+    def ticket(self) -> int:
+        self._issued += 1  # on the event loop's thread only
+        return self._issued - 1
+
+    def enter(self, ticket: int, releasable: bool) -> bool:
+        """Wait for `ticket`'s turn and take the context; False if the call was abandoned."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: ticket in self._abandoned or (self._serving == ticket and not self._busy)
+            )
+            if ticket in self._abandoned:
+                return False
+            self._serving += 1
+            self._skip()
+            self._busy = True
+        self._local.releasable = releasable
+        return True
+
+    def abandon(self, ticket: int) -> None:
+        """The call was cancelled before its turn (asyncio.wait_for, a cancelled task): later
+        tickets must not wait for it."""
+        with self._cond:
+            if ticket >= self._serving:
+                self._abandoned.add(ticket)
+                self._skip()
+                self._cond.notify_all()
+
+    def _skip(self) -> None:
+        while self._serving in self._abandoned:
+            self._serving += 1
+
+    def releasable(self) -> bool:
+        return getattr(self._local, "releasable", False)
+
+    def leave(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._busy)
+            self._busy = True
 
 
 class AsyncRunContext:
@@ -33,14 +103,36 @@ class AsyncRunContext:
         return self._ctx.idempotency_key
 
     async def _call(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
-        """Every call runs on the database thread: checkpoints block, the event loop must not."""
-        return await self._loop.run_in_executor(
-            self._db, functools.partial(method, *args, **kwargs)
-        )
+        """Every call runs on a database thread: checkpoints block, the event loop must not."""
+        return await self._enter(False, method, *args, **kwargs)
+
+    async def _step(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
+        """A step: others may run while it waits for its async call (asyncio.gather)."""
+        return await self._enter(True, method, *args, **kwargs)
+
+    async def _enter(self, releasable: bool, method: Callable, *args: Any, **kwargs: Any):
+        running = CURRENT_STEP.get()
+        if running is not None:
+            raise StepMisuse(f"a step was called inside step {running[0]!r}; steps do not nest")
+        turnstile, ticket = self._ctx._turnstile, self._ctx._turnstile.ticket()
+
+        def serve():
+            if not turnstile.enter(ticket, releasable):
+                return None  # cancelled before its turn: nobody waits for this
+            try:
+                return method(*args, **kwargs)
+            finally:
+                turnstile.leave()
+
+        try:
+            return await self._loop.run_in_executor(self._db, serve)
+        except asyncio.CancelledError:
+            turnstile.abandon(ticket)
+            raise
 
     async def step(self, key: str, fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
         """`ctx.step`; `fn` may be an `async def`: it runs on this workflow's event loop."""
-        return await self._call(self._ctx.step, key, fn, *args, **kwargs)
+        return await self._step(self._ctx.step, key, fn, *args, **kwargs)
 
     async def transaction(self, key: str, fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
         """`ctx.transaction`: `fn` runs on the database thread, inside the transaction."""
@@ -76,27 +168,47 @@ class AsyncRunContext:
     async def children(self, specs: Iterable[tuple[str, str, Any]]) -> list[Any]:
         return await self._call(self._ctx.children, list(specs))
 
-    async def llm(self, key: str, call: Callable, /, **request: Any) -> dict:
-        """`ctx.llm`; an async client's call runs on this workflow's event loop."""
-        return await self._call(self._ctx.llm, key, call, **request)
+    async def llm(self, key: str, call: Callable, /, **request: Any) -> Any:
+        """`ctx.llm`; an async client's call runs on this workflow's event loop, concurrently
+        with the workflow's other steps in flight (asyncio.gather)."""
+        return await self._step(self._ctx.llm, key, call, **request)
 
     async def tool(self, key: str, fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
-        return await self._call(self._ctx.tool, key, fn, *args, **kwargs)
+        return await self._step(self._ctx.tool, key, fn, *args, **kwargs)
 
     async def agent_loop(self, **options: Any) -> dict:
         return await self._call(self._ctx.agent_loop, **options)
 
 
 def run_async(fn: Callable, ctx: RunContext, input: Any) -> Any:
-    db = ThreadPoolExecutor(1, thread_name_prefix="stepguard-db")
+    db = ThreadPoolExecutor(MAX_CONCURRENT_STEPS, thread_name_prefix="stepguard-db")
 
     async def main():
         ctx._loop = asyncio.get_running_loop()
         return await fn(AsyncRunContext(ctx, ctx._loop, db), input)
 
+    ctx._turnstile = Turnstile()
     try:
         return asyncio.run(main())
     finally:
         ctx._loop = None
-        db.submit(lambda: connection.close()).result()  # the database thread's own connection
+        ctx._turnstile = None
+        _close_connections(db)
         db.shutdown()
+
+
+def _close_connections(db: ThreadPoolExecutor) -> None:
+    """Each database thread closes its own connection (Django's are per thread): as many
+    tasks as threads, each held at a barrier until all run, so every thread takes one."""
+    threads = len(db._threads)
+    if not threads:
+        return
+    barrier = threading.Barrier(threads)
+
+    def close():
+        connection.close()
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait(timeout=10)
+
+    for future in [db.submit(close) for _ in range(threads)]:
+        future.result()

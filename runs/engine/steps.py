@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -31,6 +33,11 @@ from runs.engine.store import append_event, atomic, fence, fenced_write, flush
 from runs.errors import ApprovalRevoked, ControlFlow, OperatorFailed, StepMisuse, Suspended
 from runs.models import EventType, Recovery, Step, StepKind, StepStatus
 
+#: (step key, idempotency key) of the step whose coroutine runs in this asyncio task.
+CURRENT_STEP: contextvars.ContextVar[tuple[str | None, str | None] | None] = contextvars.ContextVar(
+    "stepguard_current_step", default=None
+)
+
 
 class Steps:
     """`ctx.step` and `ctx.transaction`, their retry loop, and the ambiguous-outcome policies."""
@@ -42,9 +49,11 @@ class Steps:
         Hand it to the downstream service (an `Idempotency-Key` header, a unique column) so a
         call re-sent after a crash is recognised there instead of repeated.
         """
-        if self._idempotency_key is None:
+        running = CURRENT_STEP.get()  # inside an async step, on the workflow's event loop
+        key = running[1] if running is not None else self._idempotency_key
+        if key is None:
             raise StepMisuse("ctx.idempotency_key is only defined while a step's function runs")
-        return self._idempotency_key
+        return key
 
     def step(
         self,
@@ -286,14 +295,37 @@ class Steps:
         if not inspect.isawaitable(value):
             return value
 
+        running = (self._in_step, self._idempotency_key)
+
         async def wait():
+            CURRENT_STEP.set(running)  # this task's own: concurrent steps each see theirs
             return await value
 
         if self._loop is not None:
-            return asyncio.run_coroutine_threadsafe(wait(), self._loop).result()
+            future = asyncio.run_coroutine_threadsafe(wait(), self._loop)
+            with self._released():
+                return future.result()
         if self._runner is None:
             self._runner = asyncio.Runner()
         return self._runner.run(wait())
+
+    @contextmanager
+    def _released(self):
+        """While this thread only waits (an async call, a retry delay), let the async
+        workflow's other steps use the run's context (see bridge.Turnstile); this step's own
+        state is put aside and back."""
+        turnstile = self._turnstile
+        if turnstile is None or not turnstile.releasable():
+            yield
+            return
+        mine = (self._in_step, self._idempotency_key, self._step_seq)
+        self._in_step = self._idempotency_key = None
+        turnstile.leave()
+        try:
+            yield
+        finally:
+            turnstile.resume()
+            self._in_step, self._idempotency_key, self._step_seq = mine
 
     def _close_loop(self) -> None:
         runner, self._runner = self._runner, None

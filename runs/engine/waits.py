@@ -321,6 +321,10 @@ class Waits:
 
     def _sleep(self, seconds: float) -> None:
         """A retry delay that a lost lease or a shutdown cuts short."""
+        with self._released():
+            self._sleep_in_thread(seconds)
+
+    def _sleep_in_thread(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             if self._lease.lost.wait(min(left, 0.1)):
