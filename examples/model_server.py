@@ -49,8 +49,9 @@ def write(prompt: str) -> str:
     return f"[demo model] {' '.join(words[:18])} (note {digest})"
 
 
-def plan(messages: list[dict], tools: list[dict]):
-    """The next tool call (name, arguments) the script asks for, or None to answer."""
+def plan(messages: list[dict], tools: list[dict]) -> list[tuple[str, object]]:
+    """The next tool calls [(name, arguments)] the script asks for, or [] to answer. A script
+    entry `a+b` asks for both in one turn (parallel tool calls)."""
     system = "\n".join(_text_of(m.get("content")) for m in messages if m.get("role") == "system")
     script = re.search(r"SCRIPT:\s*(.+)", system)
     offered = [t.get("function", t).get("name") for t in tools]
@@ -61,17 +62,56 @@ def plan(messages: list[dict], tools: list[dict]):
         if m.get("role") == "assistant"
         for call in m.get("tool_calls") or []
     ]
-    remaining = [name for name in order if name in offered and name not in called]
-    if not remaining:
-        return None
-    name = remaining[0]
-    args = re.search(rf"ARGS {re.escape(name)}:\s*([{{\[].*[}}\]])", system)
-    arguments = json.loads(args.group(1)) if args else {}
+    for entry in order:
+        names = [n.strip() for n in entry.split("+") if n.strip() in offered]
+        if names and not all(n in called for n in names):
+            break
+    else:
+        return []
     last = next((m for m in reversed(messages) if m.get("role") == "tool"), None)
-    if last is not None and isinstance(arguments, dict):
-        with contextlib.suppress(ValueError, AttributeError):
-            arguments |= json.loads(last.get("content") or "{}").get("next", {}).get(name, {})
-    return name, arguments
+    planned = []
+    for name in names:
+        args = re.search(rf"ARGS {re.escape(name)}:\s*([{{\[].*[}}\]])", system)
+        arguments = json.loads(args.group(1)) if args else {}
+        if last is not None and isinstance(arguments, dict):
+            with contextlib.suppress(ValueError, AttributeError):
+                arguments |= json.loads(last.get("content") or "{}").get("next", {}).get(name, {})
+        planned.append((name, arguments))
+    return planned
+
+
+def _as_chat(system, conversation: list) -> list[dict]:
+    """A responses-API input or an Anthropic conversation in chat completions' shape, for
+    `plan`: system text, assistant tool calls, tool results."""
+    chat = [{"role": "system", "content": _text_of(system)}] if system else []
+    for item in conversation if isinstance(conversation, list) else []:
+        kind, content = item.get("type"), item.get("content")
+        if kind == "function_call":
+            call = {"function": {"name": item["name"]}}
+            chat.append({"role": "assistant", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            chat.append({"role": "tool", "content": item.get("output")})
+        elif isinstance(content, list) and any(
+            isinstance(b, dict) and b.get("type") in ("tool_use", "tool_result") for b in content
+        ):
+            for block in content:
+                if block.get("type") == "tool_use":
+                    call = {"function": {"name": block["name"]}}
+                    chat.append({"role": "assistant", "tool_calls": [call]})
+                elif block.get("type") == "tool_result":
+                    chat.append({"role": "tool", "content": _text_of(block.get("content"))})
+        else:
+            chat.append({"role": item.get("role", "user"), "content": content})
+    return chat
+
+
+def _summary(chat: list[dict]) -> str | None:
+    results = [m.get("content") for m in chat if m.get("role") == "tool"]
+    return f"Done. Tool results: {'; '.join(map(str, results))}" if results else None
+
+
+def _call_id(prompt: str, name: str, index: int) -> str:
+    return hashlib.sha256(f"{prompt}{name}{index}".encode()).hexdigest()[:12]
 
 
 class DemoModel:
@@ -139,23 +179,19 @@ class DemoModel:
     def chat(self, body: dict) -> dict:
         messages, tools = body.get("messages", []), body.get("tools") or []
         prompt = json.dumps(messages)
-        step = plan(messages, tools) if tools else None
+        steps = plan(messages, tools) if tools else []
         created = int(time.time())
-        if step is not None:
-            name, arguments = step
-            call_id = "call_" + hashlib.sha256(f"{prompt}{name}".encode()).hexdigest()[:12]
-            message = {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": call_id,
-                        "type": "function",
-                        "function": {"name": name, "arguments": json.dumps(arguments)},
-                    }
-                ],
-            }
-            reason, out = "tool_calls", json.dumps(arguments) + name
+        if steps:
+            calls = [
+                {
+                    "id": "call_" + _call_id(prompt, name, index),
+                    "type": "function",
+                    "function": {"name": name, "arguments": json.dumps(arguments)},
+                }
+                for index, (name, arguments) in enumerate(steps)
+            ]
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            reason, out = "tool_calls", json.dumps(calls)
         else:
             results = [m.get("content") for m in messages if m.get("role") == "tool"]
             user = next(
@@ -192,17 +228,24 @@ class DemoModel:
         }
 
     def responses(self, body: dict) -> dict:
-        prompt = body.get("input")
-        prompt = prompt if isinstance(prompt, str) else json.dumps(prompt)
-        text = write(prompt)
-        usage_in, usage_out = _tokens(prompt), _tokens(text)
-        return {
-            "id": f"resp_{int(time.time())}",
-            "object": "response",
-            "created_at": int(time.time()),
-            "model": body.get("model", MODEL),
-            "status": "completed",
-            "output": [
+        conversation = body.get("input")
+        prompt = conversation if isinstance(conversation, str) else json.dumps(conversation)
+        chat = _as_chat(body.get("instructions"), conversation)
+        steps = plan(chat, body.get("tools") or []) if body.get("tools") else []
+        text = _summary(chat) or write(prompt)
+        output: list[dict] = [
+            {
+                "type": "function_call",
+                "id": "fc_" + _call_id(prompt, name, index),
+                "call_id": "call_" + _call_id(prompt, name, index),
+                "name": name,
+                "arguments": json.dumps(arguments),
+                "status": "completed",
+            }
+            for index, (name, arguments) in enumerate(steps)
+        ]
+        if not output:
+            output = [
                 {
                     "type": "message",
                     "id": "msg_1",
@@ -210,7 +253,15 @@ class DemoModel:
                     "role": "assistant",
                     "content": [{"type": "output_text", "text": text, "annotations": []}],
                 }
-            ],
+            ]
+        usage_in, usage_out = _tokens(prompt), _tokens(json.dumps(output))
+        return {
+            "id": f"resp_{int(time.time())}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": body.get("model", MODEL),
+            "status": "completed",
+            "output": output,
             "parallel_tool_calls": True,
             "tool_choice": "auto",
             "tools": [],
@@ -226,8 +277,19 @@ class DemoModel:
     def messages(self, body: dict) -> dict:
         messages = body.get("messages", [])
         user = _text_of(messages[-1].get("content")) if messages else ""
-        text = write(user)
+        chat = _as_chat(body.get("system"), messages)
+        steps = plan(chat, body.get("tools") or []) if body.get("tools") else []
+        text = _summary(chat) or write(user)
         prompt = json.dumps(messages) + json.dumps(body.get("system", ""))
+        content: list[dict] = [
+            {
+                "type": "tool_use",
+                "id": "toolu_" + _call_id(prompt, name, index),
+                "name": name,
+                "input": arguments,
+            }
+            for index, (name, arguments) in enumerate(steps)
+        ] or [{"type": "text", "text": text}]
         read = written = 0
         if "cache_control" in json.dumps(body.get("system")):  # a cached system prompt
             read, written = self.cache(json.dumps(body["system"]))
@@ -237,12 +299,12 @@ class DemoModel:
             "type": "message",
             "role": "assistant",
             "model": body.get("model", MODEL),
-            "content": [{"type": "text", "text": text}],
-            "stop_reason": "end_turn",
+            "content": content,
+            "stop_reason": "tool_use" if steps else "end_turn",
             "stop_sequence": None,
             "usage": {
                 "input_tokens": _tokens(prompt),
-                "output_tokens": _tokens(text),
+                "output_tokens": _tokens(json.dumps(content)),
                 "cache_read_input_tokens": read,
                 "cache_creation_input_tokens": written,
             },

@@ -261,3 +261,85 @@ async def nested_async_step(ctx, input):
         return await ctx.step("inner", lambda: 1)
 
     return await ctx.step("outer", outer)
+
+
+LOOKUP = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+BOOK = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "nights": {"type": "integer", "minimum": 1}},
+    "required": ["city", "nights"],
+}
+#: Set by a test: how the tools of "agent-protocols" behave (failures to raise, slowness).
+tool_behaviour: dict = {}
+
+
+def lookup_city(city: str) -> dict:
+    return {"city": city, "hotels": 3}
+
+
+def weather(city: str) -> dict:
+    return {"city": city, "sky": "clear"}
+
+
+def book_hotel(city: str, nights: int, idempotency_key: str) -> dict:
+    import threading
+
+    failures = tool_behaviour.get("book_failures", 0)
+    if failures:
+        tool_behaviour["book_failures"] = failures - 1
+        raise ConnectionError("the hotel API dropped the connection")
+    if tool_behaviour.get("book_slow"):
+        threading.Event().wait(tool_behaviour["book_slow"])
+    return {"booked": city, "nights": nights, "key": idempotency_key}
+
+
+@workflow("agent-protocols")
+def agent_protocols(ctx: RunContext, input: dict):
+    """The same agent on each protocol: two tools at once, then a booking."""
+    protocol = input["protocol"]
+    system = (
+        "You plan trips.\nSCRIPT: lookup_city+weather, book_hotel\n"
+        'ARGS lookup_city: {"city": "Lisbon"}\nARGS weather: {"city": "Lisbon"}\n'
+        f"ARGS book_hotel: {json.dumps(input.get('book', {'city': 'Lisbon', 'nights': 2}))}"
+    )
+    ask = "Plan two nights in Lisbon."
+    retry = RetryPolicy(max_attempts=2, initial_interval=timedelta(0))
+    tools = {
+        "lookup_city": Tool(lookup_city, "Hotels in a city", LOOKUP),
+        "weather": Tool(weather, "The weather in a city", LOOKUP),
+        "book_hotel": Tool(book_hotel, "Book a hotel", BOOK, retry=retry, timeout=0.5),
+    }
+    if protocol == "anthropic":
+        conversation = {
+            "client": anthropic_client(),
+            "model": "claude-3-5-haiku-20241022",
+            "system": system,
+            "messages": [{"role": "user", "content": ask}],
+            "tool_choice": {"type": "auto"},
+            "stop_sequences": ["<end>"],
+        }
+    elif protocol == "responses":
+        conversation = {
+            "client": openai_client(),
+            "model": "gpt-4.1-mini",
+            "instructions": system,
+            "input": [{"role": "user", "content": ask}],
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+            "temperature": 0.2,
+        }
+    else:
+        conversation = {
+            "client": openai_client(),
+            "model": "gpt-4o-mini",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": ask}],
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+            "temperature": 0.2,
+        }
+    return ctx.agent_loop(protocol=protocol, tools=tools, **conversation)

@@ -13,6 +13,7 @@ from examples import flight_agent, outreach, research  # noqa: F401  (registers 
 from examples.models import Booking
 from examples.models import Effect as DemoEffect
 from runs.engine.llm import cost
+from runs.errors import StepMisuse
 from runs.models import Event, Run, RunStatus, Step
 from runs.sdk import RetryPolicy, start_run
 from tests import agent_workflows, workflows
@@ -638,3 +639,76 @@ def test_a_step_inside_an_async_step_is_refused(drive):
     assert (run.error["step"], run.error["cause"]["code"]) == ("outer", "sdk_misuse")
     assert "a step was called inside step 'outer'" in run.error["cause"]["message"]
     assert run.attempt == 1  # not retried: it cannot work the next time either
+
+
+@pytest.fixture
+def tool_behaviour():
+    agent_workflows.tool_behaviour.clear()
+    yield agent_workflows.tool_behaviour
+    agent_workflows.tool_behaviour.clear()
+
+
+@pytest.mark.parametrize("protocol", ["chat", "responses", "anthropic"])
+def test_the_agent_loop_speaks_each_protocol_with_parallel_calls_and_options(
+    drive, demo_model, protocol, tool_behaviour
+):
+    run = start_run("agent-protocols", {"protocol": protocol})
+    assert drive() == ["completed"]
+    keys = list(Step.objects.filter(run=run).order_by("seq").values_list("key", flat=True))
+    assert keys == [
+        "think-0", "tool-lookup_city-0", "tool-weather-0", "think-1", "tool-book_hotel-1",
+        "think-2",
+    ]  # fmt: skip
+    output = Run.objects.get(pk=run.pk).output
+    assert output["turns"] == 3 and output["answer"].startswith("Done. Tool results:")
+    assert f"{run.id}:tool-book_hotel-1" in output["answer"]  # the tool's idempotency key
+    first, last = demo_model.bodies[0], demo_model.bodies[-1]
+    passed = {"stop_sequences": ["<end>"]} if protocol == "anthropic" else {"temperature": 0.2}
+    assert passed.items() <= first.items() and "tool_choice" in first  # options passed through
+    names = {t.get("name") or t["function"]["name"] for t in first["tools"]}
+    assert names == {"lookup_city", "weather", "book_hotel"}
+    if protocol == "anthropic":
+        assert first["tools"][0]["input_schema"] == agent_workflows.LOOKUP
+        results = [b for m in last["messages"] for b in m["content"] if isinstance(b, dict)]
+        assert sum(b.get("type") == "tool_result" for b in results) == 3
+    elif protocol == "responses":
+        assert first["tools"][0]["parameters"] == agent_workflows.LOOKUP
+        assert first["instructions"].startswith("You plan trips")
+        assert sum(i.get("type") == "function_call_output" for i in last["input"]) == 3
+    else:
+        assert sum(m["role"] == "tool" for m in last["messages"]) == 3
+
+
+def test_arguments_that_break_the_tool_s_schema_go_back_to_the_model(
+    drive, demo_model, tool_behaviour
+):
+    run = start_run("agent-protocols", {"protocol": "chat", "book": {"city": "Lisbon"}})
+    assert drive() == ["completed"]
+    assert not Step.objects.filter(run=run, key__startswith="tool-book_hotel").exists()
+    told = json.loads(demo_model.bodies[-1]["messages"][-1]["content"])
+    assert told == {
+        "error": "the arguments for book_hotel were not accepted: 'nights' is a required property"
+    }
+
+
+def test_a_tool_s_own_retry_and_timeout_apply_to_its_step(drive, demo_model, tool_behaviour):
+    tool_behaviour["book_failures"] = 1  # fails once, then its retry succeeds
+    run = start_run("agent-protocols", {"protocol": "chat"})
+    assert drive() == ["completed"]
+    book = Step.objects.get(run=run, key="tool-book_hotel-1")
+    assert (book.status, book.attempt) == ("completed", 2)
+
+    tool_behaviour["book_slow"] = 2.0  # past its 0.5 s timeout, on both attempts
+    run = start_run("agent-protocols", {"protocol": "chat"})
+    assert drive() == ["completed"]
+    book = Step.objects.get(run=run, key="tool-book_hotel-1")
+    assert (book.status, book.attempt, book.error["code"]) == ("failed", 2, "tool_timeout")
+    told = json.loads(demo_model.bodies[-1]["messages"][-1]["content"])
+    assert told == {"error": "book_hotel took more than 0.5 s"}
+
+
+def test_a_tool_with_an_invalid_schema_is_refused_where_it_is_declared():
+    from runs.sdk import Tool
+
+    with pytest.raises(StepMisuse, match="tool 'weather' has invalid parameters"):
+        Tool(agent_workflows.weather, parameters={"type": "object", "required": "city"})

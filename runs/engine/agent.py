@@ -1,20 +1,34 @@
 """A durable agent loop, one step per call: `think-<i>` for each model turn and
 `tool-<name>-<i>` for each tool call, so a crash resumes mid-conversation without paying for
-the turns already taken or repeating a tool's side effect."""
+the turns already taken or repeating a tool's side effect.
+
+The loop speaks the three protocols of the official clients: OpenAI's chat completions and
+responses API, and Anthropic's messages. Each `Protocol` says how to offer tools, where a
+turn's tool calls and answer are in the response, and how the conversation goes on.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import jsonschema
+
+from runs.engine.llm import MAX_TOKENS_FIELDS
+from runs.engine.retry import RetryPolicy
 from runs.errors import (
     ApprovalExpired,
     ApprovalRejected,
     ApprovalRevoked,
     StepFailed,
     StepguardError,
+    StepMisuse,
 )
 
 
@@ -23,20 +37,45 @@ class AgentLoopExhausted(StepguardError):
     retryable = False
 
 
+class ToolTimeout(StepguardError):
+    """A tool ran past its timeout: retried like any failure (with the same idempotency key:
+    the late call may still finish, and the service recognises the retry by it)."""
+
+    code = "tool_timeout"
+    retryable = True
+
+
 @dataclass
 class Tool:
-    """A function the model may call, with its JSON-schema parameters and approval policy.
+    """A function the model may call, with its JSON-schema parameters and policies.
 
     `requires_approval`: True, False, or a predicate on the call's arguments. A function that
-    takes `idempotency_key` receives the step's, stable across retries and resumes.
+    takes `idempotency_key` receives the step's, stable across retries and resumes. The model's
+    arguments are checked against `parameters` before anything runs. `retry` is the tool step's
+    RetryPolicy; `timeout` (seconds) bounds each attempt.
     """
 
     fn: Callable
     description: str = ""
     parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
     requires_approval: bool | Callable[[dict], bool] = False
+    retry: RetryPolicy | None = None
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            jsonschema.validators.validator_for(self.parameters).check_schema(self.parameters)
+        except jsonschema.SchemaError as exc:
+            raise StepMisuse(f"tool {self.name!r} has invalid parameters: {exc.message}") from exc
+        if self.timeout is not None and self.timeout <= 0:
+            raise StepMisuse(f"tool {self.name!r}: a timeout must be positive")
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__name__", "tool")
 
     def spec(self, name: str) -> dict:
+        """The chat completions shape; the other protocols reshape it."""
         return {
             "type": "function",
             "function": {
@@ -46,60 +85,243 @@ class Tool:
             },
         }
 
+    def problem(self, args: Any) -> str | None:
+        """What is wrong with the model's arguments, in words the model can act on."""
+        if not isinstance(args, dict):
+            return f"must be a JSON object, not {json.dumps(args)[:200]}"
+        error = jsonschema.exceptions.best_match(
+            jsonschema.validators.validator_for(self.parameters)(self.parameters).iter_errors(
+                args
+            )
+        )
+        if error is None:
+            return None
+        where = "/".join(str(p) for p in error.absolute_path)
+        return f"{where + ': ' if where else ''}{error.message}"
+
+    def callable(self) -> Callable:
+        """The function with its timeout, if it has one."""
+        if self.timeout is None:
+            return self.fn
+        return with_timeout(self.fn, self.timeout)
+
+
+def with_timeout(fn: Callable, seconds: float) -> Callable:
+    """`fn` bounded to `seconds` an attempt: an async function is cancelled; a sync one is left
+    to finish on a thread of its own while the step fails with ToolTimeout (Python cannot stop
+    a thread), so give such a tool an idempotency key."""
+
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def bounded_async(*args, **kwargs):
+            try:
+                return await asyncio.wait_for(fn(*args, **kwargs), seconds)
+            except TimeoutError:
+                raise ToolTimeout(f"{fn.__name__} took more than {seconds:g} s") from None
+
+        return bounded_async
+
+    @functools.wraps(fn)
+    def bounded(*args, **kwargs):
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stepguard-tool")
+        try:
+            return pool.submit(fn, *args, **kwargs).result(timeout=seconds)
+        except concurrent.futures.TimeoutError:
+            raise ToolTimeout(f"{fn.__name__} took more than {seconds:g} s") from None
+        finally:
+            pool.shutdown(wait=False)
+
+    return bounded
+
+
+@dataclass(frozen=True)
+class Call:
+    id: str
+    name: str
+    arguments: Any  # what the model wrote: a JSON string, or (Anthropic) an object
+
+
+class Protocol:
+    """Chat completions: tools as functions, calls in `message.tool_calls`, results as `tool`
+    messages."""
+
+    max_tokens_field = "max_tokens"
+
+    def method(self, client: Any) -> Callable:
+        return client.chat.completions.create
+
+    def request(self, conversation: list, specs: list[dict]) -> dict:
+        return {"messages": conversation} | ({"tools": specs} if specs else {})
+
+    def tools(self, specs: list[dict]) -> list[dict]:
+        return specs
+
+    def read(self, response: dict) -> tuple[list[Call], str | None, list]:
+        """The turn's tool calls, its text, and what goes back into the conversation."""
+        message = response["choices"][0]["message"]
+        calls = [
+            Call(c["id"], c["function"]["name"], c["function"].get("arguments") or "{}")
+            for c in message.get("tool_calls") or []
+        ]
+        said = {"role": "assistant", "content": message.get("content")}
+        if message.get("tool_calls"):
+            said["tool_calls"] = message["tool_calls"]
+        return calls, message.get("content"), [said]
+
+    def results(self, answered: list[tuple[Call, Any]]) -> list:
+        return [
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)}
+            for call, result in answered
+        ]
+
+
+class Responses(Protocol):
+    """The responses API: `function_call` output items, `function_call_output` input items."""
+
+    max_tokens_field = "max_output_tokens"
+
+    def method(self, client: Any) -> Callable:
+        return client.responses.create
+
+    def request(self, conversation: list, specs: list[dict]) -> dict:
+        return {"input": conversation} | ({"tools": specs} if specs else {})
+
+    def tools(self, specs: list[dict]) -> list[dict]:
+        return [{"type": "function", **spec["function"]} for spec in specs]
+
+    def read(self, response: dict) -> tuple[list[Call], str | None, list]:
+        output = response.get("output") or []
+        calls = [
+            Call(item["call_id"], item["name"], item.get("arguments") or "{}")
+            for item in output
+            if item.get("type") == "function_call"
+        ]
+        text = "".join(
+            part.get("text", "")
+            for item in output
+            if item.get("type") == "message"
+            for part in item.get("content") or []
+            if part.get("type") == "output_text"
+        )
+        return calls, text or None, list(output)
+
+    def results(self, answered: list[tuple[Call, Any]]) -> list:
+        return [
+            {"type": "function_call_output", "call_id": call.id, "output": json.dumps(result)}
+            for call, result in answered
+        ]
+
+
+class Messages(Protocol):
+    """Anthropic's messages: `tool_use` content blocks, `tool_result` blocks in a user turn."""
+
+    max_tokens_field = "max_tokens"
+
+    def method(self, client: Any) -> Callable:
+        return client.messages.create
+
+    def request(self, conversation: list, specs: list[dict]) -> dict:
+        return {"messages": conversation} | ({"tools": specs} if specs else {})
+
+    def tools(self, specs: list[dict]) -> list[dict]:
+        return [
+            {
+                "name": spec["function"]["name"],
+                "description": spec["function"]["description"],
+                "input_schema": spec["function"]["parameters"],
+            }
+            for spec in specs
+        ]
+
+    def read(self, response: dict) -> tuple[list[Call], str | None, list]:
+        content = response.get("content") or []
+        calls = [
+            Call(block["id"], block["name"], block.get("input", {}))
+            for block in content
+            if block.get("type") == "tool_use"
+        ]
+        text = "".join(b.get("text", "") for b in content if b.get("type") == "text")
+        return calls, text or None, [{"role": "assistant", "content": content}]
+
+    def results(self, answered: list[tuple[Call, Any]]) -> list:
+        blocks = [
+            {"type": "tool_result", "tool_use_id": call.id, "content": json.dumps(result)}
+            for call, result in answered
+        ]
+        return [{"role": "user", "content": blocks}] if blocks else []
+
+
+PROTOCOLS = {"chat": Protocol(), "responses": Responses(), "anthropic": Messages()}
+
+
+def protocol_for(client: Any, protocol: str | None) -> Protocol:
+    if protocol is None:
+        protocol = "anthropic" if type(client).__module__.startswith("anthropic") else "chat"
+    if protocol not in PROTOCOLS:
+        raise StepMisuse(f"protocol must be one of {sorted(PROTOCOLS)}, not {protocol!r}")
+    return PROTOCOLS[protocol]
+
 
 def agent_loop(
     ctx,
     *,
     client: Any,
     model: str,
-    messages: list[dict],
+    messages: list | None = None,
     tools: dict[str, Tool] | None = None,
     max_turns: int = 12,
-    max_tokens: int = 512,
+    max_tokens: int | None = 512,
+    protocol: str | None = None,
+    input: list | None = None,
+    **options: Any,
 ) -> dict:
-    """Run the model (chat completions protocol) and its tool calls until it answers.
+    """Run the model and its tool calls until it answers.
+
+    `protocol` is "chat" (the default for an OpenAI client), "responses" or "anthropic" (the
+    default for an Anthropic client). The conversation is `messages` (chat, anthropic) or
+    `input` (responses). Other keyword options go into every request as they are
+    (`temperature`, `tool_choice`, `parallel_tool_calls`, `system`, `instructions`,
+    `max_completion_tokens`...).
 
     Each turn is an `llm` step (its estimate reserved against the budgets first, so a spent
     budget pauses the run before the turn); each tool call a `tool` step, waiting for
-    approval where its policy says so. A refused or failed tool call is reported back to the
-    model as the tool's result. Returns {"answer", "turns", "messages"}; raises
-    AgentLoopExhausted after `max_turns` turns without an answer.
+    approval where its policy says so. A refused or failed tool call, and arguments that do
+    not match the tool's parameters, are reported back to the model as the tool's result.
+    Returns {"answer", "turns", "messages"}; raises AgentLoopExhausted after `max_turns`
+    turns without an answer.
     """
+    speaks = protocol_for(client, protocol)
     tools = tools or {}
-    messages = list(messages)
-    specs = [tool.spec(name) for name, tool in tools.items()]
+    conversation = list((input if speaks is PROTOCOLS["responses"] else messages) or [])
+    specs = speaks.tools([tool.spec(name) for name, tool in tools.items()])
+    limit = {}
+    if max_tokens is not None and not any(k in options for k in MAX_TOKENS_FIELDS):
+        limit = {speaks.max_tokens_field: max_tokens}
     for turn in range(max_turns):
-        request = {"model": model, "messages": messages, "max_tokens": max_tokens}
-        if specs:
-            request["tools"] = specs
-        response = ctx.llm(f"think-{turn}", client.chat.completions.create, **request)
-        message = response["choices"][0]["message"]
-        calls = message.get("tool_calls") or []
-        messages.append(
-            {"role": "assistant", "content": message.get("content")}
-            | ({"tool_calls": calls} if calls else {})
-        )
+        request = {"model": model, **speaks.request(conversation, specs), **limit, **options}
+        response = ctx.llm(f"think-{turn}", speaks.method(client), **request)
+        calls, text, said = speaks.read(response)
+        conversation.extend(said)
         if not calls:
-            return {"answer": message.get("content"), "turns": turn + 1, "messages": messages}
-        for call in calls:
-            name = call["function"]["name"]
-            result = _call_tool(ctx, tools, name, call["function"].get("arguments") or "{}", turn)
-            messages.append(
-                {"role": "tool", "tool_call_id": call["id"], "content": json.dumps(result)}
-            )
+            return {"answer": text, "turns": turn + 1, "messages": conversation}
+        answered = [(call, _call_tool(ctx, tools, call, turn)) for call in calls]
+        conversation.extend(speaks.results(answered))
     raise AgentLoopExhausted(f"the model gave no final answer in {max_turns} turns")
 
 
-def _call_tool(ctx, tools: dict[str, Tool], name: str, arguments: str, turn: int) -> Any:
-    tool = tools.get(name)
+def _call_tool(ctx, tools: dict[str, Tool], call: Call, turn: int) -> Any:
+    tool = tools.get(call.name)
     if tool is None:
-        return {"error": f"there is no tool named {name!r}"}
-    try:
-        args = json.loads(arguments)
-    except ValueError:
-        return {"error": f"the arguments for {name} are not JSON"}
-    if not isinstance(args, dict):
-        return {"error": f"the arguments for {name} must be a JSON object, not {arguments[:200]}"}
+        return {"error": f"there is no tool named {call.name!r}"}
+    args = call.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return {"error": f"the arguments for {call.name} are not JSON"}
+    if (problem := tool.problem(args)) is not None:
+        return {"error": f"the arguments for {call.name} were not accepted: {problem}"}
     # The model wrote these arguments: a predicate that cannot judge them (a missing field) is
     # the model's mistake to correct, not a reason to fail the run.
     needed = tool.requires_approval
@@ -107,9 +329,12 @@ def _call_tool(ctx, tools: dict[str, Tool], name: str, arguments: str, turn: int
         try:
             needed = bool(needed(args))
         except Exception as exc:
-            return {"error": f"the arguments for {name} were not accepted: {_describe(exc)}"}
+            return {"error": f"the arguments for {call.name} were not accepted: {_describe(exc)}"}
     try:
-        return ctx.tool(f"tool-{name}-{turn}", tool.fn, args, requires_approval=needed)
+        return ctx.tool(
+            f"tool-{call.name}-{turn}", tool.callable(), args, requires_approval=needed,
+            retry=tool.retry,
+        )  # fmt: skip
     except (ApprovalRejected, ApprovalExpired, ApprovalRevoked) as refused:
         return {"refused": str(refused)}
     except StepFailed as failed:
