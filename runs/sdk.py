@@ -20,11 +20,12 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from runs.engine import registry
-from runs.engine.agent import AgentLoopExhausted, Tool
+from runs.engine.agent import AgentLoopExhausted, Tool, ToolTimeout
 from runs.engine.budget import Metered, Usage, default_run_budget, to_micros, to_usd
 from runs.engine.executor import NOT_FOUND, Decision, RetryPolicy, RunContext
 from runs.engine.serialization import to_json
 from runs.engine.store import create_run, run_event
+from runs.engine.waits import Ask
 from runs.errors import (
     ApprovalExpired,
     ApprovalRejected,
@@ -53,6 +54,7 @@ __all__ = [
     "ApprovalExpired",
     "ApprovalRejected",
     "ApprovalRevoked",
+    "Ask",
     "ChildFailed",
     "Decision",
     "DecisionError",
@@ -68,6 +70,7 @@ __all__ = [
     "StepMisuse",
     "StepguardError",
     "Tool",
+    "ToolTimeout",
     "UnknownWorkflow",
     "UnpricedModel",
     "Usage",

@@ -309,9 +309,10 @@ def agent_protocols(ctx: RunContext, input: dict):
     )
     ask = "Plan two nights in Lisbon."
     retry = RetryPolicy(max_attempts=2, initial_interval=timedelta(0))
+    approve = input.get("approve", False)
     tools = {
-        "lookup_city": Tool(lookup_city, "Hotels in a city", LOOKUP),
-        "weather": Tool(weather, "The weather in a city", LOOKUP),
+        "lookup_city": Tool(lookup_city, "Hotels in a city", LOOKUP, requires_approval=approve),
+        "weather": Tool(weather, "The weather in a city", LOOKUP, requires_approval=approve),
         "book_hotel": Tool(book_hotel, "Book a hotel", BOOK, retry=retry, timeout=0.5),
     }
     if protocol == "anthropic":
@@ -343,3 +344,28 @@ def agent_protocols(ctx: RunContext, input: dict):
             "temperature": 0.2,
         }
     return ctx.agent_loop(protocol=protocol, tools=tools, **conversation)
+
+
+#: Set by a test: the barrier both tools of "agent-async-parallel" must meet at.
+meeting: dict = {}
+
+
+def meet_a() -> str:
+    meeting["barrier"].wait()
+    return "a met b"
+
+
+def meet_b() -> str:
+    meeting["barrier"].wait()
+    return "b met a"
+
+
+@workflow("agent-async-parallel")
+async def agent_async_parallel(ctx, input):
+    """Two tools in one turn that can only finish together: they must run at the same time."""
+    return await ctx.agent_loop(
+        client=openai_client(),
+        model="gpt-4o-mini",
+        messages=[{"role": "system", "content": "SCRIPT: meet_a+meet_b"}],
+        tools={"meet_a": Tool(meet_a), "meet_b": Tool(meet_b)},
+    )

@@ -712,3 +712,41 @@ def test_a_tool_with_an_invalid_schema_is_refused_where_it_is_declared():
 
     with pytest.raises(StepMisuse, match="tool 'weather' has invalid parameters"):
         Tool(agent_workflows.weather, parameters={"type": "object", "required": "city"})
+
+
+def test_a_turn_s_approvals_are_asked_together_and_each_decision_applies(
+    drive, demo_model, cast, tool_behaviour
+):
+    # One approval at a time: the approvers saw the second only after deciding the first.
+    run = start_run("agent-protocols", {"protocol": "chat", "approve": True})
+    assert drive() == ["waiting"]
+    asked = {a.step_key: a for a in ApprovalRequest.objects.filter(run=run)}
+    assert set(asked) == {"tool-lookup_city-0.approval", "tool-weather-0.approval"}
+    assert asked["tool-weather-0.approval"].payload == {
+        "tool": "weather", "args": {"city": "Lisbon"},
+    }  # fmt: skip
+    decide(asked["tool-lookup_city-0.approval"].pk, "approve", cast["ada"], "")
+    assert drive() == ["waiting"]  # the other is still pending: nothing ran yet
+    assert not Step.objects.filter(run=run, key__in=["tool-lookup_city-0", "tool-weather-0"])
+    decide(asked["tool-weather-0.approval"].pk, "reject", cast["ada"], "no forecasts")
+    assert drive() == ["completed"]
+    ran = set(Step.objects.filter(run=run, kind="tool").values_list("key", flat=True))
+    assert ran == {"tool-lookup_city-0", "tool-book_hotel-1"}
+    results = [
+        json.loads(m["content"]) for m in demo_model.bodies[1]["messages"] if m["role"] == "tool"
+    ]
+    assert results[0] == {"city": "Lisbon", "hotels": 3}
+    assert "no forecasts" in results[1]["refused"]
+
+
+@pytest.mark.django_db(transaction=True)  # its checkpoints are written from threads of their own
+def test_an_async_agent_loop_runs_a_turn_s_tools_concurrently(drive, demo_model):
+    import threading
+
+    agent_workflows.meeting["barrier"] = threading.Barrier(2, timeout=10)
+    run = start_run("agent-async-parallel")
+    assert drive() == ["completed"]
+    answer = Run.objects.get(pk=run.pk).output["answer"]
+    assert '"a met b"' in answer and '"b met a"' in answer  # neither timed out alone
+    keys = list(Step.objects.filter(run=run).order_by("seq").values_list("key", flat=True))
+    assert keys == ["think-0", "tool-meet_a-0", "tool-meet_b-0", "think-1"]

@@ -187,21 +187,25 @@ def test_a_streamed_answer_reaches_the_live_page_piece_by_piece(drive, demo_mode
         assert connected
         await asyncio.sleep(0)
         outcome = asyncio.get_running_loop().run_in_executor(None, worker)
-        pieces = []
-        while True:
-            frame = await comm.receive_from(timeout=10)
+        pieces: list[str] = []
+
+        def all_arrived() -> bool:
+            sent = "".join(agent_workflows.deltas)
+            return outcome.done() and bool(sent) and "".join(pieces) == html.escape(sent)
+
+        deadline = asyncio.get_running_loop().time() + 30
+        while not all_arrived():
+            # receive_nothing looks without cancelling the consumer, as a timed-out
+            # receive_from would; the last piece may arrive before the run has ended.
+            if await comm.receive_nothing(timeout=0.1):
+                assert asyncio.get_running_loop().time() < deadline, (pieces, outcome)
+                continue
+            frame = await comm.receive_from()
             found = re.fullmatch(
                 r'<output id="stream-0" hx-swap-oob="beforeend">(.*)</output>', frame, re.S
             )
             if found:
                 pieces.append(found.group(1))
-            if (
-                outcome.done()
-                and agent_workflows.deltas
-                and len(pieces)
-                and ("".join(pieces) == html.escape("".join(agent_workflows.deltas), quote=True))
-            ):
-                break
         await comm.disconnect()
         return await outcome, pieces
 

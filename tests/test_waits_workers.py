@@ -117,7 +117,7 @@ def test_runs_stay_on_their_version_and_a_worker_without_it_leaves_them_waiting(
     new = start_run("versioned")
     wait_status(new, RunStatus.WAITING)
     both.signal(signal.SIGTERM)
-    assert both.proc.wait(10) == 0
+    assert both.proc.wait(10) == 0, both.output()
 
     spawn_worker("--import", "tests.versioned_v2")
     send_signal(old.id, "go")

@@ -22,6 +22,7 @@ import jsonschema
 
 from runs.engine.llm import MAX_TOKENS_FIELDS
 from runs.engine.retry import RetryPolicy
+from runs.engine.waits import Ask
 from runs.errors import (
     ApprovalExpired,
     ApprovalRejected,
@@ -90,9 +91,7 @@ class Tool:
         if not isinstance(args, dict):
             return f"must be a JSON object, not {json.dumps(args)[:200]}"
         error = jsonschema.exceptions.best_match(
-            jsonschema.validators.validator_for(self.parameters)(self.parameters).iter_errors(
-                args
-            )
+            jsonschema.validators.validator_for(self.parameters)(self.parameters).iter_errors(args)
         )
         if error is None:
             return None
@@ -305,12 +304,60 @@ def agent_loop(
         conversation.extend(said)
         if not calls:
             return {"answer": text, "turns": turn + 1, "messages": conversation}
-        answered = [(call, _call_tool(ctx, tools, call, turn)) for call in calls]
-        conversation.extend(speaks.results(answered))
+        conversation.extend(speaks.results(_tool_turn(ctx, tools, calls, turn)))
     raise AgentLoopExhausted(f"the model gave no final answer in {max_turns} turns")
 
 
-def _call_tool(ctx, tools: dict[str, Tool], call: Call, turn: int) -> Any:
+@dataclass
+class _Pending:
+    """A tool call of this turn that passed its checks: its step key and arguments, whether
+    a person must approve it, and then their decision."""
+
+    call: Call
+    tool: Tool
+    key: str
+    args: dict
+    needed: bool
+    decision: Any = None
+
+
+def _tool_turn(ctx, tools: dict[str, Tool], calls: list[Call], turn: int) -> list[tuple]:
+    """Answer a turn's tool calls: arguments checked first, the approvals they need asked
+    together (one wait for the approvers, not one per call), then the tools run, concurrently
+    in an async workflow. Every answer goes back to the model, errors included."""
+    answers: dict[int, Any] = {}
+    ready: dict[int, _Pending] = {}
+    for i, call in enumerate(calls):
+        checked = _check(tools, call, turn)
+        if isinstance(checked, _Pending):
+            ready[i] = checked
+        else:
+            answers[i] = checked
+    asking = [p for p in ready.values() if p.needed]
+    if asking:
+        asks = [
+            Ask(
+                f"{p.key}.approval",
+                action=f"call {p.call.name}"[:200],
+                payload={"tool": p.call.name, "args": p.args},
+            )
+            for p in asking
+        ]
+        for pending, decision in zip(asking, ctx.approvals(asks), strict=True):
+            pending.decision = decision
+    jobs, order = [], []
+    for i, pending in ready.items():
+        if isinstance(pending.decision, StepguardError):  # rejected, revoked, expired
+            answers[i] = {"refused": str(pending.decision)}
+            continue
+        jobs.append(functools.partial(_run_tool, ctx, pending))
+        order.append(i)
+    for i, answer in zip(order, ctx._concurrently(jobs), strict=True):
+        answers[i] = answer
+    return [(call, answers[i]) for i, call in enumerate(calls)]
+
+
+def _check(tools: dict[str, Tool], call: Call, turn: int) -> _Pending | dict:
     tool = tools.get(call.name)
     if tool is None:
         return {"error": f"there is no tool named {call.name!r}"}
@@ -330,10 +377,14 @@ def _call_tool(ctx, tools: dict[str, Tool], call: Call, turn: int) -> Any:
             needed = bool(needed(args))
         except Exception as exc:
             return {"error": f"the arguments for {call.name} were not accepted: {_describe(exc)}"}
+    return _Pending(call, tool, f"tool-{call.name}-{turn}", args, bool(needed))
+
+
+def _run_tool(ctx, pending: _Pending) -> Any:
     try:
         return ctx.tool(
-            f"tool-{call.name}-{turn}", tool.callable(), args, requires_approval=needed,
-            retry=tool.retry,
+            pending.key, pending.tool.callable(), pending.args, retry=pending.tool.retry,
+            requires_approval=pending.needed, approved=pending.decision,
         )  # fmt: skip
     except (ApprovalRejected, ApprovalExpired, ApprovalRevoked) as refused:
         return {"refused": str(refused)}

@@ -14,7 +14,7 @@ from uuid import UUID
 from django.db import connection
 
 from runs.engine.context import RunContext
-from runs.engine.steps import CURRENT_STEP
+from runs.engine.records import CURRENT_STEP
 from runs.errors import StepMisuse
 
 #: Threads an async workflow's checkpoints may use at once: one per step in flight.
@@ -74,15 +74,24 @@ class Turnstile:
     def releasable(self) -> bool:
         return getattr(self._local, "releasable", False)
 
+    def released(self) -> bool:
+        return getattr(self._local, "released", False)
+
     def leave(self) -> None:
         with self._cond:
             self._busy = False
             self._cond.notify_all()
 
-    def resume(self) -> None:
+    def release(self) -> None:
+        """Give the context up while this thread only waits; `reacquire` takes it back."""
+        self._local.released = True
+        self.leave()
+
+    def reacquire(self) -> None:
         with self._cond:
             self._cond.wait_for(lambda: not self._busy)
             self._busy = True
+        self._local.released = False
 
 
 class AsyncRunContext:
@@ -112,8 +121,8 @@ class AsyncRunContext:
 
     async def _enter(self, releasable: bool, method: Callable, *args: Any, **kwargs: Any):
         running = CURRENT_STEP.get()
-        if running is not None:
-            raise StepMisuse(f"a step was called inside step {running[0]!r}; steps do not nest")
+        if running is not None and running.owner == id(self._ctx):
+            raise StepMisuse(f"a step was called inside step {running.key!r}; steps do not nest")
         turnstile, ticket = self._ctx._turnstile, self._ctx._turnstile.ticket()
 
         def serve():
@@ -162,6 +171,9 @@ class AsyncRunContext:
     async def approval(self, key: str, **options: Any) -> Any:
         return await self._call(self._ctx.approval, key, **options)
 
+    async def approvals(self, asks: Iterable[Any]) -> list[Any]:
+        return await self._call(self._ctx.approvals, list(asks))
+
     async def child(self, key: str, workflow: str, input: Any = None) -> Any:
         return await self._call(self._ctx.child, key, workflow, input)
 
@@ -185,14 +197,14 @@ def run_async(fn: Callable, ctx: RunContext, input: Any) -> Any:
 
     async def main():
         ctx._loop = asyncio.get_running_loop()
-        return await fn(AsyncRunContext(ctx, ctx._loop, db), input)
+        ctx._async = AsyncRunContext(ctx, ctx._loop, db)
+        return await fn(ctx._async, input)
 
     ctx._turnstile = Turnstile()
     try:
         return asyncio.run(main())
     finally:
-        ctx._loop = None
-        ctx._turnstile = None
+        ctx._loop = ctx._async = ctx._turnstile = None
         _close_connections(db)
         db.shutdown()
 

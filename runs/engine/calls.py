@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -12,7 +13,7 @@ from django.conf import settings
 from runs import tracing
 from runs.engine import llm as llm_engine
 from runs.engine.budget import Metered, Usage, scopes_for
-from runs.engine.records import accepts, signature_names
+from runs.engine.records import Decision, accepts, signature_names
 from runs.engine.retry import RetryPolicy
 from runs.engine.store import fenced_write
 from runs.engine.wakeup import doorbell
@@ -96,7 +97,7 @@ class ModelCalls:
 
     def _relay(self, on_delta: Callable[[str], Any] | None) -> Callable[[str], None]:
         """Each streamed piece of text to `on_delta` and to the run's live page."""
-        run_id, seq = self.run_id, self._step_seq
+        run_id, seq = self.run_id, self._running().seq
 
         def relay(text: str) -> None:
             doorbell.stream(run_id, seq, text)
@@ -150,19 +151,22 @@ class ModelCalls:
         approval_timeout: float | timedelta | None = None,
         retry: RetryPolicy | None = None,
         compensate: Callable[[Any], Any] | None = None,
+        approved: Decision | None = None,
     ) -> Any:
         """Call a tool once for this run: `fn(**args)`, with its approval policy.
 
         `requires_approval` is True, False, or a predicate on the arguments (e.g. amount over
         100); when it holds, a person approves first (`<key>.approval`) and the tool starts
-        only if that approval still stands. A tool whose function takes `idempotency_key`
-        receives the step's. Raises ApprovalRejected when refused.
+        only if that approval still stands. `approved` is a decision already obtained (from
+        `ctx.approvals`, asking several at once), checked the same way as the tool starts. A
+        tool whose function takes `idempotency_key` receives the step's. Raises
+        ApprovalRejected when refused.
         """
         args = dict(args or {})
         name = getattr(fn, "__name__", "tool")
         needed = requires_approval(args) if callable(requires_approval) else requires_approval
-        decision = None
-        if needed:
+        decision = approved
+        if needed and decision is None:
             decision = self.approval(
                 f"{key}.approval",
                 action=(action or f"call {name}")[:200],
@@ -181,6 +185,25 @@ class ModelCalls:
             key, call, (), args, retry=retry, approval=decision, compensate=compensate,
             kind=StepKind.TOOL,
         )  # fmt: skip
+
+    def _concurrently(self, jobs: list[Callable[[], Any]]) -> list[Any]:
+        """Run `jobs`, each making its own steps, as concurrent steps of an async workflow
+        (positions in the order given, as asyncio.gather would); one after another in a sync
+        workflow. The first exception, in order, is raised once all have ended."""
+        if self._async is None or self._turnstile is None or len(jobs) < 2:
+            return [job() for job in jobs]
+
+        async def gather():
+            steps = (self._async._enter(True, job) for job in jobs)
+            return await asyncio.gather(*steps, return_exceptions=True)
+
+        future = asyncio.run_coroutine_threadsafe(gather(), self._loop)
+        with self._released(force=True):
+            results = future.result()
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
 
     def agent_loop(self, **options: Any) -> dict:
         """A durable tool-calling loop; see runs.engine.agent.agent_loop."""

@@ -59,6 +59,7 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         self._budgeted = self._usd_budget or run.budget_tokens is not None
         self._step_seq = -1  # the position of the step being run (its live deltas name it)
         self._turnstile = None  # an async workflow's: its steps may wait concurrently
+        self._async = None  # and what it receives, to start concurrent steps from here
         self._unpriced_models: set[str] = set()
         lease.workflow = run.workflow
         self._last_seq = max(history, default=-1)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from runs.errors import StepguardError, StepMisuse
 
@@ -81,3 +82,17 @@ def as_timedelta(value: float | timedelta, what: str) -> timedelta:
     if delta < timedelta(0):
         raise StepMisuse(f"{what} cannot be negative")
     return delta
+
+
+class Running(NamedTuple):
+    key: str
+    idempotency_key: str
+    seq: int
+    owner: int  # id() of the RunContext: another run executed inside a step is not nested
+
+
+#: The step whose function runs in this thread, or whose coroutine runs in this asyncio task:
+#: concurrent steps of an async workflow each see their own.
+CURRENT_STEP: contextvars.ContextVar[Running | None] = contextvars.ContextVar(
+    "stepguard_current_step", default=None
+)

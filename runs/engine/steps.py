@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import inspect
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -26,17 +25,12 @@ from runs.engine.budget import (
     scopes_for,
 )
 from runs.engine.checkpoints import Held
-from runs.engine.records import NOT_FOUND, Decision, brief
+from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import INPUT_LIMIT, describe_input, to_json
 from runs.engine.store import append_event, atomic, fence, fenced_write, flush
 from runs.errors import ApprovalRevoked, ControlFlow, OperatorFailed, StepMisuse, Suspended
 from runs.models import EventType, Recovery, Step, StepKind, StepStatus
-
-#: (step key, idempotency key) of the step whose coroutine runs in this asyncio task.
-CURRENT_STEP: contextvars.ContextVar[tuple[str | None, str | None] | None] = contextvars.ContextVar(
-    "stepguard_current_step", default=None
-)
 
 
 class Steps:
@@ -49,8 +43,8 @@ class Steps:
         Hand it to the downstream service (an `Idempotency-Key` header, a unique column) so a
         call re-sent after a crash is recognised there instead of repeated.
         """
-        running = CURRENT_STEP.get()  # inside an async step, on the workflow's event loop
-        key = running[1] if running is not None else self._idempotency_key
+        running = self._running()
+        key = running.idempotency_key if running is not None else None
         if key is None:
             raise StepMisuse("ctx.idempotency_key is only defined while a step's function runs")
         return key
@@ -279,12 +273,26 @@ class Steps:
                 step_pk = record.pk if record is not None else None
                 self._record_failure(step_pk, seq, key, idem, StepKind.TRANSACTION, tries, exc)
 
-    def _invoke(self, key: str, idem: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def _invoke(
+        self, key: str, idem: str, fn: Callable, args: tuple, kwargs: dict, release=False
+    ) -> Any:
+        """Call a step's function. With `release`, an async workflow's other steps may use the
+        run's context meanwhile (the function touches only its own arguments)."""
         self._in_step, self._idempotency_key = key, idem
+        token = CURRENT_STEP.set(Running(key, idem, self._step_seq, id(self)))
         try:
+            if release:
+                with self._released():
+                    return self._await(fn(*args, **kwargs))
             return self._await(fn(*args, **kwargs))
         finally:
+            CURRENT_STEP.reset(token)
             self._in_step = self._idempotency_key = None
+
+    def _running(self) -> Running | None:
+        """This run's step whose function runs in this thread or asyncio task, if any."""
+        running = CURRENT_STEP.get()
+        return running if running is not None and running.owner == id(self) else None
 
     def _await(self, value: Any) -> Any:
         """Run an `async def` step (or an async client's call) to completion: on the
@@ -295,7 +303,7 @@ class Steps:
         if not inspect.isawaitable(value):
             return value
 
-        running = (self._in_step, self._idempotency_key)
+        running = CURRENT_STEP.get()
 
         async def wait():
             CURRENT_STEP.set(running)  # this task's own: concurrent steps each see theirs
@@ -310,21 +318,21 @@ class Steps:
         return self._runner.run(wait())
 
     @contextmanager
-    def _released(self):
+    def _released(self, force: bool = False):
         """While this thread only waits (an async call, a retry delay), let the async
         workflow's other steps use the run's context (see bridge.Turnstile); this step's own
         state is put aside and back."""
         turnstile = self._turnstile
-        if turnstile is None or not turnstile.releasable():
+        if turnstile is None or not (force or turnstile.releasable()) or turnstile.released():
             yield
             return
         mine = (self._in_step, self._idempotency_key, self._step_seq)
         self._in_step = self._idempotency_key = None
-        turnstile.leave()
+        turnstile.release()
         try:
             yield
         finally:
-            turnstile.resume()
+            turnstile.reacquire()
             self._in_step, self._idempotency_key, self._step_seq = mine
 
     def _close_loop(self) -> None:
@@ -339,7 +347,7 @@ class Steps:
         while True:
             tries += 1
             try:
-                value = self._invoke(key, idem, fn, args, kwargs)
+                value = self._invoke(key, idem, fn, args, kwargs, release=True)
                 usage = None
                 if isinstance(value, Metered):
                     value, usage = value.value, value.usage

@@ -31,6 +31,17 @@ from runs.errors import (
 from runs.models import EventType, Run, RunStatus, Signal, Step, StepKind, StepStatus
 
 
+@dataclass(frozen=True)
+class Ask:
+    """One approval of `ctx.approvals`: what `ctx.approval` takes, with its step key."""
+
+    key: str
+    action: str
+    summary: str = ""
+    payload: Any = None
+    timeout: float | timedelta | None = None
+
+
 @dataclass
 class Child:
     key: str
@@ -169,6 +180,90 @@ class Waits:
         if error is not None:
             raise error
         raise Suspended(f"waiting for approval of {action!r}")
+
+    def approvals(self, asks: Iterable[Ask]) -> list[Decision | StepguardError]:
+        """Ask for several approvals at once and wait for every decision without holding a
+        worker: the approvers see them together (an agent's parallel tool calls), and the run
+        resumes once none is pending. Returns, in order, each one's Decision or the error its
+        rejection, revocation or expiry is (ApprovalRejected...), for the caller to act on."""
+        asks = list(asks)
+        entries = [self._position(ask.key) for ask in asks]  # every position first, as on replay
+        outcomes: list[Decision | StepguardError | None] = [None] * len(asks)
+        for i, (key, seq, record) in enumerate(entries):
+            try:
+                self._admit(key, seq, record)
+            except (ApprovalRejected, ApprovalExpired, ApprovalRevoked) as refused:
+                outcomes[i] = refused
+            if record is not None and record.status == StepStatus.COMPLETED:
+                outcomes[i] = Decision.from_json(record.output)
+        open_ = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        if not open_:
+            return outcomes
+        for i in open_:
+            if not asks[i].action or len(asks[i].action) > 200:
+                raise StepMisuse("an approval needs an action of 1 to 200 characters")
+        payloads = {
+            i: to_json(asks[i].payload, what=f"the payload of {asks[i].key!r}") for i in open_
+        }
+        with atomic(self._lease):
+            event_seq, now = self._wait_fence()
+            events: list[tuple[str, str, dict]] = []
+            waits: list[datetime | None] = []
+            for i in open_:
+                ask, (key, seq, record) = asks[i], entries[i]
+                if record is None:
+                    expires = (
+                        None
+                        if ask.timeout is None
+                        else now + as_timedelta(ask.timeout, "a timeout")
+                    )
+                    self._new_step(
+                        seq, key, StepKind.APPROVAL, StepStatus.WAITING,
+                        input={"action": ask.action, "summary": ask.summary}, wake_at=expires,
+                    )  # fmt: skip
+                    request = ApprovalRequest.objects.create(
+                        run_id=self._lease.run_id, step_key=key, action=ask.action,
+                        summary=ask.summary, payload=payloads[i], expires_at=expires,
+                    )  # fmt: skip
+                    events.append((EventType.APPROVAL_REQUESTED, key, {
+                        "approval_id": request.pk, "action": ask.action,
+                        "expires_at": expires.isoformat() if expires else None,
+                    }))  # fmt: skip
+                    waits.append(expires)
+                    continue
+                request = ApprovalRequest.objects.select_related("decided_by").get(
+                    run_id=self._lease.run_id, step_key=key
+                )
+                outcome = self._approval_outcome(request, now)
+                if outcome is None:
+                    events.append((EventType.APPROVAL_WAITING, key, {"approval_id": request.pk}))
+                    waits.append(request.expires_at)
+                    continue
+                outcomes[i] = outcome
+                events.append(self._settled(record, now, outcome))
+            self._append_events(event_seq, events)  # needs the lease: before _suspend
+            if waits:
+                deadlines = [w for w in waits if w is not None]
+                self._suspend(min(deadlines) if len(deadlines) == len(waits) else None)
+        if waits:
+            raise Suspended(f"waiting for {len(waits)} approvals")
+        return outcomes
+
+    def _settled(self, record: Step, now, outcome) -> tuple[str, str, dict]:
+        """Finish a waiting approval step with its decision or error (inside the caller's
+        transaction); returns its event for the caller to append."""
+        if isinstance(outcome, Decision):
+            Step.objects.filter(pk=record.pk).update(
+                status=StepStatus.COMPLETED, output=outcome.as_json(), finished_at=now
+            )
+            return EventType.STEP_COMPLETED, record.key, {}
+        Step.objects.filter(pk=record.pk).update(
+            status=StepStatus.FAILED,
+            error={**outcome.as_record(), "retryable": outcome.retryable},
+            run_attempt=self.attempt,
+            finished_at=now,
+        )
+        return EventType.STEP_FAILED, record.key, {"error": brief(outcome)}
 
     @staticmethod
     def _approval_outcome(request: ApprovalRequest, now: datetime):
