@@ -38,8 +38,6 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         self._lease = lease
         self._seq = 0
         self._occurrences: dict[str, int] = {}
-        self._in_step: str | None = None
-        self._idempotency_key: str | None = None
         self._cancel_requested = run.cancel_requested_at is not None
         self._forked_from = run.forked_from_id
         #: Set past the poison-run bound: the first step not yet completed fails the run
@@ -57,7 +55,6 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         self._runner: asyncio.Runner | None = None  # a sync workflow's event loop, see _await
         self._usd_budget = run.budget_micros is not None
         self._budgeted = self._usd_budget or run.budget_tokens is not None
-        self._step_seq = -1  # the position of the step being run (its live deltas name it)
         self._turnstile = None  # an async workflow's: its steps may wait concurrently
         self._async = None  # and what it receives, to start concurrent steps from here
         self._unpriced_models: set[str] = set()

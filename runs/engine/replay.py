@@ -54,10 +54,10 @@ class Replay:
 
     def _position(self, key: str, *, internal: bool = False) -> tuple[str, int, Step | None]:
         """Take the next position in the call sequence for `key` (with its repeat suffix)."""
-        running = self._running()
-        if self._in_step is not None or running is not None:
-            outer = self._in_step if self._in_step is not None else running.key
-            raise StepMisuse(f"step {key!r} was called inside step {outer!r}; steps do not nest")
+        if (running := self._running()) is not None:
+            raise StepMisuse(
+                f"step {key!r} was called inside step {running.key!r}; steps do not nest"
+            )
         limit = 255 if internal else MAX_KEY_LENGTH
         if not isinstance(key, str) or not key or len(key) > limit or ("#" in key and not internal):
             raise StepMisuse(

@@ -101,7 +101,6 @@ class Steps:
         model: str = "",
     ) -> Any:
         key, seq, record = self._enter(key, internal=internal)
-        self._step_seq = seq
         if record is not None and record.status == StepStatus.COMPLETED:
             # A step copied from the run this one was forked from did its side effect there:
             # this run undoes only what it did itself.
@@ -207,8 +206,8 @@ class Steps:
             # writes its completion at once; any other rides with the run's next write.
             defer = approval is None and reconcile is None and on_ambiguous == "resend"
             output = self._call(
-                step_pk, key, idem, fn, args, kwargs, policy, attempt, held_now, approval, defer,
-                tries,
+                step_pk, seq, key, idem, fn, args, kwargs, policy, attempt, held_now, approval,
+                defer, tries,
             )  # fmt: skip
         return self._remember(key, compensate, output)
 
@@ -236,7 +235,7 @@ class Steps:
                     if shared := scopes_for(self.workflow):
                         # Like any step: none starts once a shared daily budget is spent.
                         reserve_shared(shared, NOTHING, NOTHING, timezone.now().date())
-                    value = self._invoke(key, idem, fn, args, kwargs)
+                    value = self._invoke(key, idem, seq, fn, args, kwargs)
                     output = to_json(value, what=f"the output of step {key!r}")
                     now = timezone.now()
                     fields = {
@@ -274,12 +273,11 @@ class Steps:
                 self._record_failure(step_pk, seq, key, idem, StepKind.TRANSACTION, tries, exc)
 
     def _invoke(
-        self, key: str, idem: str, fn: Callable, args: tuple, kwargs: dict, release=False
+        self, key: str, idem: str, seq: int, fn: Callable, args: tuple, kwargs: dict, release=False
     ) -> Any:
         """Call a step's function. With `release`, an async workflow's other steps may use the
         run's context meanwhile (the function touches only its own arguments)."""
-        self._in_step, self._idempotency_key = key, idem
-        token = CURRENT_STEP.set(Running(key, idem, self._step_seq, id(self)))
+        token = CURRENT_STEP.set(Running(key, idem, seq, id(self)))
         try:
             if release:
                 with self._released():
@@ -287,7 +285,6 @@ class Steps:
             return self._await(fn(*args, **kwargs))
         finally:
             CURRENT_STEP.reset(token)
-            self._in_step = self._idempotency_key = None
 
     def _running(self) -> Running | None:
         """This run's step whose function runs in this thread or asyncio task, if any."""
@@ -320,20 +317,17 @@ class Steps:
     @contextmanager
     def _released(self, force: bool = False):
         """While this thread only waits (an async call, a retry delay), let the async
-        workflow's other steps use the run's context (see bridge.Turnstile); this step's own
-        state is put aside and back."""
+        workflow's other steps use the run's context (see bridge.Turnstile). The step's own
+        state lives in its task's CURRENT_STEP, which the others do not see."""
         turnstile = self._turnstile
         if turnstile is None or not (force or turnstile.releasable()) or turnstile.released():
             yield
             return
-        mine = (self._in_step, self._idempotency_key, self._step_seq)
-        self._in_step = self._idempotency_key = None
         turnstile.release()
         try:
             yield
         finally:
             turnstile.reacquire()
-            self._in_step, self._idempotency_key, self._step_seq = mine
 
     def _close_loop(self) -> None:
         runner, self._runner = self._runner, None
@@ -341,13 +335,13 @@ class Steps:
             runner.close()
 
     def _call(
-        self, step_pk, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt, held, approval,
-        defer=False, tries=0,
+        self, step_pk, seq, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt, held,
+        approval, defer=False, tries=0,
     ):  # fmt: skip
         while True:
             tries += 1
             try:
-                value = self._invoke(key, idem, fn, args, kwargs, release=True)
+                value = self._invoke(key, idem, seq, fn, args, kwargs, release=True)
                 usage = None
                 if isinstance(value, Metered):
                     value, usage = value.value, value.usage
@@ -401,7 +395,7 @@ class Steps:
     def _reconcile(self, record: Step, reconcile: Callable[[str], Any], idem: str) -> Any:
         # An exception here propagates unrecorded: the step stays `started` (still ambiguous),
         # so the next attempt of the run asks reconcile again rather than blindly re-sending.
-        found = self._invoke(record.key, idem, reconcile, (idem,), {})
+        found = self._invoke(record.key, idem, record.seq, reconcile, (idem,), {})
         if found is NOT_FOUND:
             return NOT_FOUND
         output = to_json(found, what=f"the reconciled output of step {record.key!r}")
