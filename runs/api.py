@@ -17,6 +17,7 @@ from pydantic import ConfigDict
 from runs import operations, queries
 from runs.engine import registry
 from runs.engine.budget import to_usd
+from runs.engine.deltas import Conversations
 from runs.errors import Forbidden, OperationError
 from runs.models import GLOBAL, Event, Policy, Run, Worker
 from runs.operations import KEEP, Target
@@ -325,8 +326,9 @@ def list_steps(
     its steps, makes a response that a server cannot hold."""
     viewer(request)
     steps = run_or_404(run_id).steps.filter(seq__gt=after).order_by("seq")[:limit]
-    page, size = [], 0
+    page, size, conversations = [], 0, Conversations(run_id)
     for step in steps.iterator(chunk_size=10):
+        step.input = conversations.expanded(step.seq, step.input)
         size += sum(json_size(v) for v in (step.input, step.output, step.error))
         if page and size > settings.STEPGUARD_API_MAX_RESPONSE:
             break

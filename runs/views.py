@@ -28,6 +28,7 @@ from django.views.decorators.http import require_POST
 from approvals.models import ApprovalStatus
 from runs import operations, queries
 from runs.engine.budget import to_usd
+from runs.engine.deltas import Conversations
 from runs.engine.holds import holds_on
 from runs.errors import Forbidden, StepguardError
 from runs.models import (
@@ -321,6 +322,7 @@ def step_body(request, run_id: UUID, seq: int):
     step = Step.objects.filter(run_id=run_id, seq=seq).first()
     if step is None:
         raise Http404(f"run {run_id} has no step {seq}")
+    step.input = Conversations(run_id).expanded(seq, step.input)
     parts = [
         shown(name, getattr(step, name), reverse("run-step-json", args=[run_id, seq, name]))
         for name in STEP_PARTS
@@ -349,7 +351,10 @@ def step_json(request, run_id: UUID, seq: int, part: str):
     step = Step.objects.filter(run_id=run_id, seq=seq).only(part).first()
     if step is None:
         raise Http404(f"run {run_id} has no step {seq}")
-    return json_download(getattr(step, part), f"run-{run_id}-step-{seq}-{part}.json")
+    value = getattr(step, part)
+    if part == "input":
+        value = Conversations(run_id).expanded(seq, value)
+    return json_download(value, f"run-{run_id}-step-{seq}-{part}.json")
 
 
 def json_download(value, filename: str) -> HttpResponse:

@@ -369,3 +369,43 @@ async def agent_async_parallel(ctx, input):
         messages=[{"role": "system", "content": "SCRIPT: meet_a+meet_b"}],
         tools={"meet_a": Tool(meet_a), "meet_b": Tool(meet_b)},
     )
+
+
+#: Turns whose user message a test changes, as code changed under a running workflow would.
+edited: set[int] = set()
+
+
+def turn_text(turn: int, size: int) -> str:
+    """A tool result's worth of text, different on every turn."""
+    import random
+    import string
+
+    text = "".join(random.Random(turn).choices(string.ascii_letters + " ", k=size))
+    return f"turn {turn}{' (edited)' if turn in edited else ''}: {text}"
+
+
+@workflow("long-conversation")
+def long_conversation(ctx: RunContext, input: dict):
+    """A conversation that grows by a user message and an answer per turn, sent whole each
+    time, as the chat completions and responses protocols want it."""
+    client = openai_client()
+    responses = input.get("protocol") == "responses"
+    messages: list = [{"role": "system", "content": "Answer in one line."}]
+    for turn in range(input["turns"]):
+        if turn == input.get("wait_at"):
+            ctx.wait_for_event("go", "go")
+        messages.append({"role": "user", "content": turn_text(turn, input["size"])})
+        if responses:
+            response = ctx.llm(
+                f"turn-{turn}", client.responses.create, model="gpt-4.1-mini",
+                max_output_tokens=50, instructions="Answer in one line.", input=messages[1:],
+            )  # fmt: skip
+            answer = response["output"][0]["content"][0]["text"]
+            messages.append({"role": "assistant", "content": answer})
+        else:
+            response = ctx.llm(
+                f"turn-{turn}", client.chat.completions.create, model="gpt-4o-mini",
+                max_tokens=50, messages=messages,
+            )  # fmt: skip
+            messages.append(response["choices"][0]["message"])
+    return len(messages)

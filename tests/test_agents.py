@@ -5,6 +5,7 @@ from datetime import timedelta
 from decimal import ROUND_CEILING, Decimal
 
 import pytest
+from django.urls import reverse
 from django.utils import timezone
 
 from approvals.models import ApprovalRequest
@@ -12,10 +13,11 @@ from approvals.services import decide
 from examples import flight_agent, outreach, research  # noqa: F401  (registers them)
 from examples.models import Booking
 from examples.models import Effect as DemoEffect
+from runs.engine.deltas import Conversations
 from runs.engine.llm import cost
 from runs.errors import StepMisuse
 from runs.models import Event, Run, RunStatus, Step
-from runs.sdk import RetryPolicy, start_run
+from runs.sdk import RetryPolicy, send_signal, start_run
 from tests import agent_workflows, workflows
 from tests.testapp.models import Effect
 
@@ -24,6 +26,11 @@ pytestmark = pytest.mark.django_db
 
 def only_llm_step(run) -> Step:
     return Step.objects.get(run=run, kind="llm")
+
+
+def request_of(step: Step) -> dict:
+    """The request a model-call step sent, whole (it is stored as a delta of the one before)."""
+    return Conversations(step.run_id).expanded(step.seq, step.input)[0]
 
 
 @pytest.mark.parametrize(
@@ -100,7 +107,7 @@ def test_a_rejected_tool_call_is_reported_to_the_model(drive, demo_model, cast):
     decide(ApprovalRequest.objects.get(run=run).pk, "reject", cast["ada"], "too pricey")
     assert drive() == ["completed"]
     assert not Booking.objects.exists()
-    next_turn = Step.objects.get(run=run, key="think-2").input[0]["messages"]
+    next_turn = request_of(Step.objects.get(run=run, key="think-2"))["messages"]
     refusal = json.loads(next_turn[-1]["content"])
     assert next_turn[-1]["role"] == "tool" and "ada rejected" in refusal["refused"]
     assert "too pricey" in Run.objects.get(pk=run.pk).output["answer"]
@@ -175,10 +182,10 @@ def test_sdk_objects_in_messages_are_sent_and_recorded_as_the_client_sends_them(
     assert drive() == ["completed"]
     steps = {s.key: s for s in Step.objects.filter(run=run)}
     sent = {body["messages"][-1]["content"]: body for body in demo_model.bodies}
-    assert steps["chat-1"].input[0]["messages"] == sent["second"]["messages"]
-    assert steps["chat-1"].input[0]["messages"][1]["role"] == "assistant"
-    assert steps["claude-1"].input[0]["messages"] == sent["b"]["messages"]
-    assert steps["claude-1"].input[0]["messages"][1]["content"][0]["type"] == "text"
+    assert request_of(steps["chat-1"])["messages"] == sent["second"]["messages"]
+    assert request_of(steps["chat-1"])["messages"][1]["role"] == "assistant"
+    assert request_of(steps["claude-1"])["messages"] == sent["b"]["messages"]
+    assert request_of(steps["claude-1"])["messages"][1]["content"][0]["type"] == "text"
     assert demo_model.total == 4 and all(s.attempt == 1 for s in steps.values())
 
 
@@ -750,3 +757,74 @@ def test_an_async_agent_loop_runs_a_turn_s_tools_concurrently(drive, demo_model)
     assert '"a met b"' in answer and '"b met a"' in answer  # neither timed out alone
     keys = list(Step.objects.filter(run=run).order_by("seq").values_list("key", flat=True))
     assert keys == ["think-0", "tool-meet_a-0", "tool-meet_b-0", "think-1"]
+
+
+def stored_bytes(value) -> int:
+    return len(json.dumps(value, ensure_ascii=False).encode())
+
+
+@pytest.mark.parametrize("protocol", ["chat", "responses"])
+def test_a_long_conversation_is_stored_once_and_read_whole(
+    drive, demo_model, cast, client, protocol
+):
+    """Each request is stored as what it adds to the one before, yet the API and the dashboard
+    give back exactly what the model was sent: storage grows with the conversation, not with
+    its square."""
+    turns, size = 30, 4_000
+    run = start_run("long-conversation", {"turns": turns, "size": size, "protocol": protocol})
+    assert drive() == ["completed"]
+    field = "input" if protocol == "responses" else "messages"
+    steps = list(Step.objects.filter(run=run, kind="llm").order_by("seq"))
+    assert len(steps) == turns == len(demo_model.bodies)
+    stored = sum(stored_bytes(s.input) for s in steps)
+    conversation = stored_bytes(demo_model.bodies[-1][field])  # every turn's text, once
+    whole = sum(stored_bytes(body[field]) for body in demo_model.bodies)  # stored as sent
+    assert stored < 1.3 * conversation and whole > 10 * stored
+
+    client.force_login(cast["vera"])
+    read = client.get(f"/api/runs/{run.pk}/steps", {"limit": 500}).json()
+    requests = [s["input"][0] for s in read if s["kind"] == "llm"]
+    assert [r[field] for r in requests] == [body[field] for body in demo_model.bodies]
+    assert all("$hash" not in r and r["model"] == steps[0].input[0]["model"] for r in requests)
+    last = steps[-1].seq
+    page = client.get(reverse("run-step-json", args=[run.pk, last, "input"])).json()
+    assert page[0][field] == demo_model.bodies[-1][field]
+    assert (
+        demo_model.bodies[-1][field][0]["content"]
+        in client.get(reverse("run-step", args=[run.pk, last])).content.decode()
+    )
+
+
+def test_a_conversation_resumed_under_changed_code_is_recorded_as_sent(
+    drive, demo_model, client, cast
+):
+    """A request is stored against the one before only if that one's stored form is what the
+    code sends now: after a resume whose code changed an earlier turn, the next request is
+    stored whole, and every request still reads back as the model received it."""
+    run = start_run("long-conversation", {"turns": 8, "size": 500, "wait_at": 5})
+    assert drive() == ["waiting"]
+    agent_workflows.edited.add(2)  # the code now words turn 2 differently
+    send_signal(run.pk, "go", {})
+    assert drive() == ["completed"]
+    steps = {s.key: s for s in Step.objects.filter(run=run, kind="llm")}
+    assert "$after" not in json.dumps(steps["turn-5"].input)  # its base changed: stored whole
+    assert (
+        json.loads(json.dumps(steps["turn-6"].input))[0]["messages"]["$after"]
+        == steps["turn-5"].seq
+    )
+    assert "$after" in json.dumps(steps["turn-4"].input)
+
+    client.force_login(cast["vera"])
+    read = client.get(f"/api/runs/{run.pk}/steps", {"limit": 500}).json()
+    requests = [s["input"][0]["messages"] for s in read if s["kind"] == "llm"]
+    assert requests == [body["messages"] for body in demo_model.bodies]
+    assert "(edited)" in json.dumps(requests[5]) and "(edited)" not in json.dumps(requests[4])
+
+
+def test_a_conversation_resumed_under_the_same_code_goes_on_as_deltas(drive, demo_model):
+    run = start_run("long-conversation", {"turns": 8, "size": 500, "wait_at": 5})
+    assert drive() == ["waiting"]
+    send_signal(run.pk, "go", {})
+    assert drive() == ["completed"]
+    turn5 = Step.objects.get(run=run, key="turn-5")
+    assert turn5.input[0]["messages"]["$keep"] == 10  # system, then 4 turns of question and answer

@@ -9,16 +9,19 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db.models.fields.json import KT
 
 from runs import tracing
+from runs.engine import deltas
 from runs.engine import llm as llm_engine
 from runs.engine.budget import Metered, Usage, scopes_for
 from runs.engine.records import Decision, accepts, signature_names
 from runs.engine.retry import RetryPolicy
+from runs.engine.serialization import describe_input
 from runs.engine.store import fenced_write
 from runs.engine.wakeup import doorbell
 from runs.errors import UnpricedModel
-from runs.models import EventType, Policy, Run, StepKind
+from runs.models import EventType, Policy, Run, Step, StepKind
 
 log = logging.getLogger("stepguard.executor")
 
@@ -63,7 +66,7 @@ class ModelCalls:
             request = self._capped(call, model, request)
         guess = llm_engine.estimate(model, request) if estimate is True else (estimate or None)
 
-        def invoke(recorded):
+        def invoke():
             if llm_engine.price_of(model) is None:
                 self._unpriced(key, model)
             kwargs = request
@@ -89,11 +92,34 @@ class ModelCalls:
             return Metered(data, usage)
 
         recorded = llm_engine.recorded_request(request | ({"stream": True} if streaming else {}))
+        seq, described = self._seq, None
+        if self._history.get(seq) is None:  # a new step: its request is written now
+            stored = deltas.against(recorded, self._request_base())
+            described = describe_input(
+                (stored,), {}, limit=settings.STEPGUARD_MAX_OUTPUT_BYTES
+            )  # fmt: skip
         output = self._run_step(
-            key, invoke, (recorded,), {}, retry=retry, estimate=guess, kind=StepKind.LLM,
-            input_limit=settings.STEPGUARD_MAX_OUTPUT_BYTES, model=model,
+            key, invoke, (), {}, retry=retry, estimate=guess, kind=StepKind.LLM,
+            described=described, model=model,
         )  # fmt: skip
+        # A request stored whole or as a delta can be the next one's base; one cut to fit (or
+        # recorded by an earlier execution, until its fingerprint is checked) cannot yet.
+        trusted = isinstance(described, list) if described is not None else None
+        self._last_request = (seq, recorded, trusted)
         return output if cls is None else llm_engine.typed_response(cls, output)
+
+    def _request_base(self) -> tuple[int, dict] | None:
+        """The run's previous model call to store this one's request against, if its stored
+        form expands to the request this execution sent (see runs/engine/deltas.py)."""
+        if self._last_request is None:
+            return None
+        seq, request, trusted = self._last_request
+        if trusted is None:  # recorded by an earlier execution: the same request as now?
+            stored = Step.objects.filter(run_id=self._lease.run_id, seq=seq)
+            found = stored.values_list(KT(f"input__0__{deltas.HASH}"), flat=True).first()
+            trusted = found == deltas.fingerprint(request)
+            self._last_request = (seq, request, trusted)
+        return (seq, request) if trusted else None
 
     def _relay(self, on_delta: Callable[[str], Any] | None) -> Callable[[str], None]:
         """Each streamed piece of text to `on_delta` and to the run's live page."""

@@ -58,5 +58,8 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         self._turnstile = None  # an async workflow's: its steps may wait concurrently
         self._async = None  # and what it receives, to start concurrent steps from here
         self._unpriced_models: set[str] = set()
+        #: The run's last model call: (seq, its whole request, whether its stored form is known
+        #: to expand to that request, None until checked); the next request is stored against it.
+        self._last_request: tuple[int, dict, bool | None] | None = None
         lease.workflow = run.workflow
         self._last_seq = max(history, default=-1)

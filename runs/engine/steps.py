@@ -27,7 +27,7 @@ from runs.engine.budget import (
 from runs.engine.checkpoints import Held
 from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
-from runs.engine.serialization import INPUT_LIMIT, describe_input, to_json
+from runs.engine.serialization import describe_input, to_json
 from runs.engine.store import append_event, atomic, fence, fenced_write, flush
 from runs.errors import ApprovalRevoked, ControlFlow, OperatorFailed, StepMisuse, Suspended
 from runs.models import EventType, Recovery, Step, StepKind, StepStatus
@@ -97,7 +97,7 @@ class Steps:
         estimate: Usage | None = None,
         kind: str = StepKind.CALL,
         internal: bool = False,
-        input_limit: int = INPUT_LIMIT,
+        described: Any = None,
         model: str = "",
     ) -> Any:
         key, seq, record = self._enter(key, internal=internal)
@@ -127,7 +127,7 @@ class Steps:
                 "key": key,
                 "kind": kind,
                 "status": StepStatus.STARTED,
-                "input": describe_input(args, kwargs, limit=input_limit),
+                "input": described if described is not None else describe_input(args, kwargs),
                 "idempotency_key": idem,
                 "run_attempt": self.attempt,
                 "started_at": timezone.now(),
