@@ -15,6 +15,9 @@ SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = False
 STEPGUARD_WORKFLOW_MODULES = [
     "tests.workflows",
     "tests.model_workflows",
+    "tests.adapter_openai_agents_workflows",
+    "tests.adapter_pydantic_ai_workflows",
+    "tests.adapter_langgraph_workflows",
     "examples.flight_booking",
     "examples.research",
     "examples.outreach",

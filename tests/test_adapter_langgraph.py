@@ -1,0 +1,237 @@
+"""The LangGraph adapter: each node execution is a step, against the real engine, the scripted
+demo model on 127.0.0.1 and, in one test, real worker processes killed with SIGKILL."""
+
+import pytest
+from django.db.models import Count
+
+from approvals.models import ApprovalRequest
+from approvals.services import decide
+from runs.adapters.langgraph import MARK
+from runs.models import Run, RunStatus, Step
+from runs.sdk import send_signal, start_run
+from tests import adapter_langgraph_workflows as lg
+from tests import workflows
+from tests.conftest import wait_until
+from tests.testapp.models import Effect
+
+pytestmark = pytest.mark.django_db
+
+TOPICS = {"topics": ["alpha", "beta", "gamma"]}
+FLOW_KEYS = [
+    "audience", "outline", "research[0]", "research[1]", "research[2]",
+    "draft", "draft#2", "draft#3", "publish",
+]  # fmt: skip
+CHAT = {"request": "Find me a hotel in Lisbon and book it"}
+
+
+def keys(run) -> list[str]:
+    return list(Step.objects.filter(run=run).order_by("seq").values_list("key", flat=True))
+
+
+def step(run, key: str) -> Step:
+    return Step.objects.get(run=run, key=key)
+
+
+def plain_flow() -> dict:
+    """What the graph returns run plainly, outside Stepguard (its side effects not counted)."""
+    state = lg.FLOW.invoke(TOPICS)
+    workflows.calls.clear()
+    return state
+
+
+def test_each_node_execution_is_a_step_and_the_state_is_the_plain_graphs(drive):
+    expected = plain_flow()
+    run = start_run("lg-flow", TOPICS)
+    assert drive() == ["completed"]
+    # Two branches of one superstep, a Send fan-out (each Send its own key) and a loop.
+    assert keys(run) == FLOW_KEYS
+    assert step(run, "research[1]").output == {
+        "notes": ["notes on beta"], "log": ["research beta"],
+    }  # fmt: skip
+    assert step(run, "draft#3").output == {"drafts": 3, "log": ["draft 3"]}
+    assert Run.objects.get(pk=run.pk).output == expected
+    assert expected["drafts"] == 3 and len(expected["notes"]) == 3
+    assert set(workflows.calls.values()) == {1}  # every node execution ran once
+
+
+def test_a_graph_resumed_after_a_crash_runs_no_finished_node_again(drive, expire_lease):
+    expected = plain_flow()
+    run = start_run("lg-flow", TOPICS)
+    workflows.crash_at.add("research:beta")  # the process dies inside the second branch
+    with pytest.raises(workflows.Crash):
+        drive()
+    expire_lease(run.id)
+    assert drive() == ["completed"]
+    assert keys(run) == FLOW_KEYS
+    assert workflows.calls.pop("research:beta") == 2  # in flight at the crash: sent again
+    assert set(workflows.calls.values()) == {1}
+    again = step(run, "research[1]")
+    assert again.recovered == "resent"
+    assert Effect.objects.filter(idempotency_key=again.idempotency_key).count() == 2
+    assert Run.objects.get(pk=run.pk).output == expected
+
+
+@pytest.mark.django_db(transaction=True)  # an async workflow's checkpoints: a thread of their own
+def test_async_branches_run_together_and_keep_their_keys_when_finishing_out_of_order(
+    drive, expire_lease
+):
+    expected = plain_flow()
+    run = start_run("lg-flow-async", TOPICS)
+    workflows.crash_at.add("draft:2")
+    with pytest.raises(workflows.Crash):
+        drive()
+    expire_lease(run.id)
+    assert drive() == ["completed"]
+    assert keys(run) == FLOW_KEYS  # positions in the order the branches started
+    first, last = step(run, "research[0]"), step(run, "research[2]")
+    assert Effect.objects.filter(idempotency_key=last.idempotency_key).count() == 1
+    assert last.finished_at < first.finished_at  # gamma slept least: it finished first
+    assert last.started_at < first.finished_at  # while alpha was still in flight
+    assert step(run, "research[0]").output["notes"] == ["notes on alpha"]
+    assert workflows.calls.pop("draft:2") == 2
+    assert set(workflows.calls.values()) == {1}
+    assert Run.objects.get(pk=run.pk).output == expected
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("name", ["lg-assistant", "lg-assistant-async"])
+def test_a_messages_graph_records_its_messages_and_replays_them_after_a_crash(
+    drive, expire_lease, demo_model, name
+):
+    run = start_run(name, CHAT)
+    workflows.crash_at.add("finish")  # after `tidy` removed the tool results by their ids
+    with pytest.raises(workflows.Crash):
+        drive()
+    expire_lease(run.id)
+    assert drive() == ["completed"]
+    assert keys(run) == ["think", "tools", "think#2", "tools#2", "think#3", "tidy", "finish"]
+    for llm in Step.objects.filter(run=run, kind="llm"):
+        assert demo_model.calls[llm.idempotency_key] == 1  # no model call paid twice
+    assert workflows.calls.pop("finish") == 2
+    assert workflows.calls == {"tool:search": 1, "tool:weather": 1, "tool:book": 1, "tidy": 1}
+
+    recorded = step(run, "tools").output["messages"]
+    assert [m[MARK] for m in recorded] == ["message", "message"]
+    assert [m["value"]["type"] for m in recorded] == ["tool", "tool"]
+    assert recorded[0]["value"]["data"]["id"] == f"{run.id}:tools:0"  # the step's key, and 0
+    removed = step(run, "tidy").output["messages"]
+    assert [m["value"]["data"]["id"] for m in removed] == [
+        m["value"]["data"]["id"]
+        for key in ("tools", "tools#2")
+        for m in step(run, key).output["messages"]
+    ]
+    output = Run.objects.get(pk=run.pk).output
+    assert [m[0] for m in output["transcript"]] == ["human", "ai", "ai", "ai", "ai"]
+    assert [m[2] for m in output["transcript"]] == [0, 2, 1, 0, 0]  # tool calls kept
+    assert output["transcript"][3][1].startswith("Done. Tool results:")
+    assert output["answer"] == "Filed after 4 messages."
+
+
+def test_interrupt_waits_for_a_signal_named_after_the_node(drive):
+    run = start_run("lg-review", {"topic": "durable agents"})
+    assert drive() == ["waiting"]
+    assert Run.objects.get(pk=run.pk).worker_id is None  # the wait holds no worker
+    asked = step(run, "review").output
+    assert asked == {
+        MARK: "interrupt",
+        "value": {"question": "Which title?", "draft": "a draft about durable agents"},
+    }
+    send_signal(run.id, "review", "Durable agents, explained")
+    send_signal(run.id, "review", {"publish": True})
+    assert drive() == ["completed"]
+    assert keys(run) == [
+        "write", "review", "review.interrupt", "review.resume", "review.interrupt#2",
+        "review.resume#2", "ship",
+    ]  # fmt: skip
+    assert step(run, "review.resume").output == {MARK: "interrupt", "value": "Publish it?"}
+    output = Run.objects.get(pk=run.pk).output
+    assert output["title"] == "Durable agents, explained"
+    assert output["verdict"] == {"publish": True}
+    # The node runs again for each answer (as in LangGraph); what finished before does not.
+    assert workflows.calls == {"write": 1, "review": 3, "ship": 1}
+
+
+def test_interrupt_as_approvals_asks_a_person_in_the_inbox(drive, cast):
+    run = start_run("lg-review", {"topic": "durable agents", "interrupts": "approval"})
+    assert drive() == ["waiting"]
+    first = ApprovalRequest.objects.get(run=run)
+    assert first.action == "resume review"
+    assert first.payload["value"]["question"] == "Which title?"
+    decide(first.pk, "approve", cast["ada"], "Durable agents")
+    assert drive() == ["waiting"]
+    second = ApprovalRequest.objects.exclude(pk=first.pk).get(run=run)
+    assert second.summary == "Publish it?"
+    decide(second.pk, "reject", cast["ada"], "not yet")
+    assert drive() == ["completed"]
+    output = Run.objects.get(pk=run.pk).output
+    assert output["title"] == {"approved": True, "by": "ada", "comment": "Durable agents"}
+    refusal = f"ada rejected 'resume review' (approval #{second.pk}): not yet"
+    assert output["verdict"] == {"approved": False, "reason": refusal}
+    assert workflows.calls["ship"] == 1
+
+
+def test_commands_sends_and_a_subgraphs_nodes_are_steps_that_replay(drive, expire_lease):
+    expected = lg.ROUTES.invoke({})
+    workflows.calls.clear()
+    run = start_run("lg-routes")
+    workflows.crash_at.add("inner")
+    with pytest.raises(workflows.Crash):
+        drive()
+    expire_lease(run.id)
+    assert drive() == ["completed"]
+    assert keys(run) == ["route", "worker[0]", "worker[1]", "sub/inner", "sub/flaky"]
+    assert step(run, "route").output["goto"][0] == {
+        MARK: "send", "node": "worker", "arg": {"log": ["job 0"]},
+    }  # fmt: skip
+    assert Run.objects.get(pk=run.pk).output == expected
+    assert expected["meta"] == {MARK: "mine", "n": 2}
+    # LangGraph's retry policy became the step's: 3 attempts in one step, not 3 steps of 3.
+    assert step(run, "sub/flaky").attempt == 3 and workflows.calls.pop("flaky") == 3
+    assert workflows.calls == {"route": 1, "worker:job 0": 1, "worker:job 1": 1, "inner": 2}
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("set", "node 'tag' returned a builtins.set at update['tags'], which cannot be recorded"),
+        ("nested", "node 'tag' is a step; a node that makes its own steps takes the run context"),
+    ],
+)
+def test_a_node_that_cannot_be_a_step_fails_the_run_naming_the_node(drive, case, says):
+    run = start_run("lg-misuse", {"case": case}, max_attempts=1)
+    assert drive() == ["failed"]
+    assert says in Run.objects.get(pk=run.pk).error["message"]
+    assert step(run, "tag").attempt == 1  # not retried: the same code fails the same way
+
+
+def test_a_worker_killed_mid_graph_resumes_it_without_repeating_a_finished_node(
+    spawn_worker, demo_model
+):
+    slow = CHAT | {"delay": 0.4}
+    worker = spawn_worker(lease=1.0)
+    run = start_run("lg-assistant", slow)
+    wait_until(lambda: Effect.objects.filter(label="tool:search").exists(), what="the first tool")
+    worker.kill()  # SIGKILL, inside the tools node's step
+    spawn_worker(lease=1.0)
+    run = wait_until(
+        lambda: (r := Run.objects.get(pk=run.pk)).is_terminal and r, timeout=60, what="the run"
+    )
+    assert run.status == RunStatus.COMPLETED, run.error
+    assert run.output["answer"] == "Filed after 4 messages."
+    assert step(run, "tools").recovered == "resent"  # killed inside it
+    assert Effect.objects.filter(label="tool:search").count() == 2  # that one tool, again
+    effects = dict(
+        Effect.objects.values("idempotency_key")
+        .annotate(n=Count("id"))
+        .values_list("idempotency_key", "n")
+    )
+    tool_effects = {"tools": 2, "tools#2": 1, "tidy": 1, "finish": 1}  # search+weather, book
+    for done in Step.objects.filter(run=run):
+        if done.kind == "llm":
+            sent, once = demo_model.calls[done.idempotency_key], 1
+        else:
+            sent, once = effects.get(done.idempotency_key, 0), tool_effects[done.key]
+        if done.recovered == "resent":
+            assert sent >= once, done.key  # in flight at the kill: maybe sent again, same key
+        else:
+            assert sent == once, done.key  # finished before or after: never again
