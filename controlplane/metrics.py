@@ -3,7 +3,7 @@
 The database is the one place that knows about every worker on every host, so a figure read
 from it is right however many processes there are, and nothing is lost when one dies. Most are
 gauges of what is stored now (prune makes them drop): graph them with `delta()`/`deriv()`, not
-`rate()`. Cost per scrape: about twelve aggregate queries; the steps ones scan the steps of the
+`rate()`. Cost per scrape: about thirteen aggregate queries; the steps ones scan the steps of the
 last hour or those with spend, the rest use indexes. Scrape every 15 to 60 s.
 
 Readable with an API key (`Authorization: Bearer sg_...`), a logged-in session, or from an
@@ -44,6 +44,7 @@ from runs.models import (
     GLOBAL,
     Event,
     EventType,
+    NotificationDelivery,
     Policy,
     Recovery,
     Run,
@@ -72,6 +73,7 @@ class DatabaseCollector:
         yield from self._workers(now)
         yield from self._spend()
         yield from self._approvals_and_halts(now)
+        yield from self._notifications()
 
     def _runs(self, now):
         runs = GaugeMetricFamily("stepguard_runs", "Runs stored, by workflow and status.",
@@ -194,6 +196,29 @@ class DatabaseCollector:
         halts.add_metric(["workflow"], policies.exclude(scope=GLOBAL).count())
         halts.add_metric(["run"], Run.objects.filter(halted_at__isnull=False).count())
         yield halts
+
+    def _notifications(self):
+        deliveries = GaugeMetricFamily(
+            "stepguard_notification_deliveries",
+            "Notification deliveries stored, by channel kind and result "
+            "(delivered, failed after its retries, or under way).",
+            labels=["kind", "result"],
+        )
+        result = Case(
+            When(run__status=RunStatus.COMPLETED, then=Value("delivered")),
+            When(run__status__in=[RunStatus.FAILED, RunStatus.CANCELLED], then=Value("failed")),
+            default=Value("pending"),
+            output_field=CharField(),
+        )
+        rows = (
+            NotificationDelivery.objects.annotate(result=result)
+            .values("channel__kind", "result")
+            .annotate(n=Count("id"))
+            .order_by()
+        )
+        for row in rows:
+            deliveries.add_metric([row["channel__kind"], row["result"]], row["n"])
+        yield deliveries
 
 
 registry = CollectorRegistry(auto_describe=False)

@@ -274,5 +274,21 @@ STEPGUARD_FOUR_EYES = env_bool("STEPGUARD_FOUR_EYES", True)
 STEPGUARD_API_KEYS_DECIDE = env_bool("STEPGUARD_API_KEYS_DECIDE", True)
 # Retention: workers delete runs that ended more than this many days ago, daily (0: never).
 STEPGUARD_RETENTION_DAYS = env_int("STEPGUARD_RETENTION_DAYS", 0)
+# Notifications (runs/notifications.py): how often one worker looks for events to deliver, and
+# the dashboard's address for links in messages (e.g. https://stepguard.example.com).
+STEPGUARD_NOTIFY_SWEEP_SECONDS = env_float("STEPGUARD_NOTIFY_SWEEP_SECONDS", 1.0, minimum=0.05)
+STEPGUARD_NOTIFY_RETRY_SECONDS = env_float("STEPGUARD_NOTIFY_RETRY_SECONDS", 2.0)
+STEPGUARD_PUBLIC_URL = os.environ.get("STEPGUARD_PUBLIC_URL", "")
+# Email notifications go through Django's mail settings, from the environment.
+EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = os.environ.get("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
+EMAIL_HOST_USER = os.environ.get("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = os.environ.get("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_TIMEOUT = env_float("EMAIL_TIMEOUT", 10.0, minimum=1.0)
+if os.environ.get("EMAIL_FILE_PATH"):
+    EMAIL_FILE_PATH = os.environ["EMAIL_FILE_PATH"]
+DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "stepguard@localhost")
 # GET /metrics without an API key or a session, from these addresses or networks (Prometheus).
 STEPGUARD_METRICS_ALLOW = env_networks("STEPGUARD_METRICS_ALLOW")

@@ -24,6 +24,13 @@ urlpatterns = [
     path("runs/<uuid:run_id>/<str:action>", views.run_action, name="run-action"),
     path("workers", views.workers_page, name="workers"),
     path("audit", views.audit_page, name="audit"),
+    path("notifications", views.notifications_page, name="notifications"),
+    path("notifications/add", views.notifications_add, name="notifications-add"),
+    path(
+        "notifications/<int:channel_id>/remove",
+        views.notifications_remove,
+        name="notifications-remove",
+    ),
     path("halts", views.halts_page, name="halts"),
     path("halts/budget", views.budget_scope, name="budget-scope"),
     path("halts/<str:action>", views.halt_scope, name="halt-scope"),

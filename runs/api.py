@@ -11,15 +11,15 @@ from uuid import UUID
 
 from django.conf import settings
 from django.http import HttpRequest
-from ninja import Field, Query, Router, Schema, Status
+from ninja import Field, Path, Query, Router, Schema, Status
 from pydantic import ConfigDict
 
-from runs import operations, queries
+from runs import notifications, operations, queries
 from runs.engine import registry
 from runs.engine.budget import to_usd
 from runs.engine.deltas import Conversations
 from runs.errors import Forbidden, OperationError
-from runs.models import GLOBAL, Event, Policy, Run, Worker
+from runs.models import GLOBAL, Event, NotificationChannel, Policy, Run, Worker
 from runs.operations import KEEP, Target
 from runs.sdk import send_signal, start_run
 
@@ -526,3 +526,90 @@ def list_workers(request, include_stopped: bool = False):
         {**{f.name: getattr(w, f.name) for f in Worker._meta.fields}, "runs": held.get(w.pk, [])}
         for w in workers[:500]
     ]
+
+
+# -- notifications -------------------------------------------------------------------------------
+
+
+class ChannelIn(In):
+    kind: str = Field(..., pattern="^(webhook|email)$")
+    target: str = Field(..., max_length=2000, pattern=TEXT)
+    events: list[str] = Field(..., min_length=1, max_length=20)
+    workflow: str = Field("", max_length=200, pattern=TEXT)
+    secret: str = Field("", max_length=200, pattern=TEXT, description="signs webhook bodies")
+
+
+class ChannelOut(Schema):
+    id: int
+    kind: str
+    target: str
+    events: list[str]
+    workflow: str | None
+    signed: bool
+    created_by: str
+    created_at: datetime
+
+
+class DeliveryOut(Schema):
+    id: int
+    channel_id: int
+    event_id: int
+    event_type: str
+    run_id: UUID
+    status: str
+    attempts: int
+    error: Any
+    created_at: datetime
+    finished_at: datetime | None
+
+
+def _may(request, permission: str, action: str) -> None:
+    if not request.user.has_perm(permission):
+        raise Forbidden(f"{request.user.get_username()} may not {action} (needs {permission})")
+
+
+@router.get(
+    "/notifications/channels", response={200: list[ChannelOut], **ERRORS}, tags=["notifications"]
+)
+def list_channels(request):
+    """The channels in use (removed ones are kept for their deliveries, not listed)."""
+    _may(request, "runs.view_notificationchannel", "view notification channels")
+    channels = NotificationChannel.objects.filter(removed_at__isnull=True)
+    return [notifications.describe(c) for c in channels]
+
+
+@router.post(
+    "/notifications/channels", response={201: ChannelOut, **ERRORS_422}, tags=["notifications"]
+)
+def add_channel(request, body: ChannelIn):
+    """A webhook (Slack-compatible JSON, signed with `secret` if given) or email addresses,
+    told of `events` (of runs of `workflow`, if given) from now on."""
+    channel = notifications.add_channel(
+        request.user, body.kind, body.target, body.events, workflow=body.workflow,
+        secret=body.secret,
+    )  # fmt: skip
+    return Status(201, notifications.describe(channel))
+
+
+@router.delete(
+    "/notifications/channels/{channel_id}",
+    response={200: ChannelOut, **ERRORS},
+    tags=["notifications"],
+)
+def remove_channel(request, channel_id: int = Path(..., ge=1, le=2**62)):
+    """Stop a channel: no new deliveries; its past ones stay listed."""
+    return notifications.describe(notifications.remove_channel(request.user, channel_id))
+
+
+@router.get(
+    "/notifications/deliveries",
+    response={200: list[DeliveryOut], **ERRORS},
+    tags=["notifications"],
+)
+def list_deliveries(
+    request, channel: int | None = Query(None, ge=1, le=2**62), failed: bool = False
+):
+    """Recent deliveries, newest first: each is a run of `stepguard.notify` (its attempts and
+    last error are its step's)."""
+    _may(request, "runs.view_notificationdelivery", "view notification deliveries")
+    return [notifications.delivery_row(d) for d in notifications.deliveries(channel, failed=failed)]

@@ -315,6 +315,23 @@ class EventType(models.TextChoices):
     RUNS_PRUNED = "runs.pruned", "finished runs were pruned"
     HALT = "halt", "a workflow or everything was halted"
     UNHALT = "unhalt", "a workflow or everything was unhalted"
+    NOTIFICATIONS_CHANGED = "notifications.changed", "a notification channel was added or removed"
+
+
+#: What a notification channel may be told of (runs/notifications.py).
+NOTIFIABLE = (
+    EventType.RUN_COMPLETED,
+    EventType.RUN_FAILED,
+    EventType.RUN_CANCELLED,
+    EventType.RUN_HALTED,
+    EventType.RUN_UNHALTED,
+    EventType.BUDGET_EXCEEDED,
+    EventType.BUDGET_WARNING,
+    EventType.APPROVAL_REQUESTED,
+    EventType.MODEL_UNPRICED,
+    EventType.HALT,
+    EventType.UNHALT,
+)
 
 
 class Event(models.Model):
@@ -348,6 +365,12 @@ class Event(models.Model):
                 fields=["created_at"],
                 condition=Q(type="run.recovered"),
                 name="runs_event_recovered_idx",
+            ),
+            # The notification sweep: events people can be told of, by time.
+            models.Index(
+                fields=["created_at"],
+                condition=Q(type__in=[t.value for t in NOTIFIABLE]),
+                name="runs_event_notifiable_idx",
             ),
         ]
 
@@ -483,3 +506,66 @@ class ApiKey(models.Model):
 
     def __str__(self) -> str:
         return f"sg_{self.prefix}… ({self.user})"
+
+
+class ChannelKind(models.TextChoices):
+    WEBHOOK = "webhook"
+    EMAIL = "email"
+
+
+class NotificationChannel(models.Model):
+    """Where to tell people that something happened (runs/notifications.py): a webhook URL or
+    email addresses, for some event types, of one workflow or of all. Removing one keeps the
+    row (its deliveries stay readable) and stops new deliveries."""
+
+    kind = models.CharField(max_length=10, choices=ChannelKind)
+    target = models.CharField(max_length=2000, help_text="the URL, or comma-separated addresses")
+    events = models.JSONField(help_text="event types delivered, e.g. ['run.failed']")
+    workflow = models.CharField(max_length=200, blank=True, default="", help_text="blank: all")
+    secret = models.CharField(
+        max_length=200, blank=True, default="", help_text="signs webhook bodies (HMAC-SHA256)"
+    )
+    created_by = models.CharField(max_length=150, default="system")
+    created_at = models.DateTimeField()
+    # Events up to here were looked at (less a margin for transactions that commit late).
+    scanned_until = models.DateTimeField()
+    removed_at = models.DateTimeField(null=True, blank=True)
+    removed_by = models.CharField(max_length=150, blank=True, default="")
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(kind__in=ChannelKind.values), name="runs_channel_kind_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"#{self.pk} {self.kind} {self.target}"
+
+
+class NotificationDelivery(models.Model):
+    """One event told to one channel: delivered by its own run of the built-in workflow
+    `stepguard.notify`, which retries and keeps the record of every attempt."""
+
+    channel = models.ForeignKey(
+        NotificationChannel, on_delete=models.PROTECT, related_name="deliveries"
+    )
+    # Not a foreign key: retention prunes the event's run and this delivery's run apart.
+    event_id = models.BigIntegerField()
+    event_type = models.CharField(max_length=64)
+    run = models.OneToOneField(Run, on_delete=models.CASCADE, related_name="delivery")
+    created_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name_plural = "notification deliveries"
+        constraints = [
+            # Exactly one delivery of an event to a channel, however many workers sweep.
+            models.UniqueConstraint(
+                fields=["channel", "event_id"], name="runs_delivery_channel_event_unique"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"event {self.event_id} -> channel {self.channel_id}"

@@ -26,15 +26,17 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from approvals.models import ApprovalStatus
-from runs import operations, queries
+from runs import notifications, operations, queries
 from runs.engine.budget import to_usd
 from runs.engine.deltas import Conversations
 from runs.engine.holds import holds_on
 from runs.errors import Forbidden, StepguardError
 from runs.models import (
     GLOBAL,
+    NOTIFIABLE,
     BudgetLedger,
     Event,
+    NotificationChannel,
     Policy,
     Run,
     RunStatus,
@@ -535,3 +537,51 @@ def fork_view(request, run_id: UUID):
     if "run" in created:
         return HttpResponseRedirect(reverse("run", args=[created["run"].pk]))
     return response
+
+
+@login_required
+@permission_required("runs.view_notificationchannel", raise_exception=True)
+def notifications_page(request):
+    """Notification channels, and recent deliveries with their attempts and errors."""
+    failed = request.GET.get("failed") == "1"
+    return render(
+        request,
+        "runs/notifications.html",
+        {
+            "channels": NotificationChannel.objects.filter(removed_at__isnull=True),
+            "deliveries": notifications.deliveries(failed=failed, limit=100),
+            "failed_only": failed,
+            "event_types": [t.value for t in NOTIFIABLE],
+            "can_add": request.user.has_perm("runs.add_notificationchannel"),
+            "can_remove": request.user.has_perm("runs.delete_notificationchannel"),
+        },
+    )
+
+
+@login_required
+@require_POST
+def notifications_add(request):
+    """Add a channel from the form: kind, target, event types (checkboxes), workflow, secret."""
+    post = request.POST
+    return _act(
+        request,
+        lambda: notifications.add_channel(
+            request.user,
+            post.get("kind", ""),
+            post.get("target", ""),
+            post.getlist("events"),
+            workflow=post.get("workflow", ""),
+            secret=post.get("secret", ""),
+        ),
+        reverse("notifications"),
+    )
+
+
+@login_required
+@require_POST
+def notifications_remove(request, channel_id: int):
+    return _act(
+        request,
+        lambda: notifications.remove_channel(request.user, channel_id),
+        reverse("notifications"),
+    )

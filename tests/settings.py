@@ -24,6 +24,8 @@ STEPGUARD_WORKFLOW_MODULES = [
 ]
 STEPGUARD_POLL_INTERVAL = 0.1
 STEPGUARD_RUN_RETRY_BASE_SECONDS = 0.0
+STEPGUARD_NOTIFY_SWEEP_SECONDS = 0.1
+STEPGUARD_NOTIFY_RETRY_SECONDS = 0.05
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast test logins
 
 # Under pytest-xdist each test process has its own database (pytest-django adds the worker's

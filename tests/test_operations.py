@@ -21,7 +21,7 @@ from approvals.services import decide
 from runs import logcontext, retention
 from runs.apikeys import create_key
 from runs.engine.worker import WorkerProcess
-from runs.models import Chore, Event, Run, RunStatus, Signal, Step, Worker
+from runs.models import Chore, Event, NotificationDelivery, Run, RunStatus, Signal, Step, Worker
 from runs.operations import fork_run, halt
 from runs.sdk import send_signal, start_run
 from tests.conftest import ROOT, daphne, wait_until
@@ -48,6 +48,7 @@ def rows_of(run) -> dict:
         "events": Event.objects.filter(run=run).count(),
         "signals": Signal.objects.filter(run=run).count(),
         "approvals": ApprovalRequest.objects.filter(run=run).count(),
+        "delivery": NotificationDelivery.objects.filter(run=run).count(),  # a notify run's
     }
 
 
@@ -388,7 +389,7 @@ def test_metrics_read_runs_steps_spend_approvals_and_halts_from_the_database(
     Run.objects.filter(pk=late.pk).update(wake_at=timezone.now() - timedelta(seconds=120))
     ApprovalRequest.objects.update(created_at=timezone.now() - timedelta(seconds=60))
 
-    with django_assert_max_num_queries(13):  # one per figure, whatever the number of rows
+    with django_assert_max_num_queries(14):  # one per figure, whatever the number of rows
         m = scrape(client)
 
     assert m[("stepguard_runs", (("status", "completed"), ("workflow", "ledger")))] == 2

@@ -54,6 +54,11 @@ def get(name: str, version: str | None = None) -> WorkflowDef:
     return definition
 
 
+def builtin(name: str) -> bool:
+    """Stepguard's own workflows (notification deliveries): every process registers them."""
+    return name.startswith("stepguard.")
+
+
 def all_workflows() -> list[WorkflowDef]:
     return list(_workflows.values())
 

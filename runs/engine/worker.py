@@ -71,7 +71,7 @@ class WorkerProcess:
         self._lock = threading.Lock()
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="stepguard-run")
         definitions = registry.all_workflows()
-        if not definitions:
+        if all(registry.builtin(d.name) for d in definitions):
             raise registry.UnknownWorkflow(
                 "no workflows registered: pass --import MODULE or set STEPGUARD_WORKFLOW_MODULES"
             )
@@ -109,6 +109,11 @@ class WorkerProcess:
             from runs.retention import daily
 
             threading.Thread(target=daily, args=(self.stopped, str(self.id)), daemon=True).start()
+        from runs import notifications  # one worker of all sweeps events into deliveries
+
+        threading.Thread(
+            target=notifications.loop, args=(self.stopped, str(self.id)), daemon=True
+        ).start()
         self._report_unknown()
         while not self.stopping.is_set():
             self.bell.clear()

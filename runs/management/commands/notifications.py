@@ -1,0 +1,68 @@
+"""`manage.py notifications add|list|remove`: where Stepguard tells people what happened."""
+
+import os
+
+from django.core.management.base import BaseCommand, CommandError
+
+from runs import notifications
+from runs.errors import StepguardError
+from runs.models import NOTIFIABLE, NotificationChannel
+
+
+class Command(BaseCommand):
+    help = "Add, list and remove notification channels (webhooks and email)."
+
+    def add_arguments(self, parser):
+        sub = parser.add_subparsers(dest="action", required=True)
+        add = sub.add_parser("add", help="a webhook URL or email addresses, for some events")
+        add.add_argument("kind", choices=["webhook", "email"])
+        add.add_argument("target", help="the URL, or comma-separated email addresses")
+        add.add_argument(
+            "--events",
+            required=True,
+            help="comma-separated event types: " + ", ".join(t.value for t in NOTIFIABLE),
+        )
+        add.add_argument("--workflow", default="", help="only runs of this workflow")
+        secret = add.add_mutually_exclusive_group()
+        secret.add_argument("--secret", default="", help="HMAC key that signs webhook bodies")
+        secret.add_argument("--secret-env", metavar="VAR", help="read the secret from $VAR")
+        add.add_argument("--user", help="the person acting (checked for the permission)")
+        sub.add_parser("list", help="the channels in use")
+        remove = sub.add_parser("remove", help="stop a channel (its deliveries stay listed)")
+        remove.add_argument("id", type=int)
+        remove.add_argument("--user", help="the person acting (checked for the permission)")
+
+    def handle(self, *args, action, **options):
+        try:
+            getattr(self, f"_{action}")(options)
+        except StepguardError as exc:
+            raise CommandError(str(exc)) from None
+
+    def _add(self, options):
+        secret = options["secret"]
+        if options["secret_env"]:
+            secret = os.environ.get(options["secret_env"], "")
+            if not secret:
+                raise CommandError(f"${options['secret_env']} is not set or empty")
+        channel = notifications.add_channel(
+            options["user"], options["kind"], options["target"], options["events"],
+            workflow=options["workflow"], secret=secret,
+        )  # fmt: skip
+        self.stdout.write(f"added channel #{channel.pk}: {self._line(channel)}")
+
+    def _list(self, options):
+        channels = NotificationChannel.objects.filter(removed_at__isnull=True)
+        for channel in channels:
+            self.stdout.write(f"#{channel.pk} {self._line(channel)}")
+        if not channels:
+            self.stdout.write("no notification channels")
+
+    def _remove(self, options):
+        channel = notifications.remove_channel(options["user"], options["id"])
+        self.stdout.write(f"removed channel #{channel.pk}: {self._line(channel)}")
+
+    @staticmethod
+    def _line(channel) -> str:
+        scope = f" (workflow {channel.workflow})" if channel.workflow else ""
+        signed = ", signed" if channel.secret else ""
+        return f"{channel.kind} {channel.target}{scope}: {', '.join(channel.events)}{signed}"

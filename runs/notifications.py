@@ -1,0 +1,409 @@
+"""Notifications: a webhook or an email when a run fails, is halted, goes over budget or waits
+for a person, so nobody has to watch the dashboard.
+
+Every event a channel subscribes to becomes one delivery, held by the database: a sweep (one
+worker at a time, every STEPGUARD_NOTIFY_SWEEP_SECONDS) inserts a `NotificationDelivery` row
+(`UNIQUE(channel, event)`) with a run of the built-in workflow `stepguard.notify` (run key
+`notify:<channel>:<event>`), in one transaction. That run's one step sends the message, so the
+engine's guarantees apply to it: a failed attempt is recorded and retried with backoff (long
+delays are durable timers), a worker SIGKILLed mid-send is replaced and the step re-sent with
+the same `Idempotency-Key` header, which a receiver uses to accept it once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+from urllib.parse import urlsplit
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.mail import EmailMessage
+from django.core.validators import validate_email
+from django.db import IntegrityError, close_old_connections, connection, transaction
+from django.utils import timezone
+
+from runs.engine.retry import RetryPolicy
+from runs.errors import NotFound, OperationError, StepguardError
+from runs.models import (
+    NOTIFIABLE,
+    ChannelKind,
+    Chore,
+    Event,
+    EventType,
+    NotificationChannel,
+    NotificationDelivery,
+    RunStatus,
+    Step,
+)
+from runs.operations import audit, require
+from runs.sdk import RunContext, start_run, workflow
+
+log = logging.getLogger("stepguard.notifications")
+
+WORKFLOW = "stepguard.notify"
+CHORE = "notifications"
+#: How far before a channel's last sweep the next one looks again: an event is stamped when it
+#: is written and seen when its transaction commits, which may be a little later.
+MARGIN = timedelta(seconds=60)
+BATCH = 500
+TIMEOUT_SECONDS = 10.0
+#: The spelling the issue tracker and other tools use, for Stepguard's own.
+ALIASES = {"run.over_budget": EventType.BUDGET_EXCEEDED.value}
+#: 408, 409, 425, 429 and 5xx are worth trying again; other answers will not change.
+RETRYABLE_STATUS = {408, 409, 425, 429}
+
+
+def delivery_retry() -> RetryPolicy:
+    """Up to 10 attempts over about half an hour (from STEPGUARD_NOTIFY_RETRY_SECONDS, doubling
+    to at most 10 minutes); delays of 5 s and more hold no worker thread."""
+    return RetryPolicy(
+        max_attempts=10,
+        initial_interval=timedelta(seconds=settings.STEPGUARD_NOTIFY_RETRY_SECONDS),
+        max_interval=timedelta(minutes=10),
+    )
+
+
+class DeliveryFailed(StepguardError):
+    """The receiver did not take the notification (its answer, or why there was none)."""
+
+    code = "delivery_failed"
+
+    def __init__(self, message: str, *, retryable: bool, headers=None):
+        super().__init__(message)
+        self.retryable = retryable
+        # Read by the retry policy for a receiver's Retry-After (runs.engine.llm.retry_after).
+        self.response = type("Answer", (), {"headers": headers})() if headers else None
+
+
+# -- channels: what the CLI, the API and the dashboard call -------------------------------------
+
+
+def event_types(names: list[str] | str) -> list[str]:
+    """Event type names checked against what can be notified (aliases spelt Stepguard's way)."""
+    if isinstance(names, str):
+        names = [n for n in (part.strip() for part in names.split(",")) if n]
+    if not names:
+        raise OperationError("name at least one event type to notify of")
+    known = [t.value for t in NOTIFIABLE]
+    chosen = []
+    for name in names:
+        name = ALIASES.get(name, name)
+        if name not in known:
+            raise OperationError(
+                f"cannot notify of {name!r}: the event types are {', '.join(known)}"
+            )
+        if name not in chosen:
+            chosen.append(name)
+    return chosen
+
+
+def _target(kind: str, target: str) -> str:
+    target = target.strip()
+    if kind == ChannelKind.WEBHOOK:
+        parts = urlsplit(target)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise OperationError(f"a webhook needs an http:// or https:// URL, not {target!r}")
+        if parts.username or parts.password:
+            raise OperationError("put a webhook's credentials in --secret, not in its URL")
+        return target
+    if kind == ChannelKind.EMAIL:
+        addresses = [a.strip() for a in target.split(",") if a.strip()]
+        for address in addresses:
+            try:
+                validate_email(address)
+            except ValidationError:
+                raise OperationError(f"not an email address: {address!r}") from None
+        if not addresses:
+            raise OperationError("name at least one email address")
+        return ", ".join(addresses)
+    raise OperationError(f"a channel is a webhook or an email, not {kind!r}")
+
+
+def add_channel(
+    user, kind: str, target: str, events: list[str] | str, *, workflow: str = "", secret: str = ""
+) -> NotificationChannel:
+    """A new channel, told of events from now on (not of earlier ones). `user` None: the CLI,
+    whose authority is the shell it runs in."""
+    actor = _actor(user, "runs.add_notificationchannel", "add notification channels")
+    target = _target(kind, target)
+    types = event_types(events)
+    if len(target) > 2000 or len(workflow) > 200 or len(secret) > 200:
+        raise OperationError("a target is at most 2,000 characters, a workflow and a secret 200")
+    if secret and kind != ChannelKind.WEBHOOK:
+        raise OperationError("only webhooks are signed: an email channel takes no secret")
+    now = timezone.now()
+    with transaction.atomic():
+        channel = NotificationChannel.objects.create(
+            kind=kind, target=target, events=types, workflow=workflow.strip(), secret=secret,
+            created_by=actor, created_at=now, scanned_until=now,
+        )  # fmt: skip
+        audit(actor, EventType.NOTIFICATIONS_CHANGED, added=describe(channel))
+    return channel
+
+
+def remove_channel(user, channel_id: int) -> NotificationChannel:
+    """Stop a channel: no new deliveries; those under way finish, and the history stays."""
+    actor = _actor(user, "runs.delete_notificationchannel", "remove notification channels")
+    with transaction.atomic():
+        channel = NotificationChannel.objects.select_for_update().filter(pk=channel_id).first()
+        if channel is None or channel.removed_at is not None:
+            raise NotFound(f"no notification channel #{channel_id}")
+        channel.removed_at, channel.removed_by = timezone.now(), actor
+        channel.save(update_fields=["removed_at", "removed_by"])
+        audit(actor, EventType.NOTIFICATIONS_CHANGED, removed=describe(channel))
+    return channel
+
+
+def _actor(user, permission: str, action: str) -> str:
+    if user is None:
+        return "cli"
+    return require(user, permission, action).get_username()
+
+
+def describe(channel: NotificationChannel) -> dict:
+    """A channel as the API, the CLI and the audit show it: the secret only as whether set."""
+    return {
+        "id": channel.pk,
+        "kind": channel.kind,
+        "target": channel.target,
+        "events": channel.events,
+        "workflow": channel.workflow or None,
+        "signed": bool(channel.secret),
+        "created_by": channel.created_by,
+        "created_at": channel.created_at.isoformat(),
+    }
+
+
+# -- the sweep: events to deliveries -------------------------------------------------------------
+
+
+def sweep(now=None) -> int:
+    """Start a delivery for every event a live channel subscribes to and has none yet; return
+    how many were started. Safe to run anywhere at any time: the unique constraint makes a
+    second delivery of one event to one channel impossible."""
+    now = now or timezone.now()
+    started = 0
+    for channel in NotificationChannel.objects.filter(removed_at__isnull=True):
+        events = Event.objects.filter(
+            type__in=channel.events,
+            created_at__gte=max(channel.scanned_until - MARGIN, channel.created_at),
+            created_at__lte=now,
+        ).exclude(pk__in=NotificationDelivery.objects.filter(channel=channel).values("event_id"))
+        # A delivery's own events are never notified: a failing webhook would feed itself.
+        events = events.exclude(run__workflow=WORKFLOW)
+        if channel.workflow:
+            events = events.filter(run__workflow=channel.workflow)
+        batch = list(events.order_by("created_at", "id").values_list("id", "type", "created_at"))
+        batch = batch[:BATCH]
+        for event_id, type_, _ in batch:
+            started += _start_delivery(channel, event_id, type_)
+        until = batch[-1][2] if len(batch) == BATCH else now
+        NotificationChannel.objects.filter(pk=channel.pk, scanned_until__lt=until).update(
+            scanned_until=until
+        )
+    return started
+
+
+def _start_delivery(channel: NotificationChannel, event_id: int, type_: str) -> int:
+    try:
+        with transaction.atomic():
+            run = start_run(
+                WORKFLOW,
+                {"channel": channel.pk, "event": event_id},
+                key=f"notify:{channel.pk}:{event_id}",
+                max_attempts=1,  # the step retries; a run retry would only repeat that
+            )
+            if not run.was_created:
+                return 0
+            NotificationDelivery.objects.create(
+                channel=channel, event_id=event_id, event_type=type_, run=run,
+                created_at=timezone.now(),
+            )  # fmt: skip
+    except IntegrityError:
+        return 0  # another sweep got there first
+    return 1
+
+
+def sweep_if_due(worker: str) -> int:
+    """The sweep, by the one worker whose conditional UPDATE moves the chore's due time on."""
+    if not NotificationChannel.objects.filter(removed_at__isnull=True).exists():
+        return 0
+    now = timezone.now()
+    Chore.objects.get_or_create(name=CHORE, defaults={"due_at": now})
+    interval = timedelta(seconds=settings.STEPGUARD_NOTIFY_SWEEP_SECONDS)
+    due = Chore.objects.filter(name=CHORE, due_at__lte=now)
+    if not due.update(due_at=now + interval, claimed_by=worker, claimed_at=now):
+        return 0
+    return sweep(now)
+
+
+def loop(stopped: threading.Event, worker: str) -> None:
+    """A worker's notification thread: sweep when due, until the worker stops."""
+    while True:
+        try:
+            sweep_if_due(worker)
+        except Exception:
+            log.exception("notifications: the sweep failed; trying again")
+            close_old_connections()
+        if stopped.wait(settings.STEPGUARD_NOTIFY_SWEEP_SECONDS):
+            connection.close()
+            return
+
+
+# -- delivery: the built-in workflow ---------------------------------------------------------------
+
+
+@workflow(WORKFLOW, version="1")
+def deliver(ctx: RunContext, input: dict) -> dict:
+    """Send one event to one channel: one step, retried, re-sent with its key after a crash."""
+    return ctx.step(
+        "send",
+        lambda: send(input["channel"], input["event"], ctx.idempotency_key),
+        retry=delivery_retry(),
+    )
+
+
+def message(event: Event) -> dict:
+    """The notification's JSON: `text` for Slack-compatible receivers, `event` for programs."""
+    run = event.run
+    what = EventType(event.type).label if event.type in EventType.values else event.type
+    if run is not None:
+        subject = f"run {run.workflow} {str(run.pk)[:8]}"
+        reason = event.payload.get("reason") or event.payload.get("error", {})
+        if isinstance(reason, dict):
+            reason = reason.get("message", "")
+        text = f"Stepguard: {subject}: {what}" + (f": {reason}" if reason else "")
+    else:
+        target, reason = event.payload.get("target", ""), event.payload.get("reason", "")
+        text = f"Stepguard: {what}: {target} {reason}"
+    base = settings.STEPGUARD_PUBLIC_URL
+    link = f"{base.rstrip('/')}/runs/{run.pk}" if base and run is not None else None
+    if link:
+        text += f" <{link}>"
+    return {
+        "text": text.strip(),
+        "event": {
+            "id": event.pk,
+            "type": event.type,
+            "run_id": str(run.pk) if run is not None else None,
+            "workflow": run.workflow if run is not None else None,
+            "run_status": run.status if run is not None else None,
+            "step_key": event.step_key or None,
+            "actor": event.actor,
+            "payload": event.payload,
+            "created_at": event.created_at.isoformat(),
+        },
+        "url": link,
+    }
+
+
+def signature(secret: str, timestamp: str, body: bytes) -> str:
+    """`sha256=` and the hex HMAC-SHA256 of `<timestamp>.<body>` under the channel's secret."""
+    mac = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256)
+    return "sha256=" + mac.hexdigest()
+
+
+def send(channel_id: int, event_id: int, key: str) -> dict:
+    """Deliver, or raise DeliveryFailed saying whether trying again could help."""
+    channel = NotificationChannel.objects.get(pk=channel_id)
+    event = Event.objects.select_related("run").filter(pk=event_id).first()
+    if event is None:
+        return {"skipped": "the event is gone (its run was pruned)"}
+    body = message(event)
+    if channel.kind == ChannelKind.EMAIL:
+        return _email(channel, event, body, key)
+    return _post(channel, event, body, key)
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # a POST is not followed elsewhere: the 3xx is the answer
+
+
+_opener = urllib.request.build_opener(_NoRedirects)
+
+
+def _post(channel: NotificationChannel, event: Event, body: dict, key: str) -> dict:
+    data = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+    timestamp = str(int(time.time()))
+    headers = {
+        "Content-Type": "application/json",
+        "User-Agent": "Stepguard-Notifications/1",
+        "Idempotency-Key": key,
+        "X-Stepguard-Event": event.type,
+        "X-Stepguard-Timestamp": timestamp,
+    }
+    if channel.secret:
+        headers["X-Stepguard-Signature"] = signature(channel.secret, timestamp, data)
+    request = urllib.request.Request(channel.target, data=data, headers=headers, method="POST")
+    try:
+        with _opener.open(request, timeout=TIMEOUT_SECONDS) as answer:
+            return {"status": answer.status}
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+        retry = status in RETRYABLE_STATUS or status >= 500
+        raise DeliveryFailed(
+            f"{channel.target} answered {status} {exc.reason}", retryable=retry,
+            headers=exc.headers,
+        ) from None  # fmt: skip
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise DeliveryFailed(f"{channel.target}: {reason}", retryable=True) from None
+
+
+def _email(channel: NotificationChannel, event: Event, body: dict, key: str) -> dict:
+    # The Message-ID is the idempotency key: a mail system that sees it twice (a re-send after
+    # a crash) can tell, and threads show one message.
+    message_id = "<" + hashlib.sha256(key.encode()).hexdigest()[:32] + "@stepguard>"
+    mail = EmailMessage(
+        subject=body["text"][:200],
+        body=json.dumps(body, indent=2, sort_keys=True),
+        to=[a.strip() for a in channel.target.split(",")],
+        headers={"Message-ID": message_id, "X-Stepguard-Event": event.type},
+    )
+    try:
+        mail.send()
+    except Exception as exc:  # SMTP errors, refused connections...: each worth another try
+        raise DeliveryFailed(f"email to {channel.target}: {exc}", retryable=True) from None
+    return {"sent_to": channel.target, "message_id": message_id}
+
+
+def deliveries(
+    channel: int | None = None, *, failed: bool = False, limit: int = 200
+) -> list[NotificationDelivery]:
+    """Recent deliveries, newest first, with their runs and their send steps."""
+    rows = NotificationDelivery.objects.select_related("run", "channel")
+    if channel is not None:
+        rows = rows.filter(channel_id=channel)
+    if failed:
+        rows = rows.filter(run__status=RunStatus.FAILED)
+    rows = list(rows.order_by("-created_at", "-id")[:limit])
+    steps = {s.run_id: s for s in Step.objects.filter(run__in=[d.run for d in rows], seq=0)}
+    for row in rows:
+        row.step = steps.get(row.run_id)
+    return rows
+
+
+def delivery_row(delivery: NotificationDelivery) -> dict:
+    """A delivery as the API shows it: its run's status, attempts and last error."""
+    step, run = delivery.step, delivery.run
+    return {
+        "id": delivery.pk,
+        "channel_id": delivery.channel_id,
+        "event_id": delivery.event_id,
+        "event_type": delivery.event_type,
+        "run_id": run.pk,
+        "status": run.status,
+        "attempts": step.attempt if step else 0,
+        "error": (step.error if step else None) or run.error,
+        "created_at": delivery.created_at,
+        "finished_at": run.finished_at,
+    }
