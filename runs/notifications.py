@@ -12,6 +12,7 @@ the same `Idempotency-Key` header, which a receiver uses to accept it once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -30,6 +31,7 @@ from django.core.validators import validate_email
 from django.db import IntegrityError, close_old_connections, connection, transaction
 from django.utils import timezone
 
+from runs.engine.outage import is_disconnect, reconnect
 from runs.engine.retry import RetryPolicy
 from runs.errors import NotFound, OperationError, StepguardError
 from runs.models import (
@@ -250,9 +252,13 @@ def loop(stopped: threading.Event, worker: str) -> None:
     while True:
         try:
             sweep_if_due(worker)
-        except Exception:
-            log.exception("notifications: the sweep failed; trying again")
-            close_old_connections()
+        except Exception as exc:
+            if is_disconnect(exc):  # a database restart: said once, by whichever thread sees it
+                with contextlib.suppress(Exception):
+                    reconnect("sweeping notifications")
+            else:
+                log.exception("notifications: the sweep failed; trying again")
+                close_old_connections()
         if stopped.wait(settings.STEPGUARD_NOTIFY_SWEEP_SECONDS):
             connection.close()
             return
