@@ -464,8 +464,13 @@ def _prep(model, values: dict) -> tuple[list[str], list[str], list[Any]]:
     for name, value in values.items():
         column, placeholder, adapt = _column(model, name)
         columns.append(column)
+        if value is None:
+            # A literal, not a parameter: a step's statement then has under 50 parameters, the
+            # most psycopg caches the parsing of (it parsed the query anew for every step).
+            placeholders.append(placeholder.replace("%s", "NULL", 1))
+            continue
         placeholders.append(placeholder)
-        params.append(value if adapt is None or value is None else adapt(value, db))
+        params.append(value if adapt is None else adapt(value, db))
     return columns, placeholders, params
 
 
