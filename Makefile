@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP) ## create the virtualenv and install Stepguard with its dev tools
 
 run: $(STAMP) ## migrate SQLite, create a demo operator, serve on 127.0.0.1:$(PORT), run a worker and the demo agents
-	DEBUG=1 $(BIN)/python manage.py rundemo --port $(PORT)
+	DJANGO_SETTINGS_MODULE=examples.settings $(BIN)/python manage.py rundemo --port $(PORT)
 
 test: $(STAMP) ## lint, check migrations, run the whole suite (DATABASE_URL picks the engine)
 	$(BIN)/ruff check .

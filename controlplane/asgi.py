@@ -22,12 +22,11 @@ if "daphne.server" in sys.modules:
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
-from django.urls import path  # noqa: E402
 
 from controlplane.wsorigin import SameOrigin  # noqa: E402
-from runs.consumers import RunConsumer  # noqa: E402
+from runs.routing import websocket_urlpatterns  # noqa: E402
 
-websockets = URLRouter([path("ws/runs/<uuid:run_id>/", RunConsumer.as_asgi())])
+websockets = URLRouter(websocket_urlpatterns)
 
 # Websockets need a logged-in session and an Origin that is this very site (scheme, host among
 # ALLOWED_HOSTS, and port) or one of CSRF_TRUSTED_ORIGINS.

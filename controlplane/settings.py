@@ -9,10 +9,12 @@ import dj_database_url
 import django
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.env import env_bool, env_float, env_int, env_json, env_list, env_networks
+from controlplane.env import env_bool, env_float, env_int, env_list
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(os.environ.get("STEPGUARD_VAR_DIR", BASE_DIR / "var"))
+# The embedded database, the development key and logs: under the directory Stepguard is run
+# from (never inside site-packages, where an installed Stepguard's code lives).
+VAR_DIR = Path(os.environ.get("STEPGUARD_VAR_DIR") or Path.cwd() / "var").resolve()
 
 DEBUG = env_bool("DEBUG", False)
 
@@ -41,7 +43,6 @@ INSTALLED_APPS = [
     # Before channels: our `runworker` (workflow runs) shadows channels' (channel-layer consumers).
     "runs",
     "approvals",
-    "examples",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
@@ -51,13 +52,13 @@ INSTALLED_APPS = [
     "channels",
     "ninja",
     "django_htmx",
-    "template_partials",
     "axes",
 ]
 if DJANGO_6 := django.VERSION >= (6, 0):
     from django.utils.csp import CSP
 else:
-    INSTALLED_APPS.append("csp")
+    # Django 6 has both built in: template partials and a Content-Security-Policy.
+    INSTALLED_APPS += ["template_partials", "csp"]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -125,7 +126,7 @@ WSGI_APPLICATION = "controlplane.wsgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        "DIRS": [],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -193,7 +194,6 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = Path(os.environ.get("STATIC_ROOT", VAR_DIR / "staticfiles"))
 # daphne serves no static files; tests and `make run` ask the ASGI app to do it.
 SERVE_STATIC = env_bool("SERVE_STATIC", DEBUG)
@@ -244,51 +244,32 @@ LOGGING = {
 if LOG_FORMAT == "json":
     LOGGING["root"] = {"handlers": ["console"], "level": "WARNING"}
 
-# Engine tunables, all under STEPGUARD_*.
-STEPGUARD_WORKFLOW_MODULES = env_list("STEPGUARD_WORKFLOW_MODULES", [])
-STEPGUARD_LEASE_SECONDS = env_float("STEPGUARD_LEASE_SECONDS", 30.0, minimum=1.0)
-STEPGUARD_POLL_INTERVAL = env_float("STEPGUARD_POLL_INTERVAL", 1.0, minimum=0.01)
-STEPGUARD_SHUTDOWN_GRACE = env_float("STEPGUARD_SHUTDOWN_GRACE", 30.0)
-STEPGUARD_RUN_MAX_ATTEMPTS = env_int("STEPGUARD_RUN_MAX_ATTEMPTS", 3, minimum=1)
-STEPGUARD_RUN_RETRY_BASE_SECONDS = env_float("STEPGUARD_RUN_RETRY_BASE_SECONDS", 2.0)
-STEPGUARD_MAX_RECOVERIES = env_int("STEPGUARD_MAX_RECOVERIES", 5, minimum=1)
-STEPGUARD_MAX_OUTPUT_BYTES = env_int("STEPGUARD_MAX_OUTPUT_BYTES", 1_048_576, minimum=1024)
-STEPGUARD_DURABLE_START = env_bool("STEPGUARD_DURABLE_START", True)
-# Write each step's completion at once, instead of with the run's next write (docs/sdk.md).
-STEPGUARD_EAGER_COMPLETIONS = env_bool("STEPGUARD_EAGER_COMPLETIONS", False)
-# A step's retry delay (its backoff, or a provider's Retry-After) of at least this many seconds
-# is a durable timer that gives the worker thread back; shorter ones are slept in the thread.
-STEPGUARD_DURABLE_RETRY_SECONDS = env_float("STEPGUARD_DURABLE_RETRY_SECONDS", 5.0)
-STEPGUARD_BUDGET_WARN_AT = env_float("STEPGUARD_BUDGET_WARN_AT", 0.8)
-STEPGUARD_MODEL_PRICES = env_json("STEPGUARD_MODEL_PRICES", {})
-# Refuse a call to a model without a price in a run under a USD budget (else: a warning event).
-STEPGUARD_REFUSE_UNPRICED_MODELS = env_bool("STEPGUARD_REFUSE_UNPRICED_MODELS", False)
-STEPGUARD_API_MAX_BODY = env_int("STEPGUARD_API_MAX_BODY", 1_048_576, minimum=1024)
-DATA_UPLOAD_MAX_MEMORY_SIZE = STEPGUARD_API_MAX_BODY
-# About how much JSON one API page of steps may carry, and one value the dashboard shows inline.
-STEPGUARD_API_MAX_RESPONSE = env_int("STEPGUARD_API_MAX_RESPONSE", 8_388_608, minimum=65_536)
-STEPGUARD_UI_MAX_JSON = env_int("STEPGUARD_UI_MAX_JSON", 65_536, minimum=1024)
-STEPGUARD_LIVE_MAX_SOCKETS = env_int("STEPGUARD_LIVE_MAX_SOCKETS", 20, minimum=1)
-# Approvals: the person who started a run may not decide its requests; API keys may decide.
-STEPGUARD_FOUR_EYES = env_bool("STEPGUARD_FOUR_EYES", True)
-STEPGUARD_API_KEYS_DECIDE = env_bool("STEPGUARD_API_KEYS_DECIDE", True)
-# Retention: workers delete runs that ended more than this many days ago, daily (0: never).
-STEPGUARD_RETENTION_DAYS = env_int("STEPGUARD_RETENTION_DAYS", 0)
-# Notifications (runs/notifications.py): how often one worker looks for events to deliver, and
-# the dashboard's address for links in messages (e.g. https://stepguard.example.com).
-STEPGUARD_NOTIFY_SWEEP_SECONDS = env_float("STEPGUARD_NOTIFY_SWEEP_SECONDS", 1.0, minimum=0.05)
-STEPGUARD_NOTIFY_RETRY_SECONDS = env_float("STEPGUARD_NOTIFY_RETRY_SECONDS", 2.0)
-STEPGUARD_PUBLIC_URL = os.environ.get("STEPGUARD_PUBLIC_URL", "")
-# Email notifications go through Django's mail settings, from the environment.
-EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
-EMAIL_HOST = os.environ.get("EMAIL_HOST", "localhost")
-EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
-EMAIL_HOST_USER = os.environ.get("EMAIL_HOST_USER", "")
-EMAIL_HOST_PASSWORD = os.environ.get("EMAIL_HOST_PASSWORD", "")
-EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
-EMAIL_TIMEOUT = env_float("EMAIL_TIMEOUT", 10.0, minimum=1.0)
-if os.environ.get("EMAIL_FILE_PATH"):
-    EMAIL_FILE_PATH = os.environ["EMAIL_FILE_PATH"]
+# Engine tunables, all under STEPGUARD_* (runs/conf.py: a project embedding Stepguard gets the
+# same defaults without importing these settings).
+from runs.conf import *  # noqa: E402, F403
+
+DATA_UPLOAD_MAX_MEMORY_SIZE = STEPGUARD_API_MAX_BODY  # noqa: F405
+# Email notifications go through Django's mail settings, from the environment: MAILERS on
+# Django 6.1 and newer (the EMAIL_* settings are deprecated there), EMAIL_* before.
+_MAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+_SMTP = {
+    "host": os.environ.get("EMAIL_HOST", "localhost"),
+    "port": env_int("EMAIL_PORT", 25, minimum=1),
+    "username": os.environ.get("EMAIL_HOST_USER", ""),
+    "password": os.environ.get("EMAIL_HOST_PASSWORD", ""),
+    "use_tls": env_bool("EMAIL_USE_TLS", False),
+    "timeout": env_float("EMAIL_TIMEOUT", 10.0, minimum=1.0),
+}
+if django.VERSION >= (6, 1):
+    _options = _SMTP if _MAIL_BACKEND.endswith(".smtp.EmailBackend") else {}
+    if os.environ.get("EMAIL_FILE_PATH"):
+        _options = {"file_path": os.environ["EMAIL_FILE_PATH"]}
+    MAILERS = {"default": {"BACKEND": _MAIL_BACKEND, "OPTIONS": _options}}
+else:
+    EMAIL_BACKEND = _MAIL_BACKEND
+    EMAIL_HOST, EMAIL_PORT, EMAIL_TIMEOUT = _SMTP["host"], _SMTP["port"], _SMTP["timeout"]
+    EMAIL_HOST_USER, EMAIL_HOST_PASSWORD = _SMTP["username"], _SMTP["password"]
+    EMAIL_USE_TLS = _SMTP["use_tls"]
+    if os.environ.get("EMAIL_FILE_PATH"):
+        EMAIL_FILE_PATH = os.environ["EMAIL_FILE_PATH"]
 DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "stepguard@localhost")
-# GET /metrics without an API key or a session, from these addresses or networks (Prometheus).
-STEPGUARD_METRICS_ALLOW = env_networks("STEPGUARD_METRICS_ALLOW")

@@ -1,41 +1,15 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
+from django.contrib.auth.views import LoginView
 from django.urls import include, path
 
 from controlplane.api import api
 from controlplane.health import health
 from controlplane.metrics import metrics
-from runs import views
 
 urlpatterns = [
-    path("", views.runs_list, name="runs"),
-    path("runs/bulk", views.bulk_view, name="runs-bulk"),
-    path("runs/count", views.runs_count, name="runs-count"),
-    path("runs/<uuid:run_id>", views.run_detail, name="run"),
-    path("runs/<uuid:run_id>/budget", views.budget_view, name="run-budget"),
-    path("runs/<uuid:run_id>/fork", views.fork_view, name="run-fork"),
-    path("runs/<uuid:run_id>/fork-preview", views.fork_preview_view, name="run-fork-preview"),
-    path("runs/<uuid:run_id>/steps", views.earlier_steps, name="run-earlier-steps"),
-    path("runs/<uuid:run_id>/steps/<int:seq>", views.step_body, name="run-step"),
-    path(
-        "runs/<uuid:run_id>/steps/<int:seq>/<str:part>.json", views.step_json, name="run-step-json"
-    ),
-    path("runs/<uuid:run_id>/events", views.earlier_events, name="run-earlier-events"),
-    path("runs/<uuid:run_id>/<str:action>", views.run_action, name="run-action"),
-    path("workers", views.workers_page, name="workers"),
-    path("audit", views.audit_page, name="audit"),
-    path("notifications", views.notifications_page, name="notifications"),
-    path("notifications/add", views.notifications_add, name="notifications-add"),
-    path(
-        "notifications/<int:channel_id>/remove",
-        views.notifications_remove,
-        name="notifications-remove",
-    ),
-    path("halts", views.halts_page, name="halts"),
-    path("halts/budget", views.budget_scope, name="budget-scope"),
-    path("halts/<str:action>", views.halt_scope, name="halt-scope"),
-    path("", include("approvals.urls")),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("", include("runs.urls")),
+    path("login/", LoginView.as_view(template_name="stepguard/login.html"), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("health", health),

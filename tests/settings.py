@@ -7,7 +7,7 @@ os.environ.setdefault("SECRET_KEY", "test-only-secret-key-not-for-production-012
 from controlplane.settings import *  # noqa: F403
 
 # The tests' own models (the ledger of side effects their workflows write).
-INSTALLED_APPS = [*INSTALLED_APPS, "tests.testapp"]  # noqa: F405
+INSTALLED_APPS = [*INSTALLED_APPS, "examples", "tests.testapp"]  # noqa: F405
 
 # The test servers speak plain HTTP on 127.0.0.1.
 SECURE_SSL_REDIRECT = False

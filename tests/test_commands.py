@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -75,8 +76,9 @@ def test_runworker_refuses_a_module_that_does_not_import():
         call("runworker", "--import", "no.such.module")
 
 
-def run_manage(*args, **popen) -> subprocess.Popen:
+def run_manage(*args, env_extra: dict | None = None, **popen) -> subprocess.Popen:
     env = {**os.environ, "DATABASE_URL": database_url(), "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    env.update(env_extra or {})
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
     return subprocess.Popen(
         [sys.executable, "manage.py", *args], cwd=ROOT, env=env, text=True, **popen
@@ -99,8 +101,11 @@ def test_showrun_follow_prints_each_step_as_it_happens_until_the_run_ends(spawn_
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
-def test_the_demo_shows_every_capability_and_ctrl_c_stops_everything():
-    demo = run_manage("rundemo", "--port", "0", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def test_the_demo_shows_every_capability_and_ctrl_c_stops_everything(tmp_path):
+    var = {"STEPGUARD_VAR_DIR": str(tmp_path)}  # its settings file for a second terminal
+    demo = run_manage(
+        "rundemo", "--port", "0", env_extra=var, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(demo.stdout), daemon=True)
     reader.start()
@@ -132,3 +137,26 @@ def test_the_demo_shows_every_capability_and_ctrl_c_stops_everything():
     research = Run.objects.get(workflow="research", parent__isnull=True)
     assert research.events.filter(type="run.recovered").exists()
     assert "worker" in text and "stopped" in text
+    assert_printed_commands_work(text, tmp_path)
+
+
+def assert_printed_commands_work(text: str, var: Path) -> None:
+    """The commands the demo prints, pasted into a new terminal in the project directory: a
+    `python` without Django first on PATH, no settings in the environment but the database's
+    (the test's own, where a developer's is the default file under var/)."""
+    bin_dir = var / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys._base_executable)
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "HOME": os.environ.get("HOME", "/root"),
+        "STEPGUARD_VAR_DIR": str(var),
+        "DATABASE_URL": database_url(),
+    }
+    commands = [line.split(":", 1)[1].strip() for line in text.splitlines()
+                if line.strip().startswith(("approve the booking:", "follow a run:"))]  # fmt: skip
+    assert len(commands) == 2 and all(c.startswith("python manage.py ") for c in commands)
+    for command in commands:
+        done = subprocess.run(command, shell=True, cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"

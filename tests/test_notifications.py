@@ -8,6 +8,7 @@ import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import django
 import pytest
 from django.core import mail
 from django.core.management import call_command
@@ -193,7 +194,11 @@ def test_a_receiver_s_retry_after_becomes_a_durable_wait(drive, receiver):
 
 
 def test_email_channels_send_one_message_with_the_key_as_message_id(drive, settings):
-    settings.EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
+    locmem = "django.core.mail.backends.locmem.EmailBackend"
+    if django.VERSION >= (6, 1):
+        settings.MAILERS = {"default": {"BACKEND": locmem, "OPTIONS": {}}}
+    else:
+        settings.EMAIL_BACKEND = locmem
     notifications.add_channel(None, "email", "ops@example.com, oncall@example.com", "run.failed")
     run = fail_a_run()
     drive()

@@ -41,6 +41,14 @@ re-sends, with the same idempotency key, the one in flight (`idempotency_key()` 
 
 from __future__ import annotations
 
+import importlib.util
+
+if importlib.util.find_spec("langgraph") is None:
+    raise ImportError(
+        "runs.adapters.langgraph needs its framework, an extra of Stepguard: "
+        "pip install 'stepguard[langgraph]'"
+    )
+
 import asyncio
 import concurrent.futures
 import contextvars

@@ -31,6 +31,14 @@ agent where it is run:
 
 from __future__ import annotations
 
+import importlib.util
+
+if importlib.util.find_spec("agents") is None:
+    raise ImportError(
+        "runs.adapters.openai_agents needs its framework, an extra of Stepguard: "
+        "pip install 'stepguard[openai-agents]'"
+    )
+
 import asyncio
 import copy
 import inspect

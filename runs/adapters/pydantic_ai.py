@@ -24,6 +24,14 @@ Stepguard approvals. A sync workflow calls `agent.run_sync(...)`.
 
 from __future__ import annotations
 
+import importlib.util
+
+if importlib.util.find_spec("pydantic_ai") is None:
+    raise ImportError(
+        "runs.adapters.pydantic_ai needs its framework, an extra of Stepguard: "
+        "pip install 'stepguard[pydantic-ai]'"
+    )
+
 import asyncio
 import contextvars
 import uuid

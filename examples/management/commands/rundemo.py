@@ -15,6 +15,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
 from approvals.models import ApprovalRequest, ApprovalStatus
+from controlplane import devenv
 from examples.models import Booking, Effect
 from runs.management.commands.showrun import describe
 from runs.models import Event, Run, Step, StepStatus
@@ -34,6 +35,8 @@ class Command(BaseCommand):
 
     def handle(self, *args, port: int, no_agents: bool, **options):
         call_command("migrate", verbosity=0)
+        # A second terminal's manage.py reads these, so the commands printed below work there.
+        devenv.write({"DJANGO_SETTINGS_MODULE": os.environ["DJANGO_SETTINGS_MODULE"], "DEBUG": "1"})
         password = self.demo_operator()
         self.model_server()
         self.children: list[subprocess.Popen] = [self.web(port), self.worker()]
@@ -135,7 +138,7 @@ class Command(BaseCommand):
         self.wait(
             lambda: (
                 all(
-                    Run.objects.get(pk=r.pk).status != "running"
+                    Run.objects.get(pk=r.pk).status not in ("pending", "running")
                     for r in (agent, orchestrator, capped, stopped, research)
                 )
                 and Run.objects.get(pk=research.pk).is_terminal

@@ -1,0 +1,57 @@
+"""Stepguard's own settings, `STEPGUARD_*`, each read from the environment with a typed default.
+
+controlplane.settings takes them all (`from runs.conf import *`). A Django project that embeds
+Stepguard need not: the runs app's ready() sets every one its settings leave out, so a host
+sets only what it wants to change (docs/install.md).
+"""
+
+import os
+
+from controlplane.env import env_bool, env_float, env_int, env_json, env_list, env_networks
+
+STEPGUARD_WORKFLOW_MODULES = env_list("STEPGUARD_WORKFLOW_MODULES", [])
+STEPGUARD_LEASE_SECONDS = env_float("STEPGUARD_LEASE_SECONDS", 30.0, minimum=1.0)
+STEPGUARD_POLL_INTERVAL = env_float("STEPGUARD_POLL_INTERVAL", 1.0, minimum=0.01)
+STEPGUARD_SHUTDOWN_GRACE = env_float("STEPGUARD_SHUTDOWN_GRACE", 30.0)
+STEPGUARD_RUN_MAX_ATTEMPTS = env_int("STEPGUARD_RUN_MAX_ATTEMPTS", 3, minimum=1)
+STEPGUARD_RUN_RETRY_BASE_SECONDS = env_float("STEPGUARD_RUN_RETRY_BASE_SECONDS", 2.0)
+STEPGUARD_MAX_RECOVERIES = env_int("STEPGUARD_MAX_RECOVERIES", 5, minimum=1)
+STEPGUARD_MAX_OUTPUT_BYTES = env_int("STEPGUARD_MAX_OUTPUT_BYTES", 1_048_576, minimum=1024)
+STEPGUARD_DURABLE_START = env_bool("STEPGUARD_DURABLE_START", True)
+# Write each step's completion at once, instead of with the run's next write (docs/sdk.md).
+STEPGUARD_EAGER_COMPLETIONS = env_bool("STEPGUARD_EAGER_COMPLETIONS", False)
+# A step's retry delay (its backoff, or a provider's Retry-After) of at least this many seconds
+# is a durable timer that gives the worker thread back; shorter ones are slept in the thread.
+STEPGUARD_DURABLE_RETRY_SECONDS = env_float("STEPGUARD_DURABLE_RETRY_SECONDS", 5.0)
+STEPGUARD_BUDGET_WARN_AT = env_float("STEPGUARD_BUDGET_WARN_AT", 0.8)
+STEPGUARD_MODEL_PRICES = env_json("STEPGUARD_MODEL_PRICES", {})
+# Refuse a call to a model without a price in a run under a USD budget (else: a warning event).
+STEPGUARD_REFUSE_UNPRICED_MODELS = env_bool("STEPGUARD_REFUSE_UNPRICED_MODELS", False)
+STEPGUARD_API_MAX_BODY = env_int("STEPGUARD_API_MAX_BODY", 1_048_576, minimum=1024)
+# About how much JSON one API page of steps may carry, and one value the dashboard shows inline.
+STEPGUARD_API_MAX_RESPONSE = env_int("STEPGUARD_API_MAX_RESPONSE", 8_388_608, minimum=65_536)
+STEPGUARD_UI_MAX_JSON = env_int("STEPGUARD_UI_MAX_JSON", 65_536, minimum=1024)
+STEPGUARD_LIVE_MAX_SOCKETS = env_int("STEPGUARD_LIVE_MAX_SOCKETS", 20, minimum=1)
+# Approvals: the person who started a run may not decide its requests; API keys may decide.
+STEPGUARD_FOUR_EYES = env_bool("STEPGUARD_FOUR_EYES", True)
+STEPGUARD_API_KEYS_DECIDE = env_bool("STEPGUARD_API_KEYS_DECIDE", True)
+# Retention: workers delete runs that ended more than this many days ago, daily (0: never).
+STEPGUARD_RETENTION_DAYS = env_int("STEPGUARD_RETENTION_DAYS", 0)
+# Notifications (runs/notifications.py): how often one worker looks for events to deliver, and
+# the dashboard's address for links in messages (e.g. https://stepguard.example.com).
+STEPGUARD_NOTIFY_SWEEP_SECONDS = env_float("STEPGUARD_NOTIFY_SWEEP_SECONDS", 1.0, minimum=0.05)
+STEPGUARD_NOTIFY_RETRY_SECONDS = env_float("STEPGUARD_NOTIFY_RETRY_SECONDS", 2.0)
+STEPGUARD_PUBLIC_URL = os.environ.get("STEPGUARD_PUBLIC_URL", "")
+# GET /metrics without an API key or a session, from these addresses or networks (Prometheus).
+STEPGUARD_METRICS_ALLOW = env_networks("STEPGUARD_METRICS_ALLOW")
+
+
+def apply_defaults(settings) -> None:
+    """Give `settings` every STEPGUARD_* value it lacks (and whether prepared statements are on,
+    from its database's options)."""
+    for name, value in globals().items():
+        if name.startswith("STEPGUARD_") and not hasattr(settings, name):
+            setattr(settings, name, value)
+    if not hasattr(settings, "STEPGUARD_PREPARED_STATEMENTS"):
+        options = settings.DATABASES["default"].get("OPTIONS", {})
+        settings.STEPGUARD_PREPARED_STATEMENTS = options.get("prepare_threshold") is not None
