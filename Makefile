@@ -1,6 +1,8 @@
 # Stepguard: `make run` starts the demo, `make test` runs the whole suite. `make help` lists all.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
+# Extra requirements on top of the project's, e.g. DJANGO='django>=6,<7' (CI's second pass).
+DJANGO ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PORT ?= 8000
@@ -16,7 +18,7 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev]' $(DJANGO)
 	touch $(STAMP)
 
 install: $(STAMP) ## create the virtualenv and install Stepguard with its dev tools
@@ -24,10 +26,11 @@ install: $(STAMP) ## create the virtualenv and install Stepguard with its dev to
 run: $(STAMP) ## migrate SQLite, create a demo operator, serve on 127.0.0.1:$(PORT), run a worker and the demo agents
 	DJANGO_SETTINGS_MODULE=examples.settings $(BIN)/python manage.py rundemo --port $(PORT)
 
-test: $(STAMP) ## lint, check migrations, run the whole suite (DATABASE_URL picks the engine)
+test: $(STAMP) ## lint, type-check the SDK, check migrations, run the whole suite (DATABASE_URL picks the engine)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	DJANGO_SETTINGS_MODULE=tests.settings $(BIN)/python manage.py makemigrations --check --dry-run
+	DJANGO_SETTINGS_MODULE=tests.settings $(BIN)/mypy
 	$(BIN)/pytest -n $(TEST_PROCESSES)
 
 lint: $(STAMP) ## ruff check

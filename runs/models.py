@@ -77,6 +77,9 @@ class Worker(models.Model):
 
 
 class Run(models.Model):
+    #: Set by start_run on the run it returns: whether that call created it (not a column).
+    was_created: bool
+
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     workflow = models.CharField(max_length=200)
     version = models.CharField(max_length=50)
@@ -556,6 +559,8 @@ class NotificationDelivery(models.Model):
     event_type = models.CharField(max_length=64)
     run = models.OneToOneField(Run, on_delete=models.CASCADE, related_name="delivery")
     created_at = models.DateTimeField()
+    #: The delivery's send step, attached by runs.notifications.deliveries (not a column).
+    step: "Step | None"
 
     class Meta:
         ordering = ["-created_at"]

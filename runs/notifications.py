@@ -386,12 +386,12 @@ def deliveries(
     channel: int | None = None, *, failed: bool = False, limit: int = 200
 ) -> list[NotificationDelivery]:
     """Recent deliveries, newest first, with their runs and their send steps."""
-    rows = NotificationDelivery.objects.select_related("run", "channel")
+    query = NotificationDelivery.objects.select_related("run", "channel")
     if channel is not None:
-        rows = rows.filter(channel_id=channel)
+        query = query.filter(channel_id=channel)
     if failed:
-        rows = rows.filter(run__status=RunStatus.FAILED)
-    rows = list(rows.order_by("-created_at", "-id")[:limit])
+        query = query.filter(run__status=RunStatus.FAILED)
+    rows = list(query.order_by("-created_at", "-id")[:limit])
     steps = {s.run_id: s for s in Step.objects.filter(run__in=[d.run for d in rows], seq=0)}
     for row in rows:
         row.step = steps.get(row.run_id)

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import time
 import urllib.request
+import zipfile
 
 import pytest
 
@@ -174,6 +175,11 @@ def test_the_built_wheel_installs_migrates_runs_a_workflow_and_serves_the_dashbo
         check=True, timeout=300,
     )  # fmt: skip
     (wheel,) = dist.glob("stepguard-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"runs/py.typed", "runs/templates/stepguard/base.html",
+            "approvals/templates/approvals/inbox.html",
+            "runs/static/stepguard/css/app.css"} <= names  # fmt: skip
+    assert not any(n.startswith(("examples/", "tests/")) for n in names)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]

@@ -49,7 +49,8 @@ class Amount(NamedTuple):
     micros: int = 0
     tokens: int = 0
 
-    def __add__(self, other: tuple) -> Amount:  # type: ignore[override]  (not concatenation)
+    # Not concatenation: an amount plus (micros, tokens).
+    def __add__(self, other: tuple) -> Amount:
         return Amount(self.micros + other[0], self.tokens + other[1])
 
     def beyond(self, other: Amount) -> Amount:
@@ -136,7 +137,7 @@ def _ensure_rows(scopes: list[str], day=None):
     return day
 
 
-def _limits(scopes: list[str]) -> dict[str, dict]:
+def _limits(scopes: list[str]) -> dict[str, Any]:
     rows = Policy.objects.filter(scope__in=scopes).values(
         "scope", "daily_budget_micros", "daily_budget_tokens"
     )
@@ -196,7 +197,7 @@ def release_shared(scopes: list[str], held: Amount, day) -> None:
 def settle_shared(
     spend_scopes: list[str],
     usage: Usage,
-    held_scopes: list[str] = (),
+    held_scopes: list[str] | tuple[()] = (),
     held: Amount = NOTHING,
     day=None,
 ) -> list[str]:

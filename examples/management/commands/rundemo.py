@@ -2,17 +2,19 @@
 group. Ctrl-C stops everything it started."""
 
 import os
+import re
 import secrets
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from approvals.models import ApprovalRequest, ApprovalStatus
 from controlplane import devenv
@@ -39,10 +41,15 @@ class Command(BaseCommand):
         devenv.write({"DJANGO_SETTINGS_MODULE": os.environ["DJANGO_SETTINGS_MODULE"], "DEBUG": "1"})
         password = self.demo_operator()
         self.model_server()
+        self.logs = Path(settings.VAR_DIR) / "log"
+        self.logs.mkdir(parents=True, exist_ok=True)
         self.children: list[subprocess.Popen] = [self.web(port), self.worker()]
+        self.names = ["the web server (daphne)", "the worker"]
+        port = self.port = self.served()
         self.stdout.write(
             self.style.SUCCESS(f"\nStepguard is up on http://127.0.0.1:{port}/")
             + f"\n  dashboard: http://127.0.0.1:{port}/  (admin: /admin/, API: /api/docs)"
+            + f"\n  server and access logs: {self.logs}/"
             + f"\n  demo operator: {DEMO_USER} / {password}"
             + f"\n  model: {os.environ['STEPGUARD_MODEL_BASE_URL']}"
             + (" (the scripted demo model, not a language model)" if self.demo else "")
@@ -53,7 +60,7 @@ class Command(BaseCommand):
                 self.demo_agents()
             while all(child.poll() is None for child in self.children):
                 time.sleep(0.5)
-            self.stderr.write("a child process exited; stopping the rest")
+            self.stderr.write(self.exited())
         except KeyboardInterrupt:
             self.stdout.write("\nstopping...")
         finally:
@@ -80,8 +87,46 @@ class Command(BaseCommand):
 
     def web(self, port: int) -> subprocess.Popen:
         command = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port)]
+        command += ["--access-log", str(self.logs / "access.log")]
         env = {**os.environ, "SERVE_STATIC": "1"}
-        return subprocess.Popen([*command, "controlplane.asgi:application"], cwd=ROOT, env=env)
+        self.web_log = self.logs / "web.log"
+        with self.web_log.open("w") as out:
+            return subprocess.Popen(
+                [*command, "controlplane.asgi:application"], cwd=ROOT, env=env,
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def url(self, run: Run) -> str:
+        return f"http://127.0.0.1:{self.port}/runs/{run.pk}"
+
+    def served(self) -> int:
+        """The port the web server listens on, once it answers (the summary waits for it)."""
+        deadline = time.monotonic() + 60
+        port = None
+        while time.monotonic() < deadline and self.children[0].poll() is None:
+            if port is None:
+                found = re.search(r"Listening on TCP address 127\.0\.0\.1:(\d+)",
+                                  self.web_log.read_text())  # fmt: skip
+                port = int(found.group(1)) if found else None
+            if port is not None:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/login/", timeout=2):
+                        return port
+                except OSError:
+                    pass
+            time.sleep(0.1)
+        self.stop()
+        raise CommandError(f"the web server did not answer; its log: {self.web_log}")
+
+    def exited(self) -> str:
+        """Which child ended, how, and where to look."""
+        for name, child in zip(self.names, self.children, strict=True):
+            code = child.poll()
+            if code is not None:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                where = f" (its log: {self.web_log})" if child is self.children[0] else ""
+                return f"{name} {how}{where}; stopping the rest"
+        return "a child process exited; stopping the rest"
 
     def worker(self) -> subprocess.Popen:
         command = [sys.executable, "manage.py", "runworker", "--import", "examples.demo"]
@@ -114,23 +159,36 @@ class Command(BaseCommand):
     def demo_agents(self) -> None:
         import examples.demo  # noqa: F401  (registers the demo workflows here too)
 
+        earlier = Run.objects.filter(key__startswith="demo:", parent__isnull=True)
+        if earlier.exists():  # a second `make run`: the first one's runs, not a second set
+            self.stdout.write(
+                "The demo runs of an earlier `make run` are kept (delete var/ for new ones):"
+            )
+            for run in earlier.order_by("created_at"):
+                name = f"{run.workflow}@{run.version}"
+                self.stdout.write(f"  {run.status:<12} {name:<18} {self.url(run)}")
+            return
         flight = {"from": "LIS", "to": "BER", "date": "2026-12-24", "passenger": "Ada Lovelace"}
         booking = self.demo_flight(flight)
-        agent = start_run("flight-booking", flight, version="2")
+        agent = start_run("flight-booking", flight, version="2", key="demo:agent")
         research = start_run(
-            "research", {"topic": "durable execution for AI agents", "delay": 0.15}
-        )
+            "research", {"topic": "durable execution for AI agents", "delay": 0.15},
+            key="demo:research",
+        )  # fmt: skip
         orchestrator = start_run(
-            "orchestrator", {"subtopics": ["checkpoints", "leases", "budgets"], "pages": 2}
-        )
+            "orchestrator", {"subtopics": ["checkpoints", "leases", "budgets"], "pages": 2},
+            key="demo:orchestrator",
+        )  # fmt: skip
         capped = start_run(
             "outreach",
             {"prospects": [f"lead{i}@example.com" for i in range(6)]},
             budget_usd="0.001",
+            key="demo:capped",
         )
         stopped = start_run(
             "outreach",
-            {"prospects": [f"vip{i}@example.com" for i in range(6)], "pause_seconds": 1},
+            key="demo:halted",
+            input={"prospects": [f"vip{i}@example.com" for i in range(6)], "pause_seconds": 1},
         )
         crash = self.demo_crash(research)
         if self.wait(lambda: Effect.objects.filter(label="email").exists(), "the first email"):
@@ -158,7 +216,7 @@ class Command(BaseCommand):
         for run, note in rows:
             run.refresh_from_db()
             name = f"{run.workflow}@{run.version}"
-            self.stdout.write(f"  {run.status:<12} {name:<18} {run.pk}  {note}")
+            self.stdout.write(f"  {run.status:<12} {name:<18} {self.url(run)}  {note}")
         request = ApprovalRequest.objects.filter(run=agent, status=ApprovalStatus.PENDING).first()
         if request:
             approve = f"python manage.py approve {request.pk} --user {DEMO_USER}"
@@ -166,7 +224,7 @@ class Command(BaseCommand):
             self.stdout.write(f"\n  approve the booking:  {approve}\n  follow a run:  {follow}")
 
     def demo_flight(self, flight: dict) -> Run:
-        run = start_run("flight-booking", flight, version="1")
+        run = start_run("flight-booking", flight, version="1", key="demo:booking")
         self.stdout.write(f"demo: flight-booking run {run.id}")
         after = 0
         deadline = time.monotonic() + 60
