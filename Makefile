@@ -18,7 +18,7 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]' $(DJANGO)
+	$(BIN)/pip install --quiet -e '.[dev]' $(if $(DJANGO),'$(DJANGO)')
 	touch $(STAMP)
 
 install: $(STAMP) ## create the virtualenv and install Stepguard with its dev tools

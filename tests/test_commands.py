@@ -111,7 +111,7 @@ def test_the_demo_shows_every_capability_and_ctrl_c_stops_everything(tmp_path):
     reader.start()
     try:
         wait_until(
-            lambda: any("The demo runs:" in line for line in lines),
+            lambda: any("follow a run:" in line for line in lines),
             timeout=240,  # its own waits give up well before; under load it has taken > 120 s
             what=lambda: "the demo's summary; it printed:\n" + "".join(lines),
         )

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -112,6 +113,8 @@ class Command(BaseCommand):
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/login/", timeout=2):
                         return port
+                except urllib.error.HTTPError:
+                    return port  # it answers (with settings that refuse this host, say)
                 except OSError:
                     pass
             time.sleep(0.1)
@@ -212,12 +215,13 @@ class Command(BaseCommand):
             (capped, "paused before the draft that would exceed its $0.001 budget"),
             (stopped, "halted by an operator; only `unhalt` resumes it"),
         ]
+        pending = ApprovalRequest.objects.filter(run=agent, status=ApprovalStatus.PENDING)
+        request = self.wait(pending.first, "the booking agent's approval request", timeout=60)
         self.stdout.write(self.style.SUCCESS("\nThe demo runs:"))
         for run, note in rows:
             run.refresh_from_db()
             name = f"{run.workflow}@{run.version}"
             self.stdout.write(f"  {run.status:<12} {name:<18} {self.url(run)}  {note}")
-        request = ApprovalRequest.objects.filter(run=agent, status=ApprovalStatus.PENDING).first()
         if request:
             approve = f"python manage.py approve {request.pk} --user {DEMO_USER}"
             follow = f"python manage.py showrun {research.pk} --follow"
