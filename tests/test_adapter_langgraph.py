@@ -208,11 +208,11 @@ def test_a_worker_killed_mid_graph_resumes_it_without_repeating_a_finished_node(
     spawn_worker, demo_model
 ):
     slow = CHAT | {"delay": 0.4}
-    worker = spawn_worker(lease=1.0)
+    worker = spawn_worker("--import", "tests.adapter_langgraph_workflows", lease=1.0)
     run = start_run("lg-assistant", slow)
     wait_until(lambda: Effect.objects.filter(label="tool:search").exists(), what="the first tool")
     worker.kill()  # SIGKILL, inside the tools node's step
-    spawn_worker(lease=1.0)
+    spawn_worker("--import", "tests.adapter_langgraph_workflows", lease=1.0)
     run = wait_until(
         lambda: (r := Run.objects.get(pk=run.pk)).is_terminal and r, timeout=60, what="the run"
     )

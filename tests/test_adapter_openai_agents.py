@@ -313,7 +313,10 @@ def test_a_worker_killed_mid_run_completes_it_with_no_completed_call_repeated(
     spawn_worker, demo_model, tmp_path
 ):
     input = {"script": "lookup, weather", "effects": str(tmp_path)}
-    workers = [spawn_worker(lease=1.0, wait=False) for _ in range(2)]
+    workers = [
+        spawn_worker("--import", "tests.adapter_openai_agents_workflows", lease=1.0, wait=False)
+        for _ in range(2)
+    ]
     for worker in workers:
         worker.wait_registered()
     run = start_run("oa-agent", input | {"slow": {"weather": 1.0}})

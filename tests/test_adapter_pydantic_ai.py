@@ -152,13 +152,13 @@ def test_a_worker_killed_with_sigkill_mid_run_finishes_without_repeating_a_compl
     run = start_run(
         "pa-planner", {"instructions": DINNER, "effects": str(tmp_path), "slow": "book_table"}
     )
-    worker = spawn_worker(lease=1.0)
+    worker = spawn_worker("--import", "tests.adapter_pydantic_ai_workflows", lease=1.0)
     wait_until(
         lambda: any(e["label"] == "book_table" for e in effects(tmp_path)),
         what="the booking to start",
     )
     worker.kill()  # SIGKILL, inside the booking
-    spawn_worker(lease=1.0)
+    spawn_worker("--import", "tests.adapter_pydantic_ai_workflows", lease=1.0)
     run = wait_until(
         lambda: (r := Run.objects.get(pk=run.pk)).is_terminal and r, timeout=60, what="the run"
     )

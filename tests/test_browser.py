@@ -432,7 +432,7 @@ def test_a_dropped_live_feed_reconnects_and_backfills_the_missed_steps_once(
         what="three steps to complete while the page is offline",
     )
     assert page.locator("#timeline tr[id^=step-]").count() == rows_at_drop  # nothing came
-    assert page.evaluate("window.__ws.open") == 0  # still disconnected
+    assert page.evaluate("window.__ws.open") == 0, [ws.url for ws in sockets]  # still disconnected
     page.evaluate("window.__offline = false")
 
     wait_until(lambda: page.evaluate("window.__ws.open") >= 1, what="a new socket to open")
