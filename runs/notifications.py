@@ -203,8 +203,8 @@ def sweep(now=None) -> int:
         events = events.exclude(run__workflow=WORKFLOW)
         if channel.workflow:
             events = events.filter(run__workflow=channel.workflow)
-        batch = list(events.order_by("created_at", "id").values_list("id", "type", "created_at"))
-        batch = batch[:BATCH]
+        rows = events.order_by("created_at", "id").values_list("id", "type", "created_at")
+        batch = list(rows[:BATCH])  # LIMIT in the query: a backlog is read a batch at a time
         for event_id, type_, _ in batch:
             started += _start_delivery(channel, event_id, type_)
         until = batch[-1][2] if len(batch) == BATCH else now

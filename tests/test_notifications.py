@@ -327,3 +327,17 @@ def test_a_worker_killed_mid_delivery_is_replaced_and_the_receiver_accepts_once(
     assert len(keys) == 4 and len(set(keys)) == 3  # one sent twice, with the same key
     (resent,) = {k for k in keys if keys.count(k) > 1}
     assert Step.objects.get(idempotency_key=resent).recovered == "resent"
+
+
+def test_a_backlog_is_swept_a_batch_at_a_time_and_nothing_is_left_behind(
+    drive, receiver, monkeypatch
+):
+    hook = receiver()
+    notifications.add_channel(None, "webhook", hook.url, ["run.failed"])
+    for _ in range(3):
+        fail_a_run()
+    drive()
+    monkeypatch.setattr(notifications, "BATCH", 2)
+    assert [notifications.sweep() for _ in range(3)] == [2, 1, 0]
+    drive()
+    assert len(hook.accepted) == 3
