@@ -129,6 +129,9 @@ class _Adapter:
         self.provider, self.approval_timeout = provider, approval_timeout
         self.agents: dict[int, Agent] = {}
         self.turns: dict[str, _Turn] = {}
+        # A sync workflow's context takes one call at a time, in the order they were asked for:
+        # the SDK starts a turn's tool calls in the model's order, and the lock is first-come.
+        self._one_at_a_time = asyncio.Lock()
 
     def agent(self, agent: Agent) -> Agent:
         if self.durable(agent):
@@ -241,7 +244,8 @@ class _Adapter:
             finally:
                 connection.close()
 
-        return await asyncio.to_thread(hop)
+        async with self._one_at_a_time:  # else two threads race for the next step position
+            return await asyncio.to_thread(hop)
 
     def portable(self, fn: Callable) -> Callable:
         """`fn`, an async function, as a step's function: an async workflow's engine awaits it
