@@ -123,7 +123,9 @@ class AsyncRunContext:
         running = CURRENT_STEP.get()
         if running is not None and running.owner == id(self._ctx):
             raise StepMisuse(f"a step was called inside step {running.key!r}; steps do not nest")
-        turnstile, ticket = self._ctx._turnstile, self._ctx._turnstile.ticket()
+        turnstile = self._ctx._turnstile
+        assert turnstile is not None  # run_async set it before handing this out
+        ticket = turnstile.ticket()
 
         def serve():
             if not turnstile.enter(ticket, releasable):

@@ -18,6 +18,7 @@ from runs.engine.budget import Metered, Usage, scopes_for
 from runs.engine.records import Decision, accepts, signature_names
 from runs.engine.retry import RetryPolicy
 from runs.engine.serialization import describe_input
+from runs.engine.state import ContextState
 from runs.engine.store import fenced_write
 from runs.engine.wakeup import doorbell
 from runs.errors import UnpricedModel
@@ -26,7 +27,7 @@ from runs.models import EventType, Policy, Run, Step, StepKind
 log = logging.getLogger("stepguard.executor")
 
 
-class ModelCalls:
+class ModelCalls(ContextState):
     """Steps that call a model (priced, estimated against budgets) or a tool (maybe approved)."""
 
     def llm(
@@ -123,7 +124,9 @@ class ModelCalls:
 
     def _relay(self, on_delta: Callable[[str], Any] | None) -> Callable[[str], None]:
         """Each streamed piece of text to `on_delta` and to the run's live page."""
-        run_id, seq = self.run_id, self._running().seq
+        running = self._running()
+        assert running is not None  # called from inside the model call's step
+        run_id, seq = self.run_id, running.seq
 
         def relay(text: str) -> None:
             doorbell.stream(run_id, seq, text)
@@ -216,14 +219,15 @@ class ModelCalls:
         """Run `jobs`, each making its own steps, as concurrent steps of an async workflow
         (positions in the order given, as asyncio.gather would); one after another in a sync
         workflow. The first exception, in order, is raised once all have ended."""
-        if self._async is None or self._turnstile is None or len(jobs) < 2:
+        bridge, loop = self._async, self._loop
+        if bridge is None or loop is None or self._turnstile is None or len(jobs) < 2:
             return [job() for job in jobs]
 
         async def gather():
-            steps = (self._async._enter(True, job) for job in jobs)
+            steps = (bridge._enter(True, job) for job in jobs)
             return await asyncio.gather(*steps, return_exceptions=True)
 
-        future = asyncio.run_coroutine_threadsafe(gather(), self._loop)
+        future = asyncio.run_coroutine_threadsafe(gather(), loop)
         with self._released(force=True):
             results = future.result()
         for result in results:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from datetime import date, datetime
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from django.conf import settings
 from django.db.models import F, Q
@@ -13,6 +13,7 @@ from django.utils import timezone
 from runs.engine.budget import NOTHING, Amount, Usage, scopes_for, settle_shared
 from runs.engine.records import brief, error_record
 from runs.engine.retry import retryable
+from runs.engine.state import ContextState
 from runs.engine.store import (
     Completion,
     Fence,
@@ -45,7 +46,7 @@ class Held:
         return cls(reserved, list(record.reserved_scopes or []), record.reserved_on)
 
 
-class Checkpoints:
+class Checkpoints(ContextState):
     """Start, settle, fail, wait and suspend: every write goes through the store's fence, so a
     worker whose lease was taken over can never write again."""
 
@@ -165,8 +166,18 @@ class Checkpoints:
                     )  # fmt: skip
 
     def _record_failure(
-        self, step_pk, seq, key, idem, kind, attempt, exc: Exception, held=None
+        self,
+        step_pk: Any,
+        seq: int | None,
+        key: str,
+        idem: str | None,
+        kind: str | None,
+        attempt: int,
+        exc: Exception,
+        held: Held | None = None,
     ) -> NoReturn:
+        """Record a step's final failure and raise it. With no `step_pk` the step has no row
+        yet (a transaction step, a refused re-send): one is inserted at `seq` as `kind`."""
         error = {**error_record(exc), "retryable": retryable(exc)}
         fields = {
             "status": StepStatus.FAILED,
@@ -179,7 +190,7 @@ class Checkpoints:
             self._settle_step(step_pk, key, payload, fields, None, held or Held())
         else:
             now = timezone.now()
-            insert = {"seq": seq, "key": key, "kind": kind, "idempotency_key": idem}
+            insert: dict[str, Any] = {"seq": seq, "key": key, "kind": kind, "idempotency_key": idem}
             insert |= {"started_at": now, "finished_at": now}
             fenced_write(
                 self._lease, (EventType.STEP_FAILED, key, payload), insert_step={**insert, **fields}

@@ -6,12 +6,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from runs.engine.records import error_record
+from runs.engine.state import ContextState
 
 if TYPE_CHECKING:
     from runs.engine.context import RunContext
 
 
-class Compensation:
+class Compensation(ContextState):
     """Remembers each completed step's undo; `_compensate` runs them in reverse."""
 
     def _remember(self, key: str, compensate: Callable | None, output: Any) -> Any:

@@ -83,7 +83,7 @@ class Conversations:
         for field in FIELDS:
             delta = request.get(field)
             after = delta.get("$after") if isinstance(delta, dict) else None
-            if not isinstance(after, int) or not 0 <= after < seq:
+            if not isinstance(delta, dict) or not isinstance(after, int) or not 0 <= after < seq:
                 continue
             before = self._base(after).get(field)
             if "$keep" in delta:
@@ -100,6 +100,6 @@ class Conversations:
             rows = Step.objects.filter(run_id=self.run_id, kind=StepKind.LLM)
             self._stored = dict(rows.values_list("seq", "input"))
         value = self._stored.get(seq)
-        if not is_stored_delta(value):
+        if value is None or not is_stored_delta(value):
             return {}  # not a recorded request (never written by ctx.llm): nothing to add
         return self._expand(seq, value[0])

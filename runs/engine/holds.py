@@ -67,7 +67,7 @@ class Hold:
     kind: str  # "run", "ancestor", "workflow" or "global"
     scope: str  # "run <id>", "parent run <id>", "workflow <name>", "everything"
     by: str
-    at: datetime
+    at: datetime | None
     reason: str
 
     def as_json(self) -> dict:

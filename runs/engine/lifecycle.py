@@ -281,18 +281,17 @@ def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> Outcome:
     either landed while we were pausing, `_give_back` sees it and requeues the run)."""
     try:
         if isinstance(stop, Halted):
-            payload = {"scope": stop.scope, "by": stop.by, "reason": stop.reason}
             # `pending` unless a hold still covers the run when the pause is written.
             return Outcome(
                 _give_back(
                     lease,
                     EventType.RUN_HALTED,
-                    payload,
+                    {"scope": stop.scope, "by": stop.by, "reason": stop.reason},
                     status=RunStatus.PENDING,
                     wake_at=timezone.now(),
                 )
             )
-        payload = {
+        payload: dict[str, Any] = {
             "budget": stop.budget,
             "unit": stop.unit,
             "limit": stop.limit,
@@ -314,7 +313,7 @@ def _cancelled(run: Run, ctx: RunContext, lease: Lease) -> Outcome:
     ctx._cancel_requested = True
     try:
         undone, failure = run_compensations(ctx)
-        who = Run.objects.filter(pk=run.pk).values("cancel_requested_by", "cancel_reason").first()
+        who = Run.objects.filter(pk=run.pk).values("cancel_requested_by", "cancel_reason").get()
         if failure is not None:
             _finish(
                 lease,
@@ -374,7 +373,8 @@ def _fail(run: Run, ctx: RunContext, lease: Lease, exc: Exception) -> Outcome:
         # After a non-determinism error the recorded positions no longer match the code, so
         # compensating would itself misfire: leave that to a person.
         if isinstance(exc, NonDeterminismError):
-            undone, failure = [], None
+            undone: list[str] = []
+            failure: dict | None = None
         else:
             undone, failure = run_compensations(ctx)
         if failure is not None:
@@ -396,7 +396,12 @@ def _fail(run: Run, ctx: RunContext, lease: Lease, exc: Exception) -> Outcome:
     return Outcome.FAILED
 
 
-def _interrupted(run: Run, ctx: RunContext, lease: Lease, stop: BaseException) -> Outcome:
+def _interrupted(
+    run: Run,
+    ctx: RunContext,
+    lease: Lease,
+    stop: LeaseLost | Released | Cancelled | Halted | OverBudget,
+) -> Outcome:
     """What a control-flow exception means for a run, raised while it ran or while it ended:
     the lease is gone, the worker is stopping, a cancel came, or a hold or a budget stops it."""
     if isinstance(stop, LeaseLost):

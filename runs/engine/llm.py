@@ -320,7 +320,9 @@ def without_sdk_retries(call: Any) -> Any:
     connection pool. Anything that is not a client resource's method is returned as it is."""
     resource = getattr(call, "__self__", None)
     client = getattr(resource, "_client", None)
-    if not getattr(client, "max_retries", 0) or not callable(getattr(client, "with_options", None)):
+    if resource is None or client is None or not getattr(client, "max_retries", 0):
+        return call
+    if not callable(getattr(client, "with_options", None)):
         return call
     try:
         quiet = type(resource)(client.with_options(max_retries=0))
@@ -359,7 +361,7 @@ def response_type(call: Any, typed: bool | type) -> type | None:
     return getattr(importlib.import_module(known[0]), known[1])
 
 
-def typed_response(cls: type, data: dict) -> Any:
+def typed_response(cls: Any, data: dict) -> Any:
     """The recorded JSON as `cls` again. A response that no longer validates (a newer SDK that
     tightened a field) is built without validation rather than failing a replay."""
     try:

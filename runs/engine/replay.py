@@ -9,6 +9,7 @@ from uuid import UUID
 
 from django.utils import timezone
 
+from runs.engine.state import ContextState
 from runs.engine.store import Fence, append_event, atomic, fence
 from runs.errors import (
     REPLAYED,
@@ -43,7 +44,7 @@ REPLAY_FIELDS = (
 )
 
 
-class Replay:
+class Replay(ContextState):
     """Each call takes the next position in the run's history; a recorded step there is handed
     back instead of run, and a different one is a NonDeterminismError."""
 
@@ -111,7 +112,7 @@ class Replay:
 
     @staticmethod
     def _raise_recorded(key: str, error: dict) -> NoReturn:
-        cls = REPLAYED.get(error.get("code"))
+        cls = REPLAYED.get(error.get("code", ""))
         if cls is not None:
             raise cls(error.get("message", ""))
         raise StepFailed(key, error, retryable=error.get("retryable", True))

@@ -28,12 +28,13 @@ from runs.engine.checkpoints import Held
 from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import describe_input, to_json
+from runs.engine.state import ContextState
 from runs.engine.store import append_event, atomic, fence, fenced_write, flush
 from runs.errors import ApprovalRevoked, ControlFlow, OperatorFailed, StepMisuse, Suspended
 from runs.models import EventType, Recovery, Step, StepKind, StepStatus
 
 
-class Steps:
+class Steps(ContextState):
     """`ctx.step` and `ctx.transaction`, their retry loop, and the ambiguous-outcome policies."""
 
     @property
@@ -107,7 +108,7 @@ class Steps:
             return self._remember(key, None if record.inherited else compensate, record.output)
         idem = f"{self.run_id}:{key}"
         ambiguous = record is not None and record.status == StepStatus.STARTED
-        if ambiguous and (reconcile is not None or on_ambiguous == "ask"):
+        if record is not None and ambiguous and (reconcile is not None or on_ambiguous == "ask"):
             found = (
                 self._reconcile(record, reconcile, idem)
                 if reconcile is not None
@@ -121,7 +122,8 @@ class Steps:
             if record.wake_at is not None and record.wake_at > timezone.now():
                 self._retry_later(record.pk, key, record.wake_at)  # woken early: not yet
         if record is None:
-            attempt, payload = 1, {"attempt": 1}
+            attempt = 1
+            payload: dict[str, Any] = {"attempt": 1}
             fields: dict[str, Any] = {
                 "seq": seq,
                 "key": key,

@@ -99,19 +99,19 @@ class _Condition:
 
     applies: Callable[[Fence], bool]
     sql: Callable[[Fence], tuple[str, list]]
-    refusal: Callable[[Run, Fence], Exception | None]
+    refusal: Callable[[Run, Fence], BaseException | None]
 
 
-def _not_cancelled(run: Run, f: Fence) -> Exception | None:
+def _not_cancelled(run: Run, f: Fence) -> BaseException | None:
     return Cancelled("cancel requested") if run.cancel_requested_at is not None else None
 
 
-def _not_halted(run: Run, f: Fence) -> Exception | None:
+def _not_halted(run: Run, f: Fence) -> BaseException | None:
     found = holds_on(run)
     return Halted(found[0].scope, found[0].by, found[0].reason) if found else None
 
 
-def _in_budget(run: Run, f: Fence) -> Exception | None:
+def _in_budget(run: Run, f: Fence) -> BaseException | None:
     for unit, limit, spent, reserved, held, estimate in (
         ("micro-USD", run.budget_micros, run.cost_micros, run.reserved_micros,
          f.held.micros, f.estimate.micros),
@@ -165,7 +165,8 @@ _SETTLE = (
 
 
 def fence_statement(lease: Lease, checks: Fence = Fence()) -> tuple[str, list[Any]]:
-    sets, params = "event_seq = event_seq + %s", [checks.events]
+    sets = "event_seq = event_seq + %s"
+    params: list[Any] = [checks.events]
     if checks.starting:
         sets += _RESERVE
         params += [checks.estimate.micros, checks.estimate.tokens]
@@ -431,7 +432,7 @@ _COLUMNS: dict[tuple[type, str], tuple[str, str, Callable[..., Any] | None]] = {
 #: Field types whose values go to the driver as they are; on PostgreSQL psycopg also adapts
 #: datetimes, dates and ids itself (the engine's datetimes are always aware), so Django's
 #: per-value preparation, a fifth of a step's Python, is skipped for them.
-_NATIVE = (
+_NATIVE: tuple[str, ...] = (
     "CharField", "TextField", "IntegerField", "BigIntegerField", "PositiveIntegerField",
     "PositiveSmallIntegerField", "SmallIntegerField", "BooleanField",
 )  # fmt: skip
@@ -518,7 +519,8 @@ def hot_cursor():
     connection.close_if_health_check_failed()
     connection.ensure_connection()
     # Django's wrapper around it keeps query logging, execute wrappers and its error classes.
-    with connection._prepare_cursor(ServerBindingCursor(connection.connection)) as cursor:
+    raw = ServerBindingCursor(connection.connection)  # type: ignore[call-arg]
+    with connection._prepare_cursor(raw) as cursor:  # type: ignore[attr-defined]
         yield cursor
 
 

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.utils import timezone
 
@@ -15,6 +15,7 @@ from runs.engine import registry
 from runs.engine.budget import default_run_budget
 from runs.engine.records import Decision, as_timedelta, brief
 from runs.engine.serialization import to_json
+from runs.engine.state import ContextState
 from runs.engine.store import append_event, atomic, create_run
 from runs.errors import (
     ApprovalExpired,
@@ -50,8 +51,14 @@ class Child:
     workflow: str
     input: Any
 
+    @property
+    def step(self) -> Step:
+        """Its checkpoint: children() writes every missing one before reading them."""
+        assert self.record is not None
+        return self.record
 
-class Waits:
+
+class Waits(ContextState):
     """A wait is a `waiting` step row, the run set waiting with a wake-up time and the lease given
     up in one transaction; `Suspended` then unwinds the workflow."""
 
@@ -198,7 +205,7 @@ class Waits:
                 outcomes[i] = Decision.from_json(record.output)
         open_ = [i for i, outcome in enumerate(outcomes) if outcome is None]
         if not open_:
-            return outcomes
+            return cast("list[Decision | StepguardError]", outcomes)
         for i in open_:
             if not asks[i].action or len(asks[i].action) > 200:
                 raise StepMisuse("an approval needs an action of 1 to 200 characters")
@@ -247,7 +254,7 @@ class Waits:
                 self._suspend(min(deadlines) if len(deadlines) == len(waits) else None)
         if waits:
             raise Suspended(f"waiting for {len(waits)} approvals")
-        return outcomes
+        return cast("list[Decision | StepguardError]", outcomes)  # each one settled above
 
     def _settled(self, record: Step, now, outcome) -> tuple[str, str, dict]:
         """Finish a waiting approval step with its decision or error (inside the caller's
@@ -278,7 +285,7 @@ class Waits:
         who = request.decided_by.get_username() if request.decided_by else "nobody"
         action = request.action
         if request.status == ApprovalStatus.APPROVED:
-            return Decision(request.pk, who, request.decided_at, request.comment)
+            return Decision(request.pk, who, request.decided_at or now, request.comment)
         if request.status == ApprovalStatus.EXPIRED:
             return ApprovalExpired(f"approval #{request.pk} for {action!r} expired undecided")
         if request.status == ApprovalStatus.REVOKED:
@@ -304,7 +311,7 @@ class Waits:
         for e in entries:
             self._admit(e.key, e.seq, e.record)
         if all(e.record is not None and e.record.status == StepStatus.COMPLETED for e in entries):
-            return [e.record.output for e in entries]
+            return [e.step.output for e in entries]
         plans = {}
         for e in entries:
             if e.record is None:
@@ -333,29 +340,29 @@ class Waits:
             keys = {
                 f"{self.run_id}:{e.key}": e
                 for e in entries
-                if e.record.status != StepStatus.COMPLETED
+                if e.step.status != StepStatus.COMPLETED
             }
             waiting = False
             for child in Run.objects.filter(key__in=keys).only(
                 "id", "key", "status", "output", "error"
             ):
-                e = keys[child.key]
+                e = keys[child.key or ""]  # filtered on key above
                 if child.status == RunStatus.COMPLETED:
-                    Step.objects.filter(pk=e.record.pk).update(
+                    Step.objects.filter(pk=e.step.pk).update(
                         status=StepStatus.COMPLETED, output=child.output, finished_at=now
                     )
-                    e.record.status, e.record.output = StepStatus.COMPLETED, child.output
+                    e.step.status, e.step.output = StepStatus.COMPLETED, child.output
                     events.append((EventType.STEP_COMPLETED, e.key, {"child": str(child.id)}))
                 elif child.status in (RunStatus.FAILED, RunStatus.CANCELLED):
                     message = (child.error or {}).get("message", child.status)
                     error = ChildFailed(f"child run {child.id} ({e.key}) {child.status}: {message}")
-                    Step.objects.filter(pk=e.record.pk).update(
+                    Step.objects.filter(pk=e.step.pk).update(
                         status=StepStatus.FAILED,
                         error={**error.as_record(), "child": str(child.id)},
                         run_attempt=self.attempt,
                         finished_at=now,
                     )
-                    e.record.status = StepStatus.FAILED
+                    e.step.status = StepStatus.FAILED
                     events.append(
                         (
                             EventType.STEP_FAILED,
@@ -365,11 +372,13 @@ class Waits:
                     )
                 else:
                     waiting = True
-            failed = [e for e in entries if e.record.status == StepStatus.FAILED]
+            failed = [e for e in entries if e.step.status == StepStatus.FAILED]
             if failed:
-                failure = ChildFailed(Step.objects.get(pk=failed[0].record.pk).error["message"])
+                failure = ChildFailed(
+                    (Step.objects.get(pk=failed[0].step.pk).error or {})["message"]
+                )
             elif waiting:
-                pending = sum(1 for e in entries if e.record.status == StepStatus.WAITING)
+                pending = sum(1 for e in entries if e.step.status == StepStatus.WAITING)
                 events.append((EventType.CHILDREN_WAITING, "", {"pending": pending}))
             self._append_events(event_seq, events)  # needs the lease: before _suspend
             if waiting and not failed:
@@ -378,7 +387,7 @@ class Waits:
             raise failure
         if waiting:
             raise Suspended("waiting for child runs")
-        return [e.record.output for e in entries]
+        return [e.step.output for e in entries]
 
     def _timer(self, key: str, deadline: Callable[[datetime], datetime]) -> None:
         key, seq, record = self._enter(key)
@@ -392,7 +401,9 @@ class Waits:
                     seq, key, StepKind.SLEEP, StepStatus.WAITING,
                     input={"until": when.isoformat()}, wake_at=when,
                 )  # fmt: skip
-            if record.wake_at <= now:
+            wake_at = record.wake_at
+            assert wake_at is not None  # a sleep's row is written with its deadline
+            if wake_at <= now:
                 Step.objects.filter(pk=record.pk).update(
                     status=StepStatus.COMPLETED, finished_at=now
                 )
@@ -401,7 +412,7 @@ class Waits:
                     event_seq,
                     EventType.TIMER_FIRED,
                     key,
-                    wake_at=record.wake_at.isoformat(),
+                    wake_at=wake_at.isoformat(),
                 )
                 return
             append_event(
@@ -409,10 +420,10 @@ class Waits:
                 event_seq,
                 EventType.TIMER_SET,
                 key,
-                wake_at=record.wake_at.isoformat(),
+                wake_at=wake_at.isoformat(),
             )
-            self._suspend(record.wake_at)
-        raise Suspended(f"sleeping until {record.wake_at.isoformat()}")
+            self._suspend(wake_at)
+        raise Suspended(f"sleeping until {wake_at.isoformat()}")
 
     def _sleep(self, seconds: float) -> None:
         """A retry delay that a lost lease or a shutdown cuts short."""

@@ -8,6 +8,8 @@ import asyncio
 import json
 import logging
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import psycopg
 from django.conf import settings
@@ -137,12 +139,14 @@ class Doorbell:
                 connections.close_all()
             time.sleep(self.REST)
 
-    def publish(self, ids: set[str], deltas: list[tuple[str, int, str]] = ()) -> None:
+    def publish(self, ids: set[str], deltas: Sequence[tuple[str, int, str]] = ()) -> None:
         if settings.REDIS_URL:
             from channels.layers import get_channel_layer
 
             layer = get_channel_layer()
-            messages = [(i, {"type": "run.doorbell"}) for i in ids]
+            messages: list[tuple[str, dict[str, Any]]] = [
+                (i, {"type": "run.doorbell"}) for i in ids
+            ]
             messages += [
                 (run_id, {"type": "step.delta", "seq": seq, "text": text})
                 for run_id, seq, text in deltas

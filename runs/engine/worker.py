@@ -283,7 +283,8 @@ class WorkerProcess:
         kinds = {RunStatus.RUNNING: EventType.RUN_RECOVERED, RunStatus.WAITING: EventType.RUN_WOKEN}
         for run in runs:
             doorbell.ring(run.id)
-            event_written(run.id, kinds.get(run.was, EventType.RUN_CLAIMED))
+            was = run.was  # type: ignore[attr-defined]  # a column of the claim statement
+            event_written(run.id, kinds.get(was, EventType.RUN_CLAIMED))
         return runs
 
     def _fail_poisoned(self, now) -> None:
@@ -384,7 +385,7 @@ class WorkerProcess:
             close_old_connections()
             for _ in range(MAX_CARRY_ON + 1):
                 try:
-                    outcome = execute(run, lease)
+                    outcome: str = execute(run, lease)
                 except Exception as exc:
                     if not is_disconnect(exc):
                         raise

@@ -1,0 +1,166 @@
+"""What the engine's concerns share: the state of one execution of a run, and the methods one
+concern calls on another.
+
+RunContext (context.py) is assembled from mixins, one module a concern. Each mixin inherits
+this declaration, so each module type-checks on its own against the same contract; the
+methods below exist at run time only in the mixin that defines them, and a type checker
+refuses a mixin whose definition no longer matches its declaration here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from runs.engine.bridge import AsyncRunContext, Turnstile
+    from runs.engine.budget import Usage
+    from runs.engine.checkpoints import Held
+    from runs.engine.records import Decision, Running
+    from runs.engine.retry import RetryPolicy
+    from runs.engine.store import Fence, Lease
+    from runs.errors import StepguardError
+    from runs.models import Step
+
+
+class ContextState:
+    """Set by RunContext.__init__; see there for what each one means."""
+
+    run_id: str
+    workflow: str
+    version: str
+    input: Any
+    attempt: int
+    _history: dict[int, Step]
+    _lease: Lease
+    _seq: int
+    _last_seq: int
+    _occurrences: dict[str, int]
+    _cancel_requested: bool
+    _forked_from: Any
+    _give_up: StepguardError | None
+    _compensations: list[tuple[str, Callable, Any]]
+    _compensating: bool
+    _eager: bool
+    _trace: Any
+    _patches: dict[str, bool]
+    _loop: asyncio.AbstractEventLoop | None
+    _runner: asyncio.Runner | None
+    _usd_budget: bool
+    _budgeted: bool
+    _turnstile: Turnstile | None
+    _async: AsyncRunContext | None
+    _unpriced_models: set[str]
+    _last_request: tuple[int, dict, bool | None] | None
+
+    if TYPE_CHECKING:
+        # Replay (replay.py)
+        def _enter(self, key: str, *, internal: bool = False) -> tuple[str, int, Step | None]: ...
+        def _position(
+            self, key: str, *, internal: bool = False
+        ) -> tuple[str, int, Step | None]: ...
+        def _admit(self, key: str, seq: int, record: Step | None) -> None: ...
+        def _fork_lineage(self) -> list: ...
+
+        # Steps (steps.py)
+        @property
+        def idempotency_key(self) -> str: ...
+        def step(
+            self,
+            key: str,
+            fn: Callable,
+            /,
+            *args: Any,
+            retry: RetryPolicy | None = None,
+            reconcile: Callable[[str], Any] | None = None,
+            on_ambiguous: str = "resend",
+            compensate: Callable[[Any], Any] | None = None,
+            approval: Decision | None = None,
+            estimate: Usage | None = None,
+            kind: str = ...,
+            **kwargs: Any,
+        ) -> Any: ...
+        def _run_step(
+            self,
+            key: str,
+            fn: Callable,
+            args: tuple,
+            kwargs: dict,
+            *,
+            retry: RetryPolicy | None = None,
+            reconcile: Callable[[str], Any] | None = None,
+            on_ambiguous: str = "resend",
+            compensate: Callable[[Any], Any] | None = None,
+            approval: Decision | None = None,
+            estimate: Usage | None = None,
+            kind: str = ...,
+            internal: bool = False,
+            described: Any = None,
+            model: str = "",
+        ) -> Any: ...
+        def _running(self) -> Running | None: ...
+        def _await(self, value: Any) -> Any: ...
+        def _released(self, force: bool = False) -> AbstractContextManager[None]: ...
+        def _check_approval(self, decision: Decision | None) -> None: ...
+
+        # Checkpoints (checkpoints.py)
+        @property
+        def _start(self) -> Fence: ...
+        def _new_step(self, seq: int, key: str, kind: str, status: str, **fields: Any) -> Step: ...
+        def _restart(
+            self, step_pk: Any, key: str, payload: Any, attempt: int, held: Any, approval: Any
+        ) -> None: ...
+        def _settle_step(
+            self,
+            step_pk: Any,
+            key: str,
+            payload: Any,
+            fields: Any,
+            usage: Usage | None,
+            held: Held | None,
+            *,
+            defer: bool = False,
+        ) -> None: ...
+        def _record_failure(
+            self,
+            step_pk: Any,
+            seq: int | None,
+            key: str,
+            idem: str | None,
+            kind: str | None,
+            attempt: int,
+            exc: Exception,
+            held: Held | None = None,
+        ) -> NoReturn: ...
+        def _note_retry(self, key: str, tries: int, exc: Exception, delay: float) -> None: ...
+        def _append_events(self, first_seq: int, events: list[tuple[str, str, dict]]) -> None: ...
+        def _wait_fence(self) -> tuple[int, datetime]: ...
+        def _settle(
+            self,
+            record: Step,
+            event_seq: int,
+            now: datetime,
+            *,
+            output: Any = None,
+            error: Any = None,
+            **payload: Any,
+        ) -> None: ...
+        def _suspend(self, wake_at: datetime | None) -> None: ...
+
+        # Waits (waits.py)
+        def approval(
+            self,
+            key: str,
+            *,
+            action: str,
+            summary: str = "",
+            payload: Any = None,
+            timeout: float | timedelta | None = None,
+        ) -> Decision: ...
+        def _sleep(self, seconds: float) -> None: ...
+
+        # Compensation (compensation.py)
+        def _remember(self, key: str, compensate: Callable | None, output: Any) -> Any: ...
