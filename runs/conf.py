@@ -23,6 +23,10 @@ STEPGUARD_EAGER_COMPLETIONS = env_bool("STEPGUARD_EAGER_COMPLETIONS", False)
 # A step's retry delay (its backoff, or a provider's Retry-After) of at least this many seconds
 # is a durable timer that gives the worker thread back; shorter ones are slept in the thread.
 STEPGUARD_DURABLE_RETRY_SECONDS = env_float("STEPGUARD_DURABLE_RETRY_SECONDS", 5.0)
+# Flow control (docs/flow-control.md): a run due for this long is claimed before fresher runs
+# whatever their priority; a schedule's tick later than this is missed (its catch-up decides).
+STEPGUARD_PRIORITY_AGING_SECONDS = env_float("STEPGUARD_PRIORITY_AGING_SECONDS", 300.0)
+STEPGUARD_SCHEDULE_GRACE_SECONDS = env_float("STEPGUARD_SCHEDULE_GRACE_SECONDS", 60.0)
 STEPGUARD_BUDGET_WARN_AT = env_float("STEPGUARD_BUDGET_WARN_AT", 0.8)
 STEPGUARD_MODEL_PRICES = env_json("STEPGUARD_MODEL_PRICES", {})
 # Refuse a call to a model without a price in a run under a USD budget (else: a warning event).

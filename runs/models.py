@@ -109,6 +109,11 @@ class Run(models.Model):
     )
     event_seq = models.BigIntegerField(default=0, help_text="seq of the last event written")
 
+    # Flow control (docs/flow-control.md): claims take higher priorities first, and at most so
+    # many runs of a workflow, or of one of its concurrency keys, run at once.
+    priority = models.SmallIntegerField(default=0, help_text="-1000 to 1000; higher goes first")
+    concurrency_key = models.CharField(max_length=200, blank=True, default="")
+
     # Spend and budgets. USD is kept in integer micro-dollars so SQLite compares it exactly.
     tokens_in = models.BigIntegerField(default=0)
     tokens_out = models.BigIntegerField(default=0)
@@ -155,6 +160,7 @@ class Run(models.Model):
             ("retry_run", "Can retry failed runs"),
             ("fork_run", "Can fork a run from a step"),
             ("set_budget", "Can set budgets of runs, workflows and the global daily budget"),
+            ("set_flow", "Can set concurrency limits and manage schedules"),
         ]
         constraints = [
             models.UniqueConstraint(fields=["key"], name="runs_run_key_unique"),
@@ -177,6 +183,10 @@ class Run(models.Model):
                 condition=~Q(status="halted") | Q(worker__isnull=True, lease_until__isnull=True),
                 name="runs_run_halted_holds_no_worker",
             ),
+            models.CheckConstraint(
+                condition=Q(priority__gte=-1000, priority__lte=1000),
+                name="runs_run_priority_range",
+            ),
         ]
         indexes = [
             # Claim query, first half: pending, waiting and paused runs whose wake_at has come.
@@ -184,6 +194,19 @@ class Run(models.Model):
                 fields=["wake_at"],
                 condition=Q(status__in=["pending", "waiting", "over_budget"]),
                 name="runs_run_wake_idx",
+            ),
+            # Claim query, due runs not yet aged: highest priority first, then first come.
+            models.Index(
+                models.F("priority").desc(),
+                "wake_at",
+                condition=Q(status__in=["pending", "waiting", "over_budget"]),
+                name="runs_run_priority_wake_idx",
+            ),
+            # Concurrency limits: the running runs of a workflow, per concurrency key.
+            models.Index(
+                fields=["workflow", "concurrency_key"],
+                condition=Q(status="running"),
+                name="runs_run_running_key_idx",
             ),
             # Claim query, second half: running runs whose lease expired (crash recovery).
             models.Index(
@@ -436,6 +459,13 @@ class Policy(models.Model):
         null=True, blank=True, help_text="default budget of each new run"
     )
     run_budget_tokens = models.BigIntegerField(null=True, blank=True)
+    # Concurrency limits set by an operator; None: the workflow's own (`@workflow(...)`).
+    max_running = models.PositiveIntegerField(
+        null=True, blank=True, help_text="runs of the workflow running at once"
+    )
+    max_running_per_key = models.PositiveIntegerField(
+        null=True, blank=True, help_text="runs of one concurrency key running at once"
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -471,6 +501,52 @@ class BudgetLedger(models.Model):
 
     def __str__(self) -> str:
         return f"{self.scope} {self.day}"
+
+
+class Catchup(models.TextChoices):
+    """What a schedule fires of the ticks it missed while no worker was up."""
+
+    SKIP = "skip", "skip missed ticks"
+    LAST = "last", "run the last missed tick"
+    ALL = "all", "run every missed tick, up to a bound"
+
+
+class Schedule(models.Model):
+    """A cron schedule: each tick starts one run of `workflow` (runs/schedules.py)."""
+
+    name = models.CharField(max_length=200, unique=True)
+    workflow = models.CharField(max_length=200)
+    cron = models.CharField(max_length=200, help_text="5 fields, or 6 with seconds first")
+    timezone = models.CharField(max_length=64, default="UTC")
+    input = models.JSONField(null=True, blank=True)
+    paused = models.BooleanField(default=False)
+    catchup = models.CharField(max_length=10, choices=Catchup.choices, default=Catchup.SKIP)
+    catchup_limit = models.PositiveIntegerField(default=10)
+    source = models.CharField(max_length=10, default="api", help_text="code or api")
+    next_fire_at = models.DateTimeField()
+    last_fired_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(catchup__in=Catchup.values), name="runs_schedule_catchup_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(catchup_limit__gte=1, catchup_limit__lte=1000),
+                name="runs_schedule_catchup_limit_range",
+            ),
+        ]
+        indexes = [
+            # Firing: the due schedules that are not paused, soonest first.
+            models.Index(
+                fields=["next_fire_at"], condition=Q(paused=False), name="runs_schedule_due_idx"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.cron} {self.timezone})"
 
 
 class Chore(models.Model):

@@ -16,6 +16,7 @@ VIEW = [
     ("runs", "view_budgetledger"),
     ("runs", "view_notificationchannel"),
     ("runs", "view_notificationdelivery"),
+    ("runs", "view_schedule"),
     ("approvals", "view_approvalrequest"),
 ]
 ROLES = {
@@ -32,6 +33,7 @@ ROLES = {
         ("runs", "add_signal"),
         ("runs", "add_notificationchannel"),
         ("runs", "delete_notificationchannel"),
+        ("runs", "set_flow"),
     ],
     "approver": [*VIEW, ("approvals", "decide_approvalrequest")],
 }
@@ -62,8 +64,15 @@ def _exists(apps, app: str, codename: str) -> bool:
     """Whether the model a default permission (`view_step`) is of exists in `apps`: an early
     migration's state lacks the models added later, whose own migration calls this again."""
     action, model = codename.split("_", 1)
-    if action not in ("add", "change", "delete", "view"):
-        return True  # a custom permission (halt_run...), of a model from the first migration
+    if action not in ("add", "change", "delete", "view"):  # a custom one (halt_run, set_flow)
+        declared = (
+            name for m in apps.get_app_config(app).get_models() for name, _ in m._meta.permissions
+        )
+        if codename in declared:
+            return True
+        if apps is global_apps:
+            raise LookupError(f"no model of {app!r} declares the permission {codename!r}")
+        return False
     try:
         apps.get_model(app, model)
     except LookupError:

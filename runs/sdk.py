@@ -84,15 +84,40 @@ __all__ = [
 ]
 
 
-def workflow(name: str, *, version: str = "1") -> Callable[[Callable], Callable]:
+def workflow(
+    name: str,
+    *,
+    version: str = "1",
+    concurrency: int | None = None,
+    concurrency_key: Callable[[Any], Any] | None = None,
+    per_key: int | None = None,
+    priority: int = 0,
+    schedule: str | None = None,
+    timezone: str = "UTC",
+) -> Callable[[Callable], Callable]:
     """Register `fn(ctx: RunContext, input) -> result` as workflow `name` at `version`.
 
     A run is resumed only by code registered under the name and version it started with;
     change the steps a workflow takes and you give it a new version.
+
+    Flow control (docs/flow-control.md): at most `concurrency` runs of the workflow execute at
+    once on all workers together, and at most `per_key` of those share the key
+    `concurrency_key(input)` (a tenant, a user); runs waiting on a timer, a signal or an
+    approval do not count. `priority` (-1000 to 1000) is its runs' default. `schedule`, a cron
+    expression in `timezone`, starts one run per tick.
     """
 
+    if schedule is not None:
+        from runs.schedules import check_cron, zone
+
+        schedule = check_cron(schedule)
+        zone(timezone)
+
     def decorate(fn: Callable) -> Callable:
-        registry.register(name, version, fn)
+        registry.register(
+            name, version, fn, concurrency=concurrency, concurrency_key=concurrency_key,
+            per_key=per_key, priority=priority, schedule=schedule, timezone=timezone,
+        )  # fmt: skip
         return fn
 
     return decorate
@@ -109,6 +134,8 @@ def start_run(
     budget_tokens: int | None = None,
     started_by=None,
     api_key: str | None = None,
+    priority: int | None = None,
+    created: dict[str, Any] | None = None,
 ) -> Run:
     """Start a run of workflow `name` (its newest registered version unless `version` is given).
 
@@ -117,17 +144,23 @@ def start_run(
     if this process has not registered the workflow, and OutputNotSerializable for input that
     is not JSON. `started_by` (a user) and `api_key` (the prefix of the key used) are recorded
     on the `run.created` event, with the run's budget: the person who started a run may not
-    approve its actions (STEPGUARD_FOUR_EYES).
+    approve its actions (STEPGUARD_FOUR_EYES). `priority` (-1000 to 1000) overrides the
+    workflow's; `created` adds to what the `run.created` event records (a schedule's tick).
     """
     definition = registry.get(name, version)
     data = to_json(input, what=f"the input of workflow {name!r}")
+    if priority is None:
+        priority = definition.priority
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
+        raise ValueError("priority must be an integer between -1000 and 1000")
     if key is not None and (not isinstance(key, str) or not 0 < len(key) <= 255):
         raise ValueError("a run key must be a string of 1 to 255 characters")
     if max_attempts is not None and not 1 <= max_attempts <= 100:
         raise ValueError("max_attempts must be between 1 and 100")
     fields: dict[str, Any] = {"max_attempts": max_attempts} if max_attempts else {}
     fields |= _run_budget(definition.name, budget_usd, budget_tokens)
-    created: dict[str, Any] = {}
+    fields |= {"priority": priority, "concurrency_key": definition.key_for(data)}
+    created = dict(created or {})
     if api_key:
         created["api_key"] = api_key
     micros, tokens = fields.get("budget_micros"), fields.get("budget_tokens")

@@ -3,6 +3,7 @@
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from django.conf import settings
 
@@ -14,6 +15,29 @@ class WorkflowDef:
     name: str
     version: str
     fn: Callable
+    # Flow control (docs/flow-control.md); an operator's Policy overrides the limits.
+    concurrency: int | None = None
+    concurrency_key: Callable[[Any], Any] | None = None
+    per_key: int | None = None
+    priority: int = 0
+    schedule: str | None = None
+    timezone: str = "UTC"
+
+    def key_for(self, input: Any) -> str:
+        """The concurrency key of a run with `input` ("" without a key function)."""
+        if self.concurrency_key is None:
+            return ""
+        try:
+            key = self.concurrency_key(input)
+        except Exception as exc:
+            raise ValueError(
+                f"the concurrency key of workflow {self.name!r} failed on this input: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        key = str(key)
+        if len(key) > 200:
+            raise ValueError(f"concurrency key of workflow {self.name!r} is over 200 characters")
+        return key
 
     @property
     def ref(self) -> str:
@@ -24,7 +48,8 @@ _workflows: dict[tuple[str, str], WorkflowDef] = {}
 _latest: dict[str, str] = {}
 
 
-def register(name: str, version: str, fn: Callable) -> WorkflowDef:
+def register(name: str, version: str, fn: Callable, **options: Any) -> WorkflowDef:
+    """Register `fn`; `options` are WorkflowDef's flow-control fields, checked here."""
     if not name or not isinstance(name, str):
         raise ValueError("a workflow needs a non-empty name")
     if "*" in name:
@@ -37,7 +62,15 @@ def register(name: str, version: str, fn: Callable) -> WorkflowDef:
             f"workflow {name}@{version} is already registered by {existing.fn.__module__}."
             f"{existing.fn.__qualname__}; give the new code a new version"
         )
-    definition = WorkflowDef(name, version, fn)
+    for limit in ("concurrency", "per_key"):
+        value = options.get(limit)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"workflow {name!r}: {limit} must be a positive integer")
+    if options.get("per_key") is not None and options.get("concurrency_key") is None:
+        raise ValueError(f"workflow {name!r}: per_key needs a concurrency_key function")
+    if not -1000 <= options.get("priority", 0) <= 1000:
+        raise ValueError(f"workflow {name!r}: priority must be between -1000 and 1000")
+    definition = WorkflowDef(name, version, fn, **options)
     _workflows[(name, version)] = definition
     _latest[name] = version
     return definition

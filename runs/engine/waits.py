@@ -330,6 +330,8 @@ class Waits(ContextState):
                         input=data,
                         key=f"{self.run_id}:{e.key}",
                         parent_id=self._lease.run_id,
+                        priority=definition.priority,
+                        concurrency_key=definition.key_for(data),
                         **default_run_budget(definition.name),
                     )
                     e.record = self._new_step(

@@ -22,8 +22,8 @@ from django.db import close_old_connections, connection, transaction
 from django.db.models import F, Min, Q
 from django.utils import timezone
 
-from runs import logcontext
-from runs.engine import holds, registry
+from runs import logcontext, schedules
+from runs.engine import flow, holds, registry
 from runs.engine.budget import release_holds
 from runs.engine.executor import execute, release
 from runs.engine.outage import is_disconnect, outage, reconnect, wait_for_database
@@ -78,6 +78,8 @@ class WorkerProcess:
         self.workflows = sorted(d.ref for d in definitions)
         self._mine_refs = sorted((d.name, d.version) for d in definitions)
         self._mine = reduce(or_, (Q(workflow=d.name, version=d.version) for d in definitions))
+        self._names = {d.name for d in definitions}
+        self._schedules_at = 0.0  # when tick() next looks for due schedules (monotonic)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -115,6 +117,7 @@ class WorkerProcess:
             target=notifications.loop, args=(self.stopped, str(self.id)), daemon=True
         ).start()
         self._report_unknown()
+        schedules.sync_code_schedules()
         while not self.stopping.is_set():
             self.bell.clear()
             try:
@@ -164,6 +167,9 @@ class WorkerProcess:
         due = Run.objects.filter(self._mine, status__in=WAKEABLE, wake_at__gt=now).aggregate(
             due=Min("wake_at")
         )["due"]
+        fire = schedules.next_due(self._names)
+        if fire is not None and (due is None or fire < due):
+            due = fire
         if due is None:
             return self.poll_interval
         return max(0.0, min(self.poll_interval, (due - now).total_seconds()))
@@ -171,7 +177,11 @@ class WorkerProcess:
     # -- one tick ------------------------------------------------------------------------------
 
     def tick(self) -> int:
-        """Claim as many runs as there are free threads and start them; return how many."""
+        """Fire due schedules; claim as many runs as there are free threads and start them;
+        return how many."""
+        if time.monotonic() >= self._schedules_at:
+            self._schedules_at = time.monotonic() + min(self.poll_interval, 0.5)
+            schedules.fire_due(self._names)
         free = self.concurrency - len(self.active)
         if free <= 0:
             return 0
@@ -188,9 +198,12 @@ class WorkerProcess:
 
     def claim(self, limit: int) -> list[Run]:
         now = timezone.now()
+        limits = flow.limits(self._names)
         if connection.vendor == "postgresql":
-            claimed = self._claim_in_one_statement(limit, now)
+            claimed = self._claim_in_one_statement(limit, now, sorted(limits))
             outage.ok()  # the database answered
+            if limits and len(claimed) < limit:
+                claimed += self._claim_limited(limit - len(claimed), limits, now)
             if len(claimed) < limit:
                 # Nothing more is runnable now: the due runs left are held or poison runs,
                 # which the statement skips. Park the held ones; fail the poison ones.
@@ -206,13 +219,61 @@ class WorkerProcess:
             candidates = list(
                 Run.objects.select_for_update(skip_locked=True)
                 .filter(runnable_filter(now) & self._mine)
+                .exclude(workflow__in=limits, status__in=WAKEABLE)
                 .filter(holds.uncovered())
-                .order_by("wake_at")
+                .order_by(*flow.claim_order(now))
                 .values_list("id", "status", "lease_epoch", "event_seq", "recoveries")[:limit]
             )
             for run_id, status, epoch, event_seq, recoveries in candidates:
                 if self._claim_one(run_id, status, epoch, event_seq, recoveries, now):
                     claimed_ids.append((run_id, epoch + 1))
+        claimed = self._adopt(claimed_ids)
+        if limits and len(claimed) < limit:
+            claimed += self._claim_limited(limit - len(claimed), limits, now)
+        return claimed
+
+    def _claim_limited(self, free: int, limits: dict[str, flow.Limit], now) -> list[Run]:
+        """Claim due runs of limited workflows, each workflow under its lock, within what its
+        running runs leave of its limits (per key too)."""
+        claimed_ids = []
+        for name, limit in limits.items():
+            if free <= 0:
+                break
+            with transaction.atomic():
+                flow.lock(name)
+                running = flow.running(name)
+                room = (
+                    free if limit.total is None else min(free, limit.total - sum(running.values()))
+                )
+                if room <= 0:
+                    continue
+                per_key = limit.per_key
+                full = [k for k, n in running.items() if per_key is not None and n >= per_key]
+                candidates = (
+                    Run.objects.filter(
+                        self._mine, workflow=name, status__in=WAKEABLE, wake_at__lte=now
+                    )
+                    .exclude(concurrency_key__in=full)
+                    .filter(holds.uncovered())
+                    .order_by(*flow.claim_order(now))
+                    .values_list(
+                        "id", "status", "lease_epoch", "event_seq", "recoveries", "concurrency_key"
+                    )[: room * 4 + 8]
+                )
+                for run_id, status, epoch, event_seq, recoveries, key in candidates:
+                    if room <= 0:
+                        break
+                    if per_key is not None and running.get(key, 0) >= per_key:
+                        continue
+                    if self._claim_one(run_id, status, epoch, event_seq, recoveries, now):
+                        claimed_ids.append((run_id, epoch + 1))
+                        running[key] = running.get(key, 0) + 1
+                        room -= 1
+                        free -= 1
+        return self._adopt(claimed_ids)
+
+    def _adopt(self, claimed_ids: list) -> list[Run]:
+        """The runs our claims took, read back; one taken over since is dropped."""
         if not claimed_ids:
             return []
         epochs = dict(claimed_ids)
@@ -220,27 +281,40 @@ class WorkerProcess:
         # Whatever was taken over between our commit and this read is dropped, not adopted.
         return [run for run in runs if run.lease_epoch == epochs[run.id]]
 
-    def _claim_in_one_statement(self, limit: int, now) -> list[Run]:
+    def _claim_in_one_statement(self, limit: int, now, limited: list[str]) -> list[Run]:
         """PostgreSQL: lock up to `limit` runnable runs (SKIP LOCKED: workers never wait on
         each other), take their leases and append their claim events, in one statement.
 
         Due runs and runs whose worker died are looked up apart, each in the order of its own
-        partial index, so a claim reads about `limit` rows however long the queue is. Held
-        runs and poison runs (recovered too often) are left to `claim`'s slow path.
+        partial index, so a claim reads about `limit` rows however long the queue is: runs
+        whose worker died and runs due for longer than the priority aging time first, oldest
+        first, then the other due runs by priority. Held runs and poison runs (recovered too
+        often) are left to `claim`'s slow path; due runs of the `limited` workflows to
+        `_claim_limited`.
         """
         fields = [f for f in Run._meta.concrete_fields]
         columns = ", ".join(f'r."{f.column}"' for f in fields)
         mine = " OR ".join(["(workflow = %s AND version = %s)"] * len(self._mine_refs))
         sql = f"""
-            WITH due AS (
-                SELECT id, status AS was, wake_at AS at FROM {RUN_TABLE}
-                WHERE status = ANY(%s) AND wake_at <= %s AND ({mine})
+            WITH aged AS (
+                SELECT id, status AS was, 0 AS grp, 0 AS prio, wake_at AS at FROM {RUN_TABLE}
+                WHERE status = ANY(%s) AND wake_at < %s AND ({mine})
+                  AND NOT (workflow = ANY(%s))
                   AND NOT {holds.covered_sql()}
                 ORDER BY wake_at
                 LIMIT %s
                 FOR UPDATE SKIP LOCKED
+            ), due AS (
+                SELECT id, status AS was, 1 AS grp, -priority AS prio, wake_at AS at
+                FROM {RUN_TABLE}
+                WHERE status = ANY(%s) AND wake_at <= %s AND wake_at >= %s AND ({mine})
+                  AND NOT (workflow = ANY(%s))
+                  AND NOT {holds.covered_sql()}
+                ORDER BY priority DESC, wake_at
+                LIMIT %s
+                FOR UPDATE SKIP LOCKED
             ), lost AS (
-                SELECT id, status AS was, lease_until AS at FROM {RUN_TABLE}
+                SELECT id, status AS was, 0 AS grp, 0 AS prio, lease_until AS at FROM {RUN_TABLE}
                 WHERE status = %s AND lease_until < %s AND ({mine})
                   AND recoveries + 1 < %s
                   AND NOT {holds.covered_sql()}
@@ -248,8 +322,10 @@ class WorkerProcess:
                 LIMIT %s
                 FOR UPDATE SKIP LOCKED
             ), c AS (
-                SELECT id, was FROM (SELECT * FROM lost UNION ALL SELECT * FROM due) AS both_
-                ORDER BY at LIMIT %s
+                SELECT id, was FROM (
+                    SELECT * FROM lost UNION ALL SELECT * FROM aged UNION ALL SELECT * FROM due
+                ) AS all_
+                ORDER BY grp, prio, at LIMIT %s
             ), u AS (
                 UPDATE {RUN_TABLE} r SET
                     status = %s, worker_id = %s, lease_until = %s,
@@ -270,8 +346,10 @@ class WorkerProcess:
         """
         poison = 2 * settings.STEPGUARD_MAX_RECOVERIES
         refs = [part for ref in self._mine_refs for part in ref]
+        old = flow.aged(now)
         params = [
-            list(WAKEABLE), now, *refs, limit,
+            list(WAKEABLE), old, *refs, limited, limit,
+            list(WAKEABLE), now, old, *refs, limited, limit,
             RunStatus.RUNNING, now, *refs, poison, limit,
             limit,
             RunStatus.RUNNING, self.id, now + self.lease, RunStatus.RUNNING, now,

@@ -1,0 +1,85 @@
+"""Flow control in the claim path: concurrency limits and the order of claims.
+
+A limited workflow's runs are claimed under a lock of that workflow (PostgreSQL: a
+transaction-scoped advisory lock; SQLite: every write transaction is serial, IMMEDIATE),
+after counting its running runs in the same transaction: two workers can never both see the
+last free slot. Limits come from the code (`@workflow(concurrency=..., per_key=...)`) unless
+an operator set the workflow's Policy (`max_running`, `max_running_per_key`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import connection
+from django.db.models import Case, Count, F, IntegerField, Q, Value, When
+
+from runs.engine import registry
+from runs.models import Policy, Run, RunStatus
+
+
+@dataclass(frozen=True)
+class Limit:
+    total: int | None
+    per_key: int | None
+
+
+def limits(names: set[str]) -> dict[str, Limit]:
+    """The limited workflows among `names`, with their limits in force. One query."""
+    code: dict[str, Limit] = {}
+    for name in names:
+        try:
+            definition = registry.get(name)
+        except registry.UnknownWorkflow:
+            continue
+        code[name] = Limit(definition.concurrency, definition.per_key)
+    overrides = Policy.objects.filter(scope__in=names).filter(
+        Q(max_running__isnull=False) | Q(max_running_per_key__isnull=False)
+    )
+    for scope, total, per_key in overrides.values_list(
+        "scope", "max_running", "max_running_per_key"
+    ):
+        mine = code.get(scope, Limit(None, None))
+        code[scope] = Limit(
+            total if total is not None else mine.total,
+            per_key if per_key is not None else mine.per_key,
+        )
+    return {name: limit for name, limit in code.items() if limit != Limit(None, None)}
+
+
+def lock(workflow: str) -> None:
+    """Serialise the claims of one limited workflow until the transaction ends."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                [f"stepguard.flow:{workflow}"],
+            )
+
+
+def running(workflow: str) -> dict[str, int]:
+    """How many runs of `workflow` run now, per concurrency key (runs_run_running_key_idx)."""
+    rows = (
+        Run.objects.filter(workflow=workflow, status=RunStatus.RUNNING)
+        .values_list("concurrency_key")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    return dict(rows)
+
+
+def aged(now: datetime) -> datetime:
+    """Runs due before this are taken before fresher ones whatever their priority: the bound
+    on how long a low priority waits while higher ones keep coming."""
+    return now - timedelta(seconds=settings.STEPGUARD_PRIORITY_AGING_SECONDS)
+
+
+def claim_order(now: datetime) -> list:
+    """The claim order outside PostgreSQL's statement: runs whose worker died and aged runs
+    first (oldest first), then higher priorities, first come first within one."""
+    first = Q(status=RunStatus.RUNNING) | Q(wake_at__lt=aged(now))
+    rank = Case(When(first, then=Value(0)), default=Value(1), output_field=IntegerField())
+    priority = Case(When(first, then=Value(0)), default=F("priority"), output_field=IntegerField())
+    return [rank, priority.desc(), "wake_at"]

@@ -1,0 +1,207 @@
+"""Cron schedules: each tick of a schedule starts exactly one run, however many workers are up.
+
+A tick's run is keyed `schedule:<name>:<tick>`, so the run table's unique key makes a second
+start of the same tick return the first run; the schedule row is locked while its due ticks
+are fired (SKIP LOCKED: a worker never waits for another's firing). Cron expressions are
+parsed and iterated by cronsim (5 fields, or 6 with seconds first), in the schedule's time
+zone, so a daily 09:00 schedule follows daylight saving time.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from cronsim import CronSim, CronSimError
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from runs.engine import registry
+from runs.errors import UnknownWorkflow
+from runs.models import Catchup, Schedule
+
+log = logging.getLogger("stepguard.schedules")
+
+#: How many due schedules one firing takes at a time; the rest wait for the next tick.
+BATCH = 50
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be stored as given (its message names what is wrong)."""
+
+
+def zone(name: str) -> ZoneInfo:
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ScheduleError(
+            f"unknown time zone {name!r} (an IANA name like 'Europe/Lisbon')"
+        ) from None
+
+
+def check_cron(cron: str) -> str:
+    """The expression, normalised, or ScheduleError saying why cronsim refused it."""
+    cron = " ".join(cron.split())
+    try:
+        CronSim(cron, datetime(2000, 1, 1, tzinfo=UTC))
+    except CronSimError as exc:
+        raise ScheduleError(f"bad cron expression {cron!r}: {exc}") from None
+    return cron
+
+
+def next_tick(cron: str, tz: str, after: datetime) -> datetime:
+    """The first tick strictly after `after`, in UTC."""
+    return next(CronSim(cron, after.astimezone(zone(tz)))).astimezone(UTC)
+
+
+def ticks_to_fire(schedule: Schedule, now: datetime) -> list[datetime]:
+    """The due ticks (from `next_fire_at` up to `now`) that its catch-up policy fires, oldest
+    first. A tick is late once it is more than STEPGUARD_SCHEDULE_GRACE_SECONDS old: `skip`
+    fires no late tick, `last` only the newest late one, `all` every one up to
+    `catchup_limit` (the newest ones). Walks back from now, so a long outage costs no more
+    than the ticks it fires."""
+    assert schedule.next_fire_at is not None
+    grace = now - timedelta(seconds=settings.STEPGUARD_SCHEDULE_GRACE_SECONDS)
+    back = CronSim(
+        schedule.cron,
+        (now + timedelta(microseconds=1)).astimezone(zone(schedule.timezone)),
+        reverse=True,
+    )
+    found: list[datetime] = []
+    for local in back:
+        tick = local.astimezone(UTC)
+        if tick < schedule.next_fire_at:
+            break
+        if tick < grace:  # late
+            if schedule.catchup == Catchup.LAST:
+                found.append(tick)
+                break
+            if schedule.catchup == Catchup.SKIP:
+                break
+        if schedule.catchup == Catchup.ALL and len(found) >= schedule.catchup_limit:
+            break
+        found.append(tick)
+    return found[::-1]
+
+
+def run_key(schedule: Schedule, tick: datetime) -> str:
+    return f"schedule:{schedule.name}:{tick.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ}"
+
+
+def fire_due(workflows: set[str], now: datetime | None = None) -> int:
+    """Start the runs of every due tick of the schedules of `workflows` (those this process
+    can start); returns how many runs it started. One transaction: the ticks' runs and the
+    schedule's next fire time commit together, so a worker killed mid-way fires nothing
+    twice and loses no tick (the next firing finds the same ticks due)."""
+    from runs.sdk import start_run  # the SDK imports the engine, which imports this module
+
+    now = now or timezone.now()
+    started = 0
+    with transaction.atomic():
+        due = (
+            Schedule.objects.select_for_update(skip_locked=True)
+            .filter(paused=False, next_fire_at__lte=now, workflow__in=workflows)
+            .order_by("next_fire_at")[:BATCH]
+        )
+        for schedule in due:
+            ticks = ticks_to_fire(schedule, now)
+            for tick in ticks:
+                run = start_run(
+                    schedule.workflow,
+                    schedule.input,
+                    key=run_key(schedule, tick),
+                    created={"schedule": schedule.name, "tick": tick.isoformat()},
+                )
+                started += int(run.was_created)
+            skipped = ticks[0] != schedule.next_fire_at if ticks else True
+            if skipped:
+                missed = schedule.next_fire_at.isoformat()
+                log.info("schedule %s: ticks from %s missed", schedule.name, missed)
+            schedule.last_fired_at = ticks[-1] if ticks else schedule.last_fired_at
+            schedule.next_fire_at = next_tick(schedule.cron, schedule.timezone, now)
+            schedule.save(update_fields=["last_fired_at", "next_fire_at", "updated_at"])
+    return started
+
+
+def next_due(workflows: set[str]) -> datetime | None:
+    """When the next schedule of `workflows` fires (a worker sleeps no longer than that)."""
+    return (
+        Schedule.objects.filter(paused=False, workflow__in=workflows)
+        .order_by("next_fire_at")
+        .values_list("next_fire_at", flat=True)
+        .first()
+    )
+
+
+def save(
+    name: str,
+    *,
+    workflow: str,
+    cron: str,
+    timezone_name: str = "UTC",
+    input: Any = None,
+    catchup: str = Catchup.SKIP,
+    catchup_limit: int = 10,
+    paused: bool = False,
+    source: str = "api",
+) -> Schedule:
+    """Create or replace schedule `name`; its next tick is computed from now."""
+    if not name or len(name) > 200 or ":" in name:
+        raise ScheduleError("a schedule name is 1 to 200 characters, without ':'")
+    try:
+        registry.get(workflow)
+    except UnknownWorkflow as exc:
+        raise ScheduleError(str(exc)) from None
+    cron = check_cron(cron)
+    zone(timezone_name)
+    if catchup not in Catchup.values:
+        raise ScheduleError(f"catch-up must be one of {', '.join(Catchup.values)}, not {catchup!r}")
+    if not 1 <= catchup_limit <= 1000:
+        raise ScheduleError("catchup_limit must be between 1 and 1000")
+    from runs.engine.serialization import to_json
+
+    data = to_json(input, what=f"the input of schedule {name!r}")
+    now = timezone.now()
+    schedule, _ = Schedule.objects.update_or_create(
+        name=name,
+        defaults={
+            "workflow": workflow, "cron": cron, "timezone": timezone_name, "input": data,
+            "catchup": catchup, "catchup_limit": catchup_limit, "paused": paused,
+            "source": source, "next_fire_at": next_tick(cron, timezone_name, now),
+        },
+    )  # fmt: skip
+    return schedule
+
+
+def set_paused(name: str, paused: bool) -> Schedule:
+    """Pause or resume; a resumed schedule fires from its next tick on, not the paused ones."""
+    schedule = Schedule.objects.get(name=name)
+    schedule.paused = paused
+    if not paused:
+        schedule.next_fire_at = next_tick(schedule.cron, schedule.timezone, timezone.now())
+    schedule.save(update_fields=["paused", "next_fire_at", "updated_at"])
+    return schedule
+
+
+def sync_code_schedules() -> None:
+    """Store the schedules declared in code (`@workflow(schedule=...)`), named after their
+    workflow. A changed expression replaces the stored one; whether it is paused is the
+    operators' and stays as they left it."""
+    for definition in registry.all_workflows():
+        if not definition.schedule or registry.get(definition.name) != definition:
+            continue  # only the newest version's declaration counts
+        cron = check_cron(definition.schedule)
+        existing = Schedule.objects.filter(name=definition.name).first()
+        if existing is not None and (existing.cron, existing.timezone) == (
+            cron,
+            definition.timezone,
+        ):
+            continue
+        save(
+            definition.name, workflow=definition.name, cron=cron,
+            timezone_name=definition.timezone, source="code",
+            paused=existing.paused if existing is not None else False,
+        )  # fmt: skip

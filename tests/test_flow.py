@@ -1,0 +1,232 @@
+"""Flow control: concurrency limits, priorities and cron schedules (docs/flow-control.md)."""
+
+import signal
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.db.models import Count
+from django.utils import timezone
+
+import tests.flow_workflows  # noqa: F401  (registers the flow.* workflows in this process)
+from runs import schedules
+from runs.engine.worker import WorkerProcess
+from runs.models import Catchup, Policy, Run, RunStatus, Schedule, Step
+from runs.schedules import ScheduleError
+from runs.sdk import start_run, workflow
+from tests.conftest import wait_until
+
+FLOW = ("--import", "tests.flow_workflows")
+
+
+def most_at_once(steps) -> int:
+    """The largest number of these steps that were running at one instant."""
+    edges = sorted(
+        [(s.started_at, 1) for s in steps] + [(s.finished_at, -1) for s in steps],
+        key=lambda edge: (edge[0], edge[1]),  # an end before a start at the same instant
+    )
+    now = peak = 0
+    for _, change in edges:
+        now += change
+        peak = max(peak, now)
+    return peak
+
+
+def wait_all_done(runs, timeout=90.0):
+    ids = [r.pk for r in runs]
+    wait_until(
+        lambda: Run.objects.filter(pk__in=ids, status=RunStatus.COMPLETED).count() == len(ids),
+        timeout=timeout,
+        what=f"{len(ids)} runs to complete",
+    )
+
+
+# -- concurrency limits ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_three_workers_of_four_threads_never_run_more_than_two_runs_of_one_tenant(spawn_worker):
+    runs = [
+        start_run("flow.tenant", {"tenant": tenant, "n": n, "seconds": 0.4})
+        for n in range(8)
+        for tenant in ("acme", "globex")
+    ]
+    for _ in range(3):
+        spawn_worker(*FLOW, "--concurrency", "4")
+    wait_all_done(runs)
+    for tenant in ("acme", "globex"):
+        steps = list(Step.objects.filter(run__concurrency_key=tenant, key="work"))
+        assert len(steps) == 8
+        assert most_at_once(steps) == 2, tenant  # the limit, and reached
+    # Keys do not hold each other up: both tenants ran at the same time.
+    assert most_at_once(list(Step.objects.filter(run__workflow="flow.tenant", key="work"))) >= 3
+
+
+@pytest.mark.slow
+def test_a_workflow_limit_holds_across_workers_and_an_operator_can_change_it(spawn_worker):
+    runs = [start_run("flow.capped", {"n": n, "seconds": 0.4}) for n in range(9)]
+    for _ in range(3):
+        spawn_worker(*FLOW, "--concurrency", "4")
+    wait_all_done(runs)
+    assert most_at_once(list(Step.objects.filter(run__in=runs))) == 3
+    # The operator's limit replaces the code's for the runs claimed after it.
+    Policy.objects.create(scope="flow.capped", max_running=1)
+    more = [start_run("flow.capped", {"n": n, "seconds": 0.2}) for n in range(4)]
+    wait_all_done(more)
+    assert most_at_once(list(Step.objects.filter(run__in=more))) == 1
+
+
+def test_runs_waiting_on_a_timer_do_not_count_against_a_limit(db):
+    worker = WorkerProcess(concurrency=8)
+    worker.register()
+    first = [start_run("flow.capped", {"n": n}) for n in range(5)]
+    claimed = worker.claim(8)
+    assert len(claimed) == 3  # the limit, whatever the free threads
+    assert {r.pk for r in claimed} <= {r.pk for r in first}
+    Run.objects.filter(pk=claimed[0].pk).update(
+        status=RunStatus.WAITING, worker=None, lease_until=None,
+        wake_at=timezone.now() + timedelta(hours=1),
+    )  # fmt: skip
+    assert len(worker.claim(8)) == 1  # a slot freed by the wait
+    assert worker.claim(8) == []
+
+
+def test_a_concurrency_key_that_fails_on_the_input_is_refused_at_start(db):
+    with pytest.raises(ValueError, match=r"concurrency key of workflow 'flow\.tenant' failed"):
+        start_run("flow.tenant", {"no": "tenant"})
+    assert not Run.objects.filter(workflow="flow.tenant").exists()
+
+
+def test_bad_limits_are_refused_when_the_workflow_is_declared():
+    with pytest.raises(ValueError, match="concurrency must be a positive integer"):
+        workflow("flow.bad", concurrency=0)(lambda ctx, input: None)
+    with pytest.raises(ValueError, match="per_key needs a concurrency_key"):
+        workflow("flow.bad", per_key=2)(lambda ctx, input: None)
+
+
+# -- priorities ------------------------------------------------------------------------------------
+
+
+def test_claims_take_higher_priorities_first_and_first_come_within_one(db):
+    worker = WorkerProcess(concurrency=1)
+    worker.register()
+    low = start_run("flow.plain", {"n": "low"}, priority=-5)
+    normal_1 = start_run("flow.plain", {"n": "normal 1"})
+    normal_2 = start_run("flow.plain", {"n": "normal 2"})
+    urgent = start_run("flow.urgent", {"n": "urgent"})  # the workflow's default: 50
+    high = start_run("flow.plain", {"n": "high"}, priority=10)
+    order = [worker.claim(1)[0].pk for _ in range(5)]
+    assert order == [urgent.pk, high.pk, normal_1.pk, normal_2.pk, low.pk]
+    assert Run.objects.get(pk=urgent.pk).priority == 50
+
+
+def test_a_run_due_longer_than_the_aging_time_goes_before_higher_priorities(db, settings):
+    settings.STEPGUARD_PRIORITY_AGING_SECONDS = 60
+    worker = WorkerProcess(concurrency=1)
+    worker.register()
+    old = start_run("flow.plain", {"n": "old"}, priority=-100)
+    Run.objects.filter(pk=old.pk).update(wake_at=timezone.now() - timedelta(seconds=61))
+    high = start_run("flow.plain", {"n": "high"}, priority=100)
+    assert [worker.claim(1)[0].pk for _ in range(2)] == [old.pk, high.pk]
+
+
+def test_a_priority_out_of_range_is_refused(db):
+    with pytest.raises(ValueError, match="priority must be an integer between -1000 and 1000"):
+        start_run("flow.plain", None, priority=5000)
+
+
+# -- schedules -------------------------------------------------------------------------------------
+
+
+def at(text: str) -> datetime:
+    return datetime.fromisoformat(text).replace(tzinfo=UTC)
+
+
+def test_a_schedule_starts_one_run_per_tick_however_often_it_is_fired(db):
+    schedule = schedules.save("hourly", workflow="flow.plain", cron="0 * * * *", input={"x": 1})
+    Schedule.objects.filter(pk=schedule.pk).update(next_fire_at=at("2026-12-02T10:00:00"))
+    for _ in range(3):
+        schedules.fire_due({"flow.plain"}, now=at("2026-12-02T10:00:30"))
+    runs = Run.objects.filter(workflow="flow.plain")
+    assert [r.key for r in runs] == ["schedule:hourly:2026-12-02T10:00:00Z"]
+    assert runs[0].input == {"x": 1}
+    schedule.refresh_from_db()
+    assert schedule.next_fire_at == at("2026-12-02T11:00:00")
+    assert schedule.last_fired_at == at("2026-12-02T10:00:00")
+
+
+@pytest.mark.parametrize(
+    ("catchup", "fired"),
+    [
+        (Catchup.SKIP, ["12:00"]),  # only the tick within the grace period
+        (Catchup.LAST, ["11:00", "12:00"]),  # and the newest missed one
+        (Catchup.ALL, ["09:00", "10:00", "11:00", "12:00"]),  # every one, up to the bound
+    ],
+)
+def test_after_downtime_the_catch_up_policy_decides_which_missed_ticks_run(db, catchup, fired):
+    schedules.save("h", workflow="flow.plain", cron="0 * * * *", catchup=catchup, catchup_limit=4)
+    Schedule.objects.filter(name="h").update(next_fire_at=at("2026-12-02T07:00:00"))
+    schedules.fire_due({"flow.plain"}, now=at("2026-12-02T12:00:20"))
+    keys = sorted(Run.objects.values_list("key", flat=True))
+    assert keys == [f"schedule:h:2026-12-02T{hhmm}:00Z" for hhmm in fired]
+
+
+def test_a_schedule_follows_its_time_zone_across_daylight_saving(db):
+    schedule = schedules.save(
+        "lisbon-9am", workflow="flow.plain", cron="0 9 * * *", timezone_name="Europe/Lisbon"
+    )
+    winter = schedules.next_tick(schedule.cron, schedule.timezone, at("2026-12-02T10:00:00"))
+    summer = schedules.next_tick(schedule.cron, schedule.timezone, at("2026-07-01T10:00:00"))
+    assert (winter, summer) == (at("2026-12-03T09:00:00"), at("2026-07-02T08:00:00"))
+
+
+def test_a_paused_schedule_fires_nothing_and_resumes_from_its_next_tick(db):
+    schedules.save("p", workflow="flow.plain", cron="* * * * *")
+    Schedule.objects.filter(name="p").update(next_fire_at=timezone.now() - timedelta(seconds=5))
+    schedules.set_paused("p", True)
+    assert schedules.fire_due({"flow.plain"}) == 0
+    resumed = schedules.set_paused("p", False)
+    assert resumed.next_fire_at > timezone.now()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"cron": "61 * * * *"}, "bad cron expression '61 \\* \\* \\* \\*'"),
+        ({"timezone_name": "Mars/Olympus"}, "unknown time zone 'Mars/Olympus'"),
+        ({"workflow": "nope"}, "unknown workflow 'nope'"),
+        ({"catchup": "sometimes"}, "catch-up must be one of skip, last, all"),
+    ],
+)
+def test_a_bad_schedule_is_refused_with_what_is_wrong_and_nothing_stored(db, fields, message):
+    with pytest.raises(ScheduleError, match=message):
+        schedules.save("bad", **{"workflow": "flow.plain", "cron": "* * * * *", **fields})
+    assert not Schedule.objects.exists()
+
+
+@pytest.mark.slow
+def test_a_schedule_every_second_starts_exactly_one_run_per_tick_through_a_sigkill(spawn_worker):
+    workers = [spawn_worker(*FLOW) for _ in range(3)]
+    start = timezone.now()
+    schedules.save("every-second", workflow="flow.plain", cron="* * * * * *")
+    wait_until(lambda: timezone.now() > start + timedelta(seconds=10), timeout=15, what="10 s")
+    workers[1].kill()  # SIGKILL, mid-way
+    wait_until(lambda: timezone.now() > start + timedelta(seconds=20), timeout=15, what="20 s")
+    schedules.set_paused("every-second", True)
+    wait_until(
+        lambda: (
+            not Run.objects.filter(key__startswith="schedule:every-second:")
+            .exclude(status=RunStatus.COMPLETED)
+            .exists()
+        ),
+        timeout=30,
+        what="the scheduled runs to complete",
+    )
+    scheduled = Run.objects.filter(key__startswith="schedule:every-second:")
+    keys = scheduled.values_list("key", flat=True)
+    ticks = sorted(datetime.fromisoformat(key.split(":", 2)[2]) for key in keys)
+    assert len(ticks) >= 17
+    # No tick without its run between the first and the last, and one run per tick.
+    assert ticks == [ticks[0] + timedelta(seconds=i) for i in range(len(ticks))]
+    per_tick = scheduled.values("key").annotate(n=Count("id")).order_by()
+    assert {row["n"] for row in per_tick} == {1}
+    assert workers[1].proc.returncode == -signal.SIGKILL
