@@ -15,11 +15,11 @@ from ninja import Field, Path, Query, Router, Schema, Status
 from pydantic import ConfigDict
 
 from runs import notifications, operations, queries
-from runs.engine import registry
+from runs.engine import flow, registry
 from runs.engine.budget import to_usd
 from runs.engine.deltas import Conversations
 from runs.errors import Forbidden, OperationError
-from runs.models import GLOBAL, Event, NotificationChannel, Policy, Run, Worker
+from runs.models import GLOBAL, Event, NotificationChannel, Policy, Run, Schedule, Worker
 from runs.operations import KEEP, Target
 from runs.sdk import send_signal, start_run
 
@@ -120,6 +120,7 @@ class StartIn(In):
     version: str | None = Field(None, min_length=1, max_length=50, pattern=TEXT)
     budget_usd: str | None = Field(None, pattern=USD, examples=["2.50"])
     budget_tokens: int | None = Field(None, ge=0, le=10**15)
+    priority: int | None = Field(None, ge=-1000, le=1000, description="higher goes first")
 
 
 class StepOut(Schema):
@@ -255,6 +256,7 @@ def create_run(request, body: StartIn):
         version=body.version,
         budget_usd=None if body.budget_usd is None else Decimal(body.budget_usd),
         budget_tokens=body.budget_tokens,
+        priority=body.priority,
         started_by=request.user,
         api_key=getattr(getattr(request, "api_key", None), "prefix", None),
     )
@@ -613,3 +615,106 @@ def list_deliveries(
     last error are its step's)."""
     _may(request, "runs.view_notificationdelivery", "view notification deliveries")
     return [notifications.delivery_row(d) for d in notifications.deliveries(channel, failed=failed)]
+
+
+# -- flow control ----------------------------------------------------------------------------------
+
+
+class LimitsIn(ReasonIn):
+    max_running: int | None = Field(None, ge=1, le=100_000, description="null: the code's")
+    max_running_per_key: int | None = Field(None, ge=1, le=100_000)
+
+
+class KeyLoad(Schema):
+    key: str
+    running: int
+    queued: int
+
+
+class FlowLimits(Schema):
+    max_running: int | None
+    max_running_per_key: int | None
+
+
+class WorkflowFlowOut(Schema):
+    workflow: str
+    running: int
+    queued: int = Field(description="pending runs, due or not")
+    waiting: int = Field(description="on a timer, a signal, an approval, children or a budget")
+    code_limits: FlowLimits
+    operator_limits: FlowLimits = Field(description="over the code's where not null")
+    keys: list[KeyLoad] = Field(description="the busiest concurrency keys, at most 20")
+
+
+class ScheduleIn(In):
+    workflow: str = Field(min_length=1, max_length=200, pattern=TEXT)
+    cron: str = Field(min_length=1, max_length=200, pattern=TEXT, examples=["*/5 * * * *"])
+    timezone: str = Field("UTC", min_length=1, max_length=64, pattern=TEXT)
+    input: Any = None
+    catchup: str = Field("skip", pattern="^(skip|last|all)$")
+    catchup_limit: int = Field(10, ge=1, le=1000)
+    paused: bool = False
+
+
+class ScheduleOut(Schema):
+    name: str
+    workflow: str
+    cron: str
+    timezone: str
+    input: Any
+    paused: bool
+    catchup: str
+    catchup_limit: int
+    source: str
+    next_fire_at: datetime
+    last_fired_at: datetime | None
+
+
+@router.get("/flow", response={200: list[WorkflowFlowOut], **ERRORS}, tags=["flow"])
+def flow_overview(request):
+    """Queue depth and running runs per workflow and per concurrency key, with the limits."""
+    viewer(request)
+    return flow.overview()
+
+
+@router.put("/flow/workflows/{name}", response={200: FlowLimits, **ERRORS_422}, tags=["flow"])
+def set_workflow_limits(request, name: str, body: LimitsIn):
+    """An operator's concurrency limits over the code's (null: back to the code's)."""
+    given = body.model_fields_set - {"reason"}
+    limits = {k: getattr(body, k) for k in ("max_running", "max_running_per_key") if k in given}
+    policy = operations.set_limits(workflow_name(name), request.user, body.reason, **limits)
+    return {"max_running": policy.max_running, "max_running_per_key": policy.max_running_per_key}
+
+
+@router.get("/flow/schedules", response={200: list[ScheduleOut], **ERRORS}, tags=["flow"])
+def list_schedules(request):
+    _may(request, "runs.view_schedule", "view schedules")
+    return list(Schedule.objects.order_by("name"))
+
+
+@router.put("/flow/schedules/{name}", response={200: ScheduleOut, **ERRORS_422}, tags=["flow"])
+def save_schedule(request, name: str, body: ScheduleIn):
+    """Create or replace a schedule: each tick of `cron` (in `timezone`) starts one run."""
+    registry.load_configured()
+    return operations.save_schedule(
+        request.user, name, workflow=body.workflow, cron=body.cron, timezone_name=body.timezone,
+        input=body.input, catchup=body.catchup, catchup_limit=body.catchup_limit,
+        paused=body.paused,
+    )  # fmt: skip
+
+
+@router.post("/flow/schedules/{name}/pause", response={200: ScheduleOut, **ERRORS}, tags=["flow"])
+def pause_schedule(request, name: str):
+    return operations.pause_schedule(request.user, name, True)
+
+
+@router.post("/flow/schedules/{name}/resume", response={200: ScheduleOut, **ERRORS}, tags=["flow"])
+def resume_schedule(request, name: str):
+    """Fire again from the next tick (ticks while paused are not caught up)."""
+    return operations.pause_schedule(request.user, name, False)
+
+
+@router.delete("/flow/schedules/{name}", response={204: None, **ERRORS}, tags=["flow"])
+def remove_schedule(request, name: str):
+    operations.remove_schedule(request.user, name)
+    return Status(204, None)

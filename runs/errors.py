@@ -147,6 +147,13 @@ class DecisionError(StepguardError, ValueError):
     code = "decision_error"
 
 
+class InvalidInput(StepguardError, ValueError):
+    """Input that cannot be taken as given (a schedule, a run's concurrency key); the message
+    names what is wrong."""
+
+    code = "invalid_input"
+
+
 class OperationError(StepguardError, ValueError):
     """An operator action that cannot be taken in the run's current state."""
 

@@ -342,6 +342,8 @@ class EventType(models.TextChoices):
     HALT = "halt", "a workflow or everything was halted"
     UNHALT = "unhalt", "a workflow or everything was unhalted"
     NOTIFICATIONS_CHANGED = "notifications.changed", "a notification channel was added or removed"
+    LIMITS_SET = "limits.set", "a workflow's concurrency limits were set"
+    SCHEDULE_CHANGED = "schedule.changed", "a schedule was added, changed, paused or removed"
 
 
 #: What a notification channel may be told of (runs/notifications.py).

@@ -24,7 +24,7 @@ from runs.engine.budget import forget_cached_scopes, to_micros
 from runs.engine.store import append_event, create_run, run_event, wake_parent
 from runs.engine.wakeup import notify_runnable
 from runs.errors import Conflict, Forbidden, NotFound, OperationError
-from runs.models import GLOBAL, Event, EventType, Policy, Run, RunStatus, Step, StepStatus
+from runs.models import GLOBAL, Event, EventType, Policy, Run, RunStatus, Schedule, Step, StepStatus
 
 
 def in_utc(when: datetime, what: str) -> datetime:
@@ -564,3 +564,67 @@ def _copy_step(step: Step, fork: Run) -> Step:
         started_at=step.started_at,
         finished_at=step.finished_at,
     )
+
+
+# -- flow control (docs/flow-control.md) -----------------------------------------------------------
+
+
+def set_limits(workflow: str, user, reason: str, *, max_running=KEEP, max_running_per_key=KEEP):
+    """An operator's concurrency limits of a workflow, over the code's; None returns to the
+    code's. Applies from the next claim on; running runs finish."""
+    user = require(user, "runs.set_flow", "set concurrency limits")
+    reason = needs_reason(reason, "a limit change")
+    target = Target("workflow", workflow)
+    known_scope(target)
+    changes = {"max_running": max_running, "max_running_per_key": max_running_per_key}
+    changes = {k: v for k, v in changes.items() if v is not KEEP}
+    if not changes:
+        raise OperationError("give max_running, max_running_per_key or both")
+    for name, value in changes.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise OperationError(f"{name} is a positive integer or null")
+        if value is not None and not 1 <= value <= 100_000:
+            raise OperationError(f"{name} must be between 1 and 100000 (null: the code's)")
+    with transaction.atomic():
+        policy, _ = Policy.objects.select_for_update().get_or_create(scope=workflow)
+        before = {k: getattr(policy, k) for k in changes}
+        Policy.objects.filter(pk=policy.pk).update(**changes)
+        audit(user.get_username(), EventType.LIMITS_SET, workflow=workflow, reason=reason,
+              before=before, after=changes)  # fmt: skip
+    return Policy.objects.get(pk=policy.pk)
+
+
+def save_schedule(user, name: str, **fields) -> Schedule:
+    """Create or replace schedule `name` (runs.schedules.save's fields); audited."""
+    from runs import schedules
+
+    user = require(user, "runs.set_flow", "manage schedules")
+    with transaction.atomic():
+        existed = Schedule.objects.filter(name=name).exists()
+        schedule = schedules.save(name, **fields)
+        audit(user.get_username(), EventType.SCHEDULE_CHANGED, schedule=name,
+              change="replaced" if existed else "added", cron=schedule.cron,
+              workflow=schedule.workflow)  # fmt: skip
+    return schedule
+
+
+def pause_schedule(user, name: str, paused: bool) -> Schedule:
+    from runs import schedules
+
+    user = require(user, "runs.set_flow", "pause or resume schedules")
+    with transaction.atomic():
+        if not Schedule.objects.filter(name=name).exists():
+            raise NotFound(f"no schedule named {name!r}")
+        schedule = schedules.set_paused(name, paused)
+        audit(user.get_username(), EventType.SCHEDULE_CHANGED, schedule=name,
+              change="paused" if paused else "resumed")  # fmt: skip
+    return schedule
+
+
+def remove_schedule(user, name: str) -> None:
+    """Delete a schedule; the runs it started stay."""
+    user = require(user, "runs.set_flow", "remove schedules")
+    with transaction.atomic():
+        if not Schedule.objects.filter(name=name).delete()[0]:
+            raise NotFound(f"no schedule named {name!r}")
+        audit(user.get_username(), EventType.SCHEDULE_CHANGED, schedule=name, change="removed")

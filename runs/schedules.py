@@ -20,7 +20,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from runs.engine import registry
-from runs.errors import UnknownWorkflow
+from runs.errors import InvalidInput, UnknownWorkflow
 from runs.models import Catchup, Schedule
 
 log = logging.getLogger("stepguard.schedules")
@@ -29,8 +29,10 @@ log = logging.getLogger("stepguard.schedules")
 BATCH = 50
 
 
-class ScheduleError(ValueError):
+class ScheduleError(InvalidInput):
     """A schedule that cannot be stored as given (its message names what is wrong)."""
+
+    code = "invalid_schedule"
 
 
 def zone(name: str) -> ZoneInfo:

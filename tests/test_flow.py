@@ -10,7 +10,7 @@ from django.utils import timezone
 import tests.flow_workflows  # noqa: F401  (registers the flow.* workflows in this process)
 from runs import schedules
 from runs.engine.worker import WorkerProcess
-from runs.models import Catchup, Policy, Run, RunStatus, Schedule, Step
+from runs.models import Catchup, Event, Policy, Run, RunStatus, Schedule, Step
 from runs.schedules import ScheduleError
 from runs.sdk import start_run, workflow
 from tests.conftest import wait_until
@@ -230,3 +230,74 @@ def test_a_schedule_every_second_starts_exactly_one_run_per_tick_through_a_sigki
     per_tick = scheduled.values("key").annotate(n=Count("id")).order_by()
     assert {row["n"] for row in per_tick} == {1}
     assert workers[1].proc.returncode == -signal.SIGKILL
+
+
+# -- API and CLI -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def api(cast, client):
+    from runs.apikeys import create_key
+    from tests.test_api import Api
+
+    return lambda name: Api(client, create_key(cast[name])[1])
+
+
+def test_operators_set_limits_and_schedules_by_api_and_viewers_only_read_them(api, db):
+    otto, vera = api("otto"), api("vera")
+    start_run("flow.tenant", {"tenant": "acme"})
+    limits = {"max_running": 5, "reason": "provider quota"}
+    assert vera("put", "/flow/workflows/flow.tenant", limits).status_code == 403
+    assert otto("put", "/flow/workflows/flow.tenant", limits).json() == {
+        "max_running": 5,
+        "max_running_per_key": None,
+    }
+    row = next(r for r in vera("get", "/flow").json() if r["workflow"] == "flow.tenant")
+    assert (row["queued"], row["code_limits"]["max_running_per_key"]) == (1, 2)
+    assert row["operator_limits"]["max_running"] == 5
+    assert row["keys"] == [{"key": "acme", "running": 0, "queued": 1}]
+    assert Event.objects.get(type="limits.set").payload["after"] == {"max_running": 5}
+
+    body = {"workflow": "flow.plain", "cron": "*/5 * * * *", "input": {"a": 1}}
+    assert vera("put", "/flow/schedules/digest", body).status_code == 403
+    saved = otto("put", "/flow/schedules/digest", body)
+    assert saved.status_code == 200 and saved.json()["catchup"] == "skip"
+    bad = otto("put", "/flow/schedules/digest", {**body, "cron": "*/5 * * *"})
+    assert (bad.status_code, bad.json()["error"]["code"]) == (400, "invalid_schedule")
+    assert "bad cron expression" in bad.json()["error"]["message"]
+    assert [s["cron"] for s in vera("get", "/flow/schedules").json()] == ["*/5 * * * *"]
+    assert otto("post", "/flow/schedules/digest/pause").json()["paused"] is True
+    assert otto("delete", "/flow/schedules/digest").status_code == 204
+    assert otto("delete", "/flow/schedules/digest").status_code == 404
+
+
+def test_a_run_started_by_api_carries_its_priority(api, db):
+    response = api("otto")("post", "/runs", {"workflow": "flow.plain", "priority": 7})
+    assert response.status_code == 201
+    assert Run.objects.get(pk=response.json()["id"]).priority == 7
+    too_high = api("otto")("post", "/runs", {"workflow": "flow.plain", "priority": 7000})
+    assert too_high.status_code == 422
+
+
+def test_schedules_and_limits_from_the_command_line(cast):
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    def run(*args) -> str:
+        out = StringIO()
+        call_command(*args, stdout=out)
+        return out.getvalue()
+
+    saved = run("schedules", "add", "nightly", "--workflow", "flow.plain", "--cron", "0 3 * * *",
+                "--timezone", "Europe/Lisbon", "--input", '{"x": 1}', "--user", "otto")  # fmt: skip
+    assert saved.startswith("saved nightly: flow.plain at '0 3 * * *' (Europe/Lisbon)")
+    assert "nightly" in run("schedules", "list")
+    assert run("schedules", "pause", "nightly", "--user", "otto").startswith("paused nightly")
+    with pytest.raises(Exception, match="vera may not manage schedules"):
+        run("schedules", "add", "x", "--workflow", "flow.plain", "--cron", "* * * * *",
+            "--user", "vera")  # fmt: skip
+    shown = run("limits", "flow.capped", "--max-running", "2", "--user", "otto", "--reason", "r")
+    assert "at most 2 running" in shown
+    assert "at most 3 running" in run("limits", "flow.capped", "--max-running", "code",
+                                      "--user", "otto", "--reason", "back")  # fmt: skip

@@ -83,3 +83,67 @@ def claim_order(now: datetime) -> list:
     rank = Case(When(first, then=Value(0)), default=Value(1), output_field=IntegerField())
     priority = Case(When(first, then=Value(0)), default=F("priority"), output_field=IntegerField())
     return [rank, priority.desc(), "wake_at"]
+
+
+def overview(keys: int = 20) -> list[dict]:
+    """Per workflow with runs in flight or a limit: runs running, queued (due or not) and
+    waiting, its limits (the code's and the operator's), and its busiest concurrency keys.
+    Two grouped queries."""
+    registry.load_configured()
+    counts: dict[str, dict] = {}
+    rows = (
+        Run.objects.filter(
+            status__in=[
+                RunStatus.RUNNING,
+                RunStatus.PENDING,
+                RunStatus.WAITING,
+                RunStatus.OVER_BUDGET,
+            ]
+        )
+        .values_list("workflow", "concurrency_key", "status")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    column = {RunStatus.RUNNING: "running", RunStatus.PENDING: "queued"}
+    for workflow, key, status, n in rows:
+        entry = counts.setdefault(workflow, {"running": 0, "queued": 0, "waiting": 0, "keys": {}})
+        name = column.get(status, "waiting")
+        entry[name] += n
+        if key and name != "waiting":
+            per = entry["keys"].setdefault(key, {"key": key, "running": 0, "queued": 0})
+            per[name] += n
+    policies = {
+        p.scope: p
+        for p in Policy.objects.filter(
+            Q(max_running__isnull=False) | Q(max_running_per_key__isnull=False)
+        )
+    }
+    names = set(counts) | set(policies)
+    for definition in registry.all_workflows():
+        if definition.concurrency or definition.per_key:
+            names.add(definition.name)
+    out = []
+    for name in sorted(names):
+        entry = counts.get(name, {"running": 0, "queued": 0, "waiting": 0, "keys": {}})
+        try:
+            definition = registry.get(name)
+            code = {
+                "max_running": definition.concurrency,
+                "max_running_per_key": definition.per_key,
+            }
+        except registry.UnknownWorkflow:
+            code = {"max_running": None, "max_running_per_key": None}
+        policy = policies.get(name)
+        operator = {
+            "max_running": policy.max_running if policy else None,
+            "max_running_per_key": policy.max_running_per_key if policy else None,
+        }
+        busiest = sorted(
+            entry["keys"].values(), key=lambda k: (-k["running"], -k["queued"], k["key"])
+        )
+        out.append({
+            "workflow": name, "running": entry["running"], "queued": entry["queued"],
+            "waiting": entry["waiting"], "code_limits": code, "operator_limits": operator,
+            "keys": busiest[:keys],
+        })  # fmt: skip
+    return out

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.conf import settings
 
-from runs.errors import UnknownWorkflow
+from runs.errors import InvalidInput, UnknownWorkflow
 
 
 @dataclass(frozen=True)
@@ -30,13 +30,13 @@ class WorkflowDef:
         try:
             key = self.concurrency_key(input)
         except Exception as exc:
-            raise ValueError(
+            raise InvalidInput(
                 f"the concurrency key of workflow {self.name!r} failed on this input: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         key = str(key)
         if len(key) > 200:
-            raise ValueError(f"concurrency key of workflow {self.name!r} is over 200 characters")
+            raise InvalidInput(f"concurrency key of workflow {self.name!r} is over 200 characters")
         return key
 
     @property
