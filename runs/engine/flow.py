@@ -17,7 +17,7 @@ from django.db import connection
 from django.db.models import Case, Count, F, IntegerField, Q, Value, When
 
 from runs.engine import registry
-from runs.models import Policy, Run, RunStatus
+from runs.models import GLOBAL, Policy, Run, RunStatus
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,9 @@ class Limit:
     per_key: int | None
 
 
-def limits(names: set[str]) -> dict[str, Limit]:
-    """The limited workflows among `names`, with their limits in force. One query."""
+def policies(names: set[str]) -> tuple[bool, dict[str, Limit]]:
+    """Whether the kill switch is on, and the limited workflows among `names` with their
+    limits in force. One query: a claim asks it every time."""
     code: dict[str, Limit] = {}
     for name in names:
         try:
@@ -35,18 +36,21 @@ def limits(names: set[str]) -> dict[str, Limit]:
         except registry.UnknownWorkflow:
             continue
         code[name] = Limit(definition.concurrency, definition.per_key)
-    overrides = Policy.objects.filter(scope__in=names).filter(
-        Q(max_running__isnull=False) | Q(max_running_per_key__isnull=False)
-    )
-    for scope, total, per_key in overrides.values_list(
-        "scope", "max_running", "max_running_per_key"
-    ):
+    rows = Policy.objects.filter(
+        Q(scope=GLOBAL, halted_at__isnull=False)
+        | Q(scope__in=names) & (Q(max_running__isnull=False) | Q(max_running_per_key__isnull=False))
+    ).values_list("scope", "halted_at", "max_running", "max_running_per_key")
+    stopped = False
+    for scope, halted_at, total, per_key in rows:
+        if scope == GLOBAL:
+            stopped = halted_at is not None
+            continue
         mine = code.get(scope, Limit(None, None))
         code[scope] = Limit(
             total if total is not None else mine.total,
             per_key if per_key is not None else mine.per_key,
         )
-    return {name: limit for name, limit in code.items() if limit != Limit(None, None)}
+    return stopped, {name: limit for name, limit in code.items() if limit != Limit(None, None)}
 
 
 def lock(workflow: str) -> None:

@@ -30,7 +30,7 @@ from runs.engine.outage import is_disconnect, outage, reconnect, wait_for_databa
 from runs.engine.store import Lease, append_event, wake_parent
 from runs.engine.wakeup import Listener, doorbell, is_postgres
 from runs.logcontext import event_written
-from runs.models import GLOBAL, Event, EventType, Policy, Run, RunStatus, Worker
+from runs.models import Event, EventType, Run, RunStatus, Worker
 
 log = logging.getLogger("stepguard.worker")
 
@@ -198,7 +198,7 @@ class WorkerProcess:
 
     def claim(self, limit: int) -> list[Run]:
         now = timezone.now()
-        limits = flow.limits(self._names)
+        stopped, limits = flow.policies(self._names)
         if connection.vendor == "postgresql":
             claimed = self._claim_in_one_statement(limit, now, sorted(limits))
             outage.ok()  # the database answered
@@ -213,7 +213,7 @@ class WorkerProcess:
         claimed_ids = []
         self._park_held(now)
         outage.ok()  # the database answered
-        if Policy.objects.filter(scope=GLOBAL, halted_at__isnull=False).exists():
+        if stopped:
             return []  # the kill switch: nothing starts
         with transaction.atomic():
             candidates = list(
@@ -236,7 +236,15 @@ class WorkerProcess:
         """Claim due runs of limited workflows, each workflow under its lock, within what its
         running runs leave of its limits (per key too)."""
         claimed_ids = []
-        for name, limit in limits.items():
+        due = (
+            Run.objects.filter(self._mine, workflow__in=limits)
+            .filter(status__in=WAKEABLE, wake_at__lte=now)
+            .values_list("workflow", flat=True)
+            .order_by()
+            .distinct()
+        )
+        for name in sorted(set(due)):
+            limit = limits[name]
             if free <= 0:
                 break
             with transaction.atomic():
