@@ -119,6 +119,7 @@ class DemoModel:
         self.calls: Counter[str] = Counter()
         self.total = 0
         self.bodies: list[dict] = []
+        self.arrivals: list[float] = []  # time.time() of each call, for rate-limit tests
         self._failures: list[tuple[int, dict[str, str], dict]] = []
         self._cached: set[str] = set()
         self._lock = threading.Lock()
@@ -153,6 +154,7 @@ class DemoModel:
         """Count a call; returns the failure to answer it with, if one is queued."""
         with self._lock:
             self.total += 1
+            self.arrivals.append(time.time())
             self.calls[key or "-"] += 1
             self.bodies.append(body)
             return self._failures.pop(0) if self._failures else None

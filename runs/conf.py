@@ -27,6 +27,8 @@ STEPGUARD_DURABLE_RETRY_SECONDS = env_float("STEPGUARD_DURABLE_RETRY_SECONDS", 5
 # whatever their priority; a schedule's tick later than this is missed (its catch-up decides).
 STEPGUARD_PRIORITY_AGING_SECONDS = env_float("STEPGUARD_PRIORITY_AGING_SECONDS", 300.0)
 STEPGUARD_SCHEDULE_GRACE_SECONDS = env_float("STEPGUARD_SCHEDULE_GRACE_SECONDS", 60.0)
+# A rate-limit grant whose call never returned (its worker died) counts this long at most.
+STEPGUARD_RATE_GRANT_STALE_SECONDS = env_float("STEPGUARD_RATE_GRANT_STALE_SECONDS", 600.0)
 STEPGUARD_BUDGET_WARN_AT = env_float("STEPGUARD_BUDGET_WARN_AT", 0.8)
 STEPGUARD_MODEL_PRICES = env_json("STEPGUARD_MODEL_PRICES", {})
 # Refuse a call to a model without a price in a run under a USD budget (else: a warning event).

@@ -154,6 +154,14 @@ class InvalidInput(StepguardError, ValueError):
     code = "invalid_input"
 
 
+class TooLargeForRateLimit(StepguardError):
+    """A call that needs more tokens than its resource's rate limit lets through in a whole
+    window: waiting would never help."""
+
+    code = "too_large_for_rate_limit"
+    retryable = False
+
+
 class OperationError(StepguardError, ValueError):
     """An operator action that cannot be taken in the run's current state."""
 

@@ -24,7 +24,18 @@ from runs.engine.budget import forget_cached_scopes, to_micros
 from runs.engine.store import append_event, create_run, run_event, wake_parent
 from runs.engine.wakeup import notify_runnable
 from runs.errors import Conflict, Forbidden, NotFound, OperationError
-from runs.models import GLOBAL, Event, EventType, Policy, Run, RunStatus, Schedule, Step, StepStatus
+from runs.models import (
+    GLOBAL,
+    Event,
+    EventType,
+    Policy,
+    RateLimit,
+    Run,
+    RunStatus,
+    Schedule,
+    Step,
+    StepStatus,
+)
 
 
 def in_utc(when: datetime, what: str) -> datetime:
@@ -628,3 +639,43 @@ def remove_schedule(user, name: str) -> None:
         if not Schedule.objects.filter(name=name).delete()[0]:
             raise NotFound(f"no schedule named {name!r}")
         audit(user.get_username(), EventType.SCHEDULE_CHANGED, schedule=name, change="removed")
+
+
+def set_rate_limit(
+    resource: str, user, reason: str, *, requests=None, tokens=None, window_seconds: int = 60
+) -> RateLimit | None:
+    """At most `requests` calls and `tokens` tokens of `resource` (a model's name, or what a
+    step declares with `resource=`) in any `window_seconds`, across all workers. Neither
+    given: the limit is removed. Applies to the next call."""
+    user = require(user, "runs.set_flow", "set rate limits")
+    reason = needs_reason(reason, "a rate limit change")
+    if not resource or len(resource) > 200 or "\x00" in resource:
+        raise OperationError("a resource name is 1 to 200 characters")
+    for name, value in (("requests", requests), ("tokens", tokens)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise OperationError(f"{name} is a positive integer or null")
+    if isinstance(window_seconds, bool) or not isinstance(window_seconds, int):
+        raise OperationError("window_seconds is an integer")
+    if not 1 <= window_seconds <= 86400:
+        raise OperationError("window_seconds must be between 1 and 86400")
+    with transaction.atomic():
+        before = RateLimit.objects.select_for_update().filter(resource=resource).first()
+        was = None if before is None else {"requests": before.requests, "tokens": before.tokens,
+                                           "window_seconds": before.window_seconds}  # fmt: skip
+        if requests is None and tokens is None:
+            if before is None:
+                raise NotFound(f"no rate limit on {resource!r}")
+            before.delete()
+            limit = None
+        else:
+            limit, _ = RateLimit.objects.update_or_create(
+                resource=resource,
+                defaults={"requests": requests, "tokens": tokens, "window_seconds": window_seconds},
+            )
+        after = None if limit is None else {"requests": requests, "tokens": tokens,
+                                            "window_seconds": window_seconds}  # fmt: skip
+        audit(user.get_username(), EventType.RATE_LIMIT_SET, resource=resource, reason=reason,
+              before=was, after=after)  # fmt: skip
+    return limit

@@ -17,6 +17,7 @@ VIEW = [
     ("runs", "view_notificationchannel"),
     ("runs", "view_notificationdelivery"),
     ("runs", "view_schedule"),
+    ("runs", "view_ratelimit"),
     ("approvals", "view_approvalrequest"),
 ]
 ROLES = {

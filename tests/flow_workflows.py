@@ -32,3 +32,24 @@ def plain(ctx: RunContext, input: dict | None) -> dict | None:
 @workflow("flow.urgent", priority=50)
 def urgent(ctx: RunContext, input: dict | None) -> dict | None:
     return input
+
+
+@workflow("flow.ask")
+def ask(ctx: RunContext, input: dict) -> str:
+    """One model call: ctx.llm declares the model as its rate-limited resource."""
+    from examples.llm import client
+
+    response = ctx.llm(
+        "ask",
+        client().chat.completions.create,
+        model="demo-rate",
+        messages=[{"role": "user", "content": f"say hello to {input['n']}"}],
+        max_tokens=20,
+    )
+    return response["choices"][0]["message"]["content"]
+
+
+@workflow("flow.metered")
+def metered(ctx: RunContext, input: dict) -> int:
+    """A plain step that declares a resource (a payment API, say)."""
+    return ctx.step("charge", lambda: input["n"], resource="payments")

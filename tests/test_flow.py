@@ -271,6 +271,31 @@ def test_operators_set_limits_and_schedules_by_api_and_viewers_only_read_them(ap
     assert otto("delete", "/flow/schedules/digest").status_code == 404
 
 
+def test_rate_limits_by_api_with_what_their_window_holds(api, db):
+    otto, vera = api("otto"), api("vera")
+    body = {"requests": 60, "tokens": 100000, "reason": "tier 1"}
+    assert vera("put", "/flow/rate-limits/openai/gpt-4o", body).status_code == 403
+    saved = otto("put", "/flow/rate-limits/openai/gpt-4o", body).json()
+    assert saved == {
+        "resource": "openai/gpt-4o", "requests": 60, "tokens": 100000, "window_seconds": 60,
+        "used_requests": 0, "used_tokens": 0,
+    }  # fmt: skip
+    nothing = otto("put", "/flow/rate-limits/x", {"reason": "r"})
+    assert (
+        nothing.status_code == 400
+        and "give requests, tokens or both" in nothing.json()["error"]["message"]
+    )
+    assert [r["resource"] for r in vera("get", "/flow/rate-limits").json()] == ["openai/gpt-4o"]
+    assert otto("delete", "/flow/rate-limits/openai/gpt-4o", {"reason": "gone"}).status_code == 204
+    assert otto("delete", "/flow/rate-limits/openai/gpt-4o", {"reason": "gone"}).status_code == 404
+    assert [
+        e.payload["after"] for e in Event.objects.filter(type="rate_limit.set").order_by("id")
+    ] == [
+        {"requests": 60, "tokens": 100000, "window_seconds": 60},
+        None,
+    ]
+
+
 def test_a_run_started_by_api_carries_its_priority(api, db):
     response = api("otto")("post", "/runs", {"workflow": "flow.plain", "priority": 7})
     assert response.status_code == 201
@@ -301,3 +326,85 @@ def test_schedules_and_limits_from_the_command_line(cast):
     assert "at most 2 running" in shown
     assert "at most 3 running" in run("limits", "flow.capped", "--max-running", "code",
                                       "--user", "otto", "--reason", "back")  # fmt: skip
+
+
+# -- rate limits -----------------------------------------------------------------------------------
+
+
+def test_a_grant_counts_while_its_call_is_in_flight_and_a_window_after_it_returned(db):
+    from runs.engine import rates
+    from runs.errors import TooLargeForRateLimit
+    from runs.models import RateLimit
+
+    RateLimit.objects.create(resource="m", requests=2, tokens=100, window_seconds=10)
+    t0 = at("2026-12-02T10:00:00")
+
+    def after(seconds):
+        return t0 + timedelta(seconds=seconds)
+
+    first, wait = rates.acquire("m", 30, t0)
+    assert first is not None and wait is None
+    rates.end(first, after(1))  # it returned at 1 s: it counts until 11 s
+    second, _ = rates.acquire("m", 30, after(4))  # still in flight
+    # A third request: the first stops counting first, at 11 s.
+    assert rates.acquire("m", 30, after(5)) == (None, after(11))
+    rates.end(second, after(6))
+    third, _ = rates.acquire("m", 50, after(11))
+    assert third is not None
+    # Two counting again (the second until 16 s; the third in flight): requests and tokens
+    # (80 + 40 > 100) both wait for the second.
+    assert rates.acquire("m", 40, after(12)) == (None, after(16))
+    with pytest.raises(TooLargeForRateLimit, match="needs about 101 tokens"):
+        rates.acquire("m", 101, after(30))
+    assert rates.acquire("unlimited", 10**9, t0) == (None, None)
+
+
+def test_a_step_over_its_resources_limit_waits_durably_and_uses_no_attempt(drive, db):
+    from runs.models import RateGrant, RateLimit
+
+    RateLimit.objects.create(resource="payments", requests=1, window_seconds=3600)
+    first, second = (start_run("flow.metered", {"n": n}) for n in (1, 2))
+    assert sorted(drive()) == ["completed", "waiting"]
+    waiting = Run.objects.get(status=RunStatus.WAITING)
+    step = Step.objects.get(run=waiting, key="charge")
+    assert (step.status, step.attempt, step.error["throttled"]) == ("waiting", 0, "payments")
+    assert waiting.worker_id is None  # released: no thread waits for the hour
+    assert Event.objects.get(run=waiting, type="step.throttled").payload["resource"] == "payments"
+    RateGrant.objects.all().delete()  # the hour passed
+    Run.objects.filter(pk=waiting.pk).update(wake_at=timezone.now())
+    Step.objects.filter(pk=step.pk).update(wake_at=timezone.now())
+    assert drive() == ["completed"]
+    step.refresh_from_db()
+    assert (step.status, step.attempt) == ("completed", 1)
+    assert {first.pk, second.pk} == set(
+        Run.objects.filter(status="completed").values_list("pk", flat=True)
+    )
+
+
+@pytest.mark.slow
+def test_a_model_rate_limit_holds_across_three_workers_and_holds_no_thread(
+    spawn_worker, demo_model, cast
+):
+    from runs import operations
+
+    operations.set_rate_limit(
+        "demo-rate", "otto", "the account's quota", requests=6, window_seconds=2
+    )
+    runs = [start_run("flow.ask", {"n": n}) for n in range(18)]
+    for _ in range(3):
+        spawn_worker(*FLOW, "--concurrency", "4")
+    # While calls wait for capacity, their runs are released: no worker holds them.
+    wait_until(
+        lambda: Run.objects.filter(
+            status=RunStatus.WAITING, worker__isnull=True, steps__error__throttled="demo-rate"
+        ).exists(),
+        timeout=30,
+        what="a run waiting for the rate limit",
+    )
+    wait_all_done(runs, timeout=120)
+    arrivals = sorted(demo_model.arrivals)
+    assert len(arrivals) == 18
+    # No 2-second window saw more than 6 calls, and the limit was reached.
+    busiest = max(sum(1 for t in arrivals if start <= t < start + 2) for start in arrivals)
+    assert busiest == 6
+    assert Event.objects.filter(type="step.throttled").exists()

@@ -101,7 +101,7 @@ class ModelCalls(ContextState):
             )  # fmt: skip
         output = self._run_step(
             key, invoke, (), {}, retry=retry, estimate=guess, kind=StepKind.LLM,
-            described=described, model=model,
+            described=described, model=model, resource=model or None,
         )  # fmt: skip
         # A request stored whole or as a delta can be the next one's base; one cut to fit (or
         # recorded by an earlier execution, until its fingerprint is checked) cannot yet.

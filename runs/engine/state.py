@@ -81,6 +81,7 @@ class ContextState:
             approval: Decision | None = None,
             estimate: Usage | None = None,
             kind: str = ...,
+            resource: str | None = None,
             **kwargs: Any,
         ) -> Any: ...
         def _run_step(
@@ -100,6 +101,7 @@ class ContextState:
             internal: bool = False,
             described: Any = None,
             model: str = "",
+            resource: str | None = None,
         ) -> Any: ...
         def _running(self) -> Running | None: ...
         def _await(self, value: Any) -> Any: ...

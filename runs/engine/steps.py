@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs import tracing
+from runs.engine import rates
 from runs.engine.budget import (
     NOTHING,
     Amount,
@@ -63,6 +64,7 @@ class Steps(ContextState):
         approval: Decision | None = None,
         estimate: Usage | None = None,
         kind: str = StepKind.CALL,
+        resource: str | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run `fn(*args, **kwargs)` once for this run and checkpoint its JSON output.
@@ -74,13 +76,16 @@ class Steps(ContextState):
         `NOT_FOUND`; with `on_ambiguous="ask"` a person decides. `compensate(output)` undoes
         the step if the run is cancelled or finally fails. With `approval=decision`, the step
         starts only if that approval still stands, checked in the transaction that starts it.
-        The keyword options are never passed to `fn`.
+        With `resource="name"`, each call first waits for that resource's rate limit (taking
+        `estimate`'s tokens), durably: the run is released until capacity returns. The
+        keyword options are never passed to `fn`.
         """
         if on_ambiguous not in ("resend", "ask"):
             raise StepMisuse("on_ambiguous must be 'resend' or 'ask'")
         return self._run_step(
             key, fn, args, kwargs, retry=retry, reconcile=reconcile, on_ambiguous=on_ambiguous,
             compensate=compensate, approval=approval, estimate=estimate, kind=kind,
+            resource=resource,
         )  # fmt: skip
 
     def _run_step(
@@ -100,6 +105,7 @@ class Steps(ContextState):
         internal: bool = False,
         described: Any = None,
         model: str = "",
+        resource: str | None = None,
     ) -> Any:
         key, seq, record = self._enter(key, internal=internal)
         if record is not None and record.status == StepStatus.COMPLETED:
@@ -147,6 +153,11 @@ class Steps(ContextState):
             }
             if ambiguous:
                 fields["recovered"] = payload["recovered"] = Recovery.RESENT
+        rate = None
+        if resource and not self._compensating:
+            tokens = estimate.tokens_in + estimate.tokens_out if estimate else 0
+            rate = rates.Grant(resource, tokens)
+            self._take_rate(rate, record, seq, key, kind, fields, tries)
         # An estimate is held against the budgets while the step runs; a step re-sent after a
         # crash still holds what its first attempt reserved. A hold made on an earlier day (or
         # against other shared budgets) moves to today's ledgers: the old day's spend is no
@@ -164,7 +175,8 @@ class Steps(ContextState):
         if any(reserved):
             fields["reserved_micros"], fields["reserved_tokens"] = reserved
             fields["reserved_on"], fields["reserved_scopes"] = today, shared
-        with tracing.step(self._trace, key, kind, attempt, model):
+        ending = rate.ended_on_error() if rate is not None else nullcontext()
+        with tracing.step(self._trace, key, kind, attempt, model), ending:
             try:
                 if approval is None and not shared and not moving:
                     step_pk = fenced_write(
@@ -209,7 +221,7 @@ class Steps(ContextState):
             defer = approval is None and reconcile is None and on_ambiguous == "resend"
             output = self._call(
                 step_pk, seq, key, idem, fn, args, kwargs, policy, attempt, held_now, approval,
-                defer, tries,
+                defer, tries, rate,
             )  # fmt: skip
         return self._remember(key, compensate, output)
 
@@ -338,12 +350,16 @@ class Steps(ContextState):
 
     def _call(
         self, step_pk, seq, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt, held,
-        approval, defer=False, tries=0,
+        approval, defer=False, tries=0, rate: rates.Grant | None = None,
     ):  # fmt: skip
         while True:
             tries += 1
             try:
-                value = self._invoke(key, idem, seq, fn, args, kwargs, release=True)
+                try:
+                    value = self._invoke(key, idem, seq, fn, args, kwargs, release=True)
+                finally:
+                    if rate is not None:
+                        rate.finish()
                 usage = None
                 if isinstance(value, Metered):
                     value, usage = value.value, value.usage
@@ -355,7 +371,15 @@ class Steps(ContextState):
                     payload = {"attempt": attempt + 1, "delay_s": round(delay, 3)}
                     payload["error"] = brief(exc)
                     if delay >= settings.STEPGUARD_DURABLE_RETRY_SECONDS:
+                        # Resumed, the step takes its rate grant as any start does.
                         self._retry_later(step_pk, key, None, delay, payload, tries)
+                    if rate is not None:  # a retry slept here is another call: a grant too
+                        now = timezone.now()
+                        until = rate.take(now + timedelta(seconds=delay))
+                        if until is not None:
+                            payload["throttled"] = rate.resource
+                            wait = (until - now).total_seconds()
+                            self._retry_later(step_pk, key, None, wait, payload, tries)
                     attempt += 1
                     self._sleep(delay)
                     try:
@@ -372,6 +396,34 @@ class Steps(ContextState):
                     step_pk, key, {"attempt": attempt}, fields, usage, held, defer=defer
                 )
                 return output
+
+    def _take_rate(self, rate: rates.Grant, record, seq, key, kind, fields, tries) -> None:
+        """Take a grant of `resource`'s rate limit for this call, or wait for one durably: the
+        step is `waiting` until capacity returns (not yet started: no attempt is used up),
+        and the run holds no worker meanwhile."""
+        until = rate.take(timezone.now())
+        if until is None:
+            return
+        resource = rate.resource
+        with atomic(self._lease):
+            event_seq, _ = self._wait_fence()
+            error = {**((record.error or {}) if record else {}), "tries": tries}
+            error["throttled"] = resource
+            if record is None:
+                self._new_step(
+                    seq, key, kind, StepStatus.WAITING, input=fields["input"], attempt=0,
+                    wake_at=until, error=error,
+                )  # fmt: skip
+            else:
+                Step.objects.filter(pk=record.pk).update(
+                    status=StepStatus.WAITING, wake_at=until, error=error
+                )
+            append_event(
+                self._lease.run_id, event_seq, EventType.STEP_THROTTLED, key,
+                resource=resource, until=until.isoformat(),
+            )  # fmt: skip
+            self._suspend(until)
+        raise Suspended(f"step {key!r} waits for {resource}'s rate limit until {until}")
 
     def _retry_later(self, step_pk, key, until, delay=0.0, payload=None, tries=0) -> NoReturn:
         """Wait for a step's next try as a timer, holding no worker thread: a provider's
