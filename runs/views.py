@@ -27,10 +27,11 @@ from django.views.decorators.http import require_POST
 
 from approvals.models import ApprovalStatus
 from runs import notifications, operations, queries
+from runs.engine import flow, rates, registry
 from runs.engine.budget import to_usd
 from runs.engine.deltas import Conversations
 from runs.engine.holds import holds_on
-from runs.errors import Forbidden, StepguardError
+from runs.errors import Forbidden, OperationError, StepguardError
 from runs.models import (
     GLOBAL,
     NOTIFIABLE,
@@ -38,8 +39,10 @@ from runs.models import (
     Event,
     NotificationChannel,
     Policy,
+    RateLimit,
     Run,
     RunStatus,
+    Schedule,
     Step,
     StepKind,
     StepStatus,
@@ -585,3 +588,118 @@ def notifications_remove(request, channel_id: int):
         lambda: notifications.remove_channel(request.user, channel_id),
         reverse("notifications"),
     )
+
+
+# -- flow control ----------------------------------------------------------------------------------
+
+
+@login_required
+@permission_required("runs.view_run", raise_exception=True)
+def flow_page(request):
+    """Limits with each workflow's load, rate limits with what counts now, and schedules."""
+    now = timezone.now()
+    rate_limits = [
+        {"resource": r.resource, "requests": r.requests, "tokens": r.tokens,
+         "window_seconds": r.window_seconds,
+         **{f"used_{k}": v for k, v in rates.usage(r.resource, now).items()}}
+        for r in RateLimit.objects.order_by("resource")
+    ]  # fmt: skip
+    found = list(Schedule.objects.order_by("name"))
+    for s in found:
+        s.actions = ["resume" if s.paused else "pause", "remove"]
+    return render(
+        request,
+        "runs/flow.html",
+        {
+            "workflows": flow.overview(),
+            "rate_limits": rate_limits,
+            "schedules": found,
+            "registered": sorted(
+                {d.name for d in registry.all_workflows() if not registry.builtin(d.name)}
+            ),
+            "can_set": request.user.has_perm("runs.set_flow"),
+        },
+    )
+
+
+def _positive(value: str, what: str) -> int | None:
+    if not value.strip():
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise OperationError(f"{what} must be a whole number, not {value!r}") from None
+
+
+@login_required
+@require_POST
+def flow_limits(request):
+    """A workflow's limits from its row's form; an empty field goes back to the code's."""
+    post = request.POST
+    return _act(
+        request,
+        lambda: operations.set_limits(
+            post.get("workflow", ""),
+            request.user,
+            post.get("reason", ""),
+            max_running=_positive(post.get("max_running", ""), "at most running"),
+            max_running_per_key=_positive(post.get("max_running_per_key", ""), "per key"),
+        ),
+        reverse("flow") + "#workflows",
+    )
+
+
+@login_required
+@require_POST
+def flow_rate(request):
+    """Set a rate limit, or remove it (`remove=1`)."""
+    post = request.POST
+
+    def act():
+        resource, reason = post.get("resource", "").strip(), post.get("reason", "")
+        if post.get("remove"):
+            return operations.set_rate_limit(resource, request.user, reason)
+        requests = _positive(post.get("requests", ""), "calls per window")
+        tokens = _positive(post.get("tokens", ""), "tokens per window")
+        if requests is None and tokens is None:
+            raise OperationError("give calls per window, tokens per window or both")
+        return operations.set_rate_limit(
+            resource, request.user, reason, requests=requests, tokens=tokens,
+            window_seconds=_positive(post.get("window_seconds", ""), "the window") or 60,
+        )  # fmt: skip
+
+    return _act(request, act, reverse("flow") + "#rate-limits")
+
+
+@login_required
+@require_POST
+def flow_schedule(request):
+    """Add (or replace) a schedule from the form."""
+    post = request.POST
+
+    def act():
+        text = post.get("input", "").strip()
+        try:
+            data = json.loads(text) if text else None
+        except json.JSONDecodeError as exc:
+            raise OperationError(f"the input is not JSON: {exc}") from None
+        return operations.save_schedule(
+            request.user, post.get("name", "").strip(), workflow=post.get("workflow", ""),
+            cron=post.get("cron", ""), timezone_name=post.get("timezone", "UTC").strip() or "UTC",
+            input=data, catchup=post.get("catchup", "skip"),
+        )  # fmt: skip
+
+    return _act(request, act, reverse("flow") + "#schedules")
+
+
+@login_required
+@require_POST
+def flow_schedule_action(request, name: str, action: str):
+    actions = {
+        "pause": lambda: operations.pause_schedule(request.user, name, True),
+        "resume": lambda: operations.pause_schedule(request.user, name, False),
+        "remove": lambda: operations.remove_schedule(request.user, name),
+    }
+    if action not in actions:
+        raise Http404(f"no action {action!r}")
+    return _act(request, actions[action], reverse("flow") + "#schedules")

@@ -138,6 +138,7 @@ def test_the_main_pages_have_no_serious_accessibility_violations(
     drive()
     halted = start_run("ledger", {"steps": 1})
     halt(halted, cast["otto"], "checking the halted state")
+    flow_content()
     page.emulate_media(color_scheme=scheme)
     page.goto(f"{server}/login/")
     page.get_by_label("Username").fill("otto")
@@ -145,7 +146,7 @@ def test_the_main_pages_have_no_serious_accessibility_violations(
     page.get_by_role("button", name="Log in").click()
     expect(page.get_by_role("heading", name="Runs")).to_be_visible()
     problems = {}
-    for path in ("/", f"/runs/{waiting.pk}", f"/runs/{halted.pk}", "/approvals", "/halts"):
+    for path in ("/", f"/runs/{waiting.pk}", f"/runs/{halted.pk}", "/approvals", "/halts", "/flow"):
         page.goto(f"{server}{path}")
         name = path.strip("/").split("/")[0] or "runs-list"
         if path.startswith("/runs/"):
@@ -174,7 +175,8 @@ def test_the_main_pages_fit_a_360_px_wide_screen(server, browser, cast, drive):
     login(page, server, "otto")
     expect(page.get_by_role("heading", name="Runs")).to_be_visible()
     wide = {}
-    for path in ("/", f"/runs/{run.pk}", "/approvals", "/halts", "/workers", "/audit"):
+    flow_content()
+    for path in ("/", f"/runs/{run.pk}", "/approvals", "/halts", "/workers", "/audit", "/flow"):
         page.goto(f"{server}{path}")
         name = path.strip("/").split("/")[0] or "runs-list"
         SHOTS.mkdir(parents=True, exist_ok=True)
@@ -185,6 +187,15 @@ def test_the_main_pages_fit_a_360_px_wide_screen(server, browser, cast, drive):
             wide[path] = width
     context.close()
     assert not wide, wide
+
+
+def flow_content() -> None:
+    """Something on every table of the Flow page: a limit, a rate limit, a schedule."""
+    from runs import operations
+
+    operations.set_limits("ledger", "otto", "a test", max_running=3)
+    operations.set_rate_limit("gpt-4o", "otto", "a test", requests=60, tokens=100_000)
+    operations.save_schedule("otto", "nightly", workflow="ledger", cron="0 3 * * *")
 
 
 def login(page, server: str, username: str, next_path: str = "/") -> None:
@@ -588,7 +599,7 @@ def test_no_attacker_controlled_field_runs_a_script(server, browser, django_user
         "/", "/?q=%22%3E%3Cimg%20src%3Dx%3E", "/?status=failed&workflow=%3Cb%3E",
         f"/runs/{run.pk}", f"/runs/{other.pk}", f"/runs/{run.pk}/steps/0",
         f"/runs/{run.pk}/steps/1", "/approvals", "/audit", "/audit?system=1", "/halts",
-        "/workers", "/admin/runs/run/", f"/admin/runs/run/{run.pk}/change/",
+        "/workers", "/flow", "/admin/runs/run/", f"/admin/runs/run/{run.pk}/change/",
         "/admin/runs/event/", "/admin/runs/step/", "/admin/runs/apikey/",
         "/admin/runs/worker/", "/admin/runs/signal/", "/admin/runs/policy/",
         "/admin/approvals/approvalrequest/",

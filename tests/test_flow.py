@@ -408,3 +408,59 @@ def test_a_model_rate_limit_holds_across_three_workers_and_holds_no_thread(
     busiest = max(sum(1 for t in arrivals if start <= t < start + 2) for start in arrivals)
     assert busiest == 6
     assert Event.objects.filter(type="step.throttled").exists()
+
+
+# -- the dashboard's Flow page ---------------------------------------------------------------------
+
+
+def test_the_flow_page_shows_load_limits_rate_limits_and_schedules_to_a_viewer(client, cast):
+    from runs import operations
+
+    start_run("flow.tenant", {"tenant": "acme"})
+    operations.set_rate_limit("gpt-4o", "otto", "tier 1", requests=60)
+    operations.save_schedule("otto", "nightly", workflow="flow.plain", cron="0 3 * * *")
+    client.force_login(cast["vera"])
+    page = client.get("/flow").content.decode()
+    for text in ("flow.tenant", "<code>acme</code> 0 running, 1 queued", "gpt-4o", "nightly",
+                 "<code>0 3 * * *</code>"):  # fmt: skip
+        assert text in page
+    assert "Set limits" not in page and "Add schedule" not in page  # a viewer only reads
+
+
+def test_an_operator_sets_limits_rate_limits_and_schedules_from_the_flow_page(client, cast):
+    client.force_login(cast["otto"])
+    start_run("flow.plain", None)
+    response = client.post(
+        "/flow/limits",
+        {"workflow": "flow.plain", "max_running": "4", "max_running_per_key": "", "reason": "q"},
+    )
+    assert response.status_code == 302
+    assert Policy.objects.get(scope="flow.plain").max_running == 4
+    client.post("/flow/rate", {"resource": "gpt-4o", "requests": "60", "tokens": "",
+                               "window_seconds": "60", "reason": "tier 1"})  # fmt: skip
+    from runs.models import RateLimit
+
+    assert RateLimit.objects.get(resource="gpt-4o").requests == 60
+    bad = client.post(
+        "/flow/schedules",
+        {"name": "n", "workflow": "flow.plain", "cron": "0 3 * *", "timezone": "UTC"},
+        follow=True,
+    )
+    assert "bad cron expression" in bad.content.decode() and not Schedule.objects.exists()
+    client.post("/flow/schedules", {"name": "n", "workflow": "flow.plain", "cron": "0 3 * * *",
+                                    "input": '{"x": 1}', "catchup": "last"})  # fmt: skip
+    assert Schedule.objects.get(name="n").input == {"x": 1}
+    client.post("/flow/schedules/n/pause")
+    assert Schedule.objects.get(name="n").paused
+    client.post("/flow/schedules/n/remove")
+    client.post("/flow/rate", {"resource": "gpt-4o", "remove": "1", "reason": "gone"})
+    assert not Schedule.objects.exists() and not RateLimit.objects.exists()
+
+
+def test_a_viewer_cannot_change_flow_control_from_the_page(client, cast):
+    client.force_login(cast["vera"])
+    refused = client.post(
+        "/flow/limits", {"workflow": "flow.plain", "max_running": "1", "reason": "x"}
+    )
+    assert refused.status_code == 403
+    assert not Policy.objects.filter(scope="flow.plain").exists()
