@@ -61,7 +61,7 @@ from django.test.utils import CaptureQueriesContext  # noqa: E402
 from django.utils import timezone  # noqa: E402
 from psycopg import sql  # noqa: E402
 
-from bench.workflows import noop  # noqa: E402  (and bench.short, registered on import)
+from bench.workflows import noop, short_workflow  # noqa: E402  (bench.short registers)
 from runs.engine.executor import Lease, execute  # noqa: E402
 from runs.engine.worker import WorkerProcess  # noqa: E402
 from runs.models import TERMINAL_STATUSES, Run, RunStatus, Worker  # noqa: E402
@@ -77,6 +77,10 @@ PROFILE_STEPS = 200  # steps in the statement-profile run
 THROUGHPUT_RUNS = 200
 THROUGHPUT_STEPS = 10
 THREAD_COUNTS = (1, 4)
+FLOW_VARIANTS = (  # [3c]: (label, workflow, concurrency keys)
+    ("workflow limit 4 (not binding)", "bench.limited", 0),
+    ("per-key limit 2, 50 keys", "bench.keyed", 50),
+)
 PROCESS_COUNTS = (1, 2, 4)  # `runworker --processes N --concurrency 4`
 FLOOR_N = 2_000
 DBOS_QUEUE_POLL = float(os.environ.get("STEPGUARD_BENCH_DBOS_POLL", "0.005"))
@@ -87,7 +91,7 @@ TARGET_VS_FLOOR = 5.0  # ... and within 5x of one INSERT + COMMIT
 TARGET_THROUGHPUT_VS_DBOS = 3.0  # runs/s at 4 threads, at least 3x DBOS's queue
 TARGET_REPLAY_S = 0.100  # replay of 1,000 completed steps
 
-BENCH_WORKFLOWS = ("bench.long", "bench.short")
+BENCH_WORKFLOWS = ("bench.long", "bench.short", "bench.limited", "bench.keyed")
 
 # -- the workflows -----------------------------------------------------------------------------
 
@@ -531,9 +535,23 @@ def run_profile(claimer: WorkerProcess) -> dict[str, dict[str, Any]]:
     }
 
 
-def throughput(threads: int) -> dict[str, Any]:
+def register_flow_workflows() -> None:
+    """[3c]'s workflows: the same 10 no-op steps under a workflow limit and under per-key
+    limits. Registered only when [3c] starts, so the claims measured before it (and in DBOS's
+    turns) run with no limited workflow in the process."""
+    for name, options in (
+        ("bench.limited", {"concurrency": 4}),  # as many as the threads: never binding
+        ("bench.keyed", {"concurrency_key": lambda input: input["key"], "per_key": 2}),
+    ):
+        workflow(name, version="1", **options)(short_workflow)
+
+
+def throughput(threads: int, name: str = "bench.short", keys: int = 0) -> dict[str, Any]:
     t0 = time.perf_counter()
-    ids = [start_run("bench.short", {"steps": THROUGHPUT_STEPS}).id for _ in range(THROUGHPUT_RUNS)]
+    ids = [
+        start_run(name, {"steps": THROUGHPUT_STEPS, "key": f"k{i % keys}" if keys else ""}).id
+        for i in range(THROUGHPUT_RUNS)
+    ]
     enqueue = time.perf_counter() - t0
     worker = WorkerProcess(concurrency=threads, poll_interval=0.05, grace=5)
     worker.register()
@@ -839,6 +857,10 @@ def run_all() -> tuple[dict[str, Any], dict[str, Any]]:
         for processes in PROCESS_COUNTS:
             progress(f"{THROUGHPUT_RUNS} runs x {THROUGHPUT_STEPS} steps: {processes} process(es)")
             sg[f"proc{processes}"] = process_throughput(processes)
+        register_flow_workflows()
+        for label, name, keys in FLOW_VARIANTS:
+            progress(f"{THROUGHPUT_RUNS} runs x {THROUGHPUT_STEPS} steps, 4 threads: {label}")
+            sg[f"flow:{name}"] = throughput(4, name, keys)
     finally:
         claimer.stopping.set()
         claimer.shutdown()
@@ -1099,6 +1121,25 @@ def report(env: list[str], floor: dict, sg: dict, db: dict, elapsed: float) -> s
         f"  On {os.cpu_count()} CPUs shared with PostgreSQL: more processes than cores only add "
         "contention; each process adds one GIL's worth of Python."
     )
+    w("")
+    w(
+        f"[3c] Claims under flow control: {THROUGHPUT_RUNS} runs x {THROUGHPUT_STEPS} steps, "
+        "4 threads, as in [3]; each limited workflow's due runs are claimed under its lock"
+    )
+    off = sg["tp4"]["drain"]
+    rows = [["no limits ([3], 4 threads)", f"{off:.2f} s", f"{THROUGHPUT_RUNS / off:.1f}", "1.00x"]]
+    for label, name, _ in FLOW_VARIANTS:
+        t = sg[f"flow:{name}"]
+        rows.append(
+            [
+                label,
+                f"{t['drain']:.2f} s",
+                f"{THROUGHPUT_RUNS / t['drain']:.1f}",
+                ratio(off, t["drain"]),
+            ]
+        )
+    w(table(["claims", "drain", "runs/s", "vs no limits"], rows, right={1, 2, 3}))
+    w("  A workflow limit of 4 never binds with 4 threads: what it costs is the claim path alone.")
     w("")
 
     sp = sg["profile"]

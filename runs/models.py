@@ -113,6 +113,8 @@ class Run(models.Model):
     # many runs of a workflow, or of one of its concurrency keys, run at once.
     priority = models.SmallIntegerField(default=0, help_text="-1000 to 1000; higher goes first")
     concurrency_key = models.CharField(max_length=200, blank=True, default="")
+    # A debounced run's key ("" without a key function); NULL for every other run.
+    debounce_key = models.CharField(max_length=200, null=True, blank=True, default=None)  # noqa: DJ001
 
     # Spend and budgets. USD is kept in integer micro-dollars so SQLite compares it exactly.
     tokens_in = models.BigIntegerField(default=0)
@@ -186,6 +188,12 @@ class Run(models.Model):
             models.CheckConstraint(
                 condition=Q(priority__gte=-1000, priority__lte=1000),
                 name="runs_run_priority_range",
+            ),
+            # Debounce: one run per workflow and key waits out its quiet period (never claimed).
+            models.UniqueConstraint(
+                fields=["workflow", "debounce_key"],
+                condition=Q(status="pending", lease_epoch=0, debounce_key__isnull=False),
+                name="runs_run_one_debouncing_per_key",
             ),
         ]
         indexes = [
@@ -345,6 +353,7 @@ class EventType(models.TextChoices):
     LIMITS_SET = "limits.set", "a workflow's concurrency limits were set"
     RATE_LIMIT_SET = "rate_limit.set", "a resource's rate limit was set or removed"
     STEP_THROTTLED = "step.throttled", "a step waits for a rate limit's capacity"
+    RUN_DEBOUNCED = "run.debounced", "a debounced run took a newer input and waits again"
     SCHEDULE_CHANGED = "schedule.changed", "a schedule was added, changed, paused or removed"
 
 

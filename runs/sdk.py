@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
@@ -24,7 +25,7 @@ from runs.engine.agent import AgentLoopExhausted, Tool, ToolTimeout
 from runs.engine.budget import Metered, Usage, default_run_budget, to_micros, to_usd
 from runs.engine.executor import NOT_FOUND, Decision, RetryPolicy, RunContext
 from runs.engine.serialization import to_json
-from runs.engine.store import create_run, run_event
+from runs.engine.store import append_event, create_run, run_event
 from runs.engine.waits import Ask
 from runs.errors import (
     ApprovalExpired,
@@ -45,7 +46,7 @@ from runs.errors import (
     UnpricedModel,
     WaitTimeout,
 )
-from runs.models import EventType, Run, Signal
+from runs.models import EventType, Run, RunStatus, Signal
 from runs.operations import cancel_run, lock_run
 
 __all__ = [
@@ -94,6 +95,9 @@ def workflow(
     priority: int = 0,
     schedule: str | None = None,
     timezone: str = "UTC",
+    debounce: float | timedelta | None = None,
+    debounce_key: Callable[[Any], Any] | None = None,
+    debounce_max: float | timedelta | None = None,
 ) -> Callable[[Callable], Callable]:
     """Register `fn(ctx: RunContext, input) -> result` as workflow `name` at `version`.
 
@@ -104,7 +108,10 @@ def workflow(
     once on all workers together, and at most `per_key` of those share the key
     `concurrency_key(input)` (a tenant, a user); runs waiting on a timer, a signal or an
     approval do not count. `priority` (-1000 to 1000) is its runs' default. `schedule`, a cron
-    expression in `timezone`, starts one run per tick.
+    expression in `timezone`, starts one run per tick. With `debounce` (seconds or a
+    timedelta), a start waits for that long a quiet period per `debounce_key(input)`: starts
+    in the meantime replace its input (the last one wins) and restart the quiet period, for at
+    most `debounce_max` after the first.
     """
 
     if schedule is not None:
@@ -117,6 +124,7 @@ def workflow(
         registry.register(
             name, version, fn, concurrency=concurrency, concurrency_key=concurrency_key,
             per_key=per_key, priority=priority, schedule=schedule, timezone=timezone,
+            debounce=debounce, debounce_key=debounce_key, debounce_max=debounce_max,
         )  # fmt: skip
         return fn
 
@@ -170,6 +178,8 @@ def start_run(
             "tokens": tokens,
             "given": budget_usd is not None or budget_tokens is not None,
         }
+    if definition.debounce is not None and key is None:
+        return _debounced(definition, data, fields, created, started_by)
     try:
         with transaction.atomic():
             run = create_run(
@@ -195,6 +205,55 @@ def start_run(
         return existing
     run.was_created = True
     return run
+
+
+def _debounced(definition, data: Any, fields: dict, created: dict, started_by) -> Run:
+    """Start a debounced run: the one still waiting out its quiet period for this key takes
+    this input and waits again, or a new one is created. At most one such run per workflow and
+    key is enforced by a partial unique constraint (runs_run_one_debouncing_per_key); the
+    update is a compare-and-swap on the run's event sequence, so a claim racing it wins and
+    this start makes a new run instead."""
+    debounce_key = definition.key_for(data, "debounce")
+    actor = started_by.get_username() if started_by is not None else "system"
+    for _ in range(3):  # a concurrent start created the waiting run first: update that one
+        try:
+            with transaction.atomic():
+                now = timezone.now()
+                waiting = (
+                    Run.objects.select_for_update()
+                    .filter(workflow=definition.name, debounce_key=debounce_key)
+                    .filter(status=RunStatus.PENDING, lease_epoch=0)
+                    .first()
+                )
+                if waiting is not None:
+                    wake = now + definition.debounce
+                    if definition.debounce_max is not None:
+                        wake = min(wake, waiting.created_at + definition.debounce_max)
+                    seq = waiting.event_seq + 1
+                    moved = Run.objects.filter(
+                        pk=waiting.pk, status=RunStatus.PENDING, lease_epoch=0,
+                        event_seq=waiting.event_seq,
+                    ).update(input=data, wake_at=wake, event_seq=seq,
+                             concurrency_key=fields["concurrency_key"])  # fmt: skip
+                    if moved:
+                        append_event(
+                            waiting.pk, seq, EventType.RUN_DEBOUNCED, "", actor,
+                            until=wake.isoformat(), debounce_key=debounce_key,
+                        )  # fmt: skip
+                        waiting.refresh_from_db()
+                        waiting.was_created = False
+                        return waiting
+                run = create_run(
+                    workflow=definition.name, version=definition.version, input=data, key=None,
+                    started_by=started_by, actor=actor, wake_at=now + definition.debounce,
+                    debounce_key=debounce_key,
+                    created={**created, "debounce_key": debounce_key}, **fields,
+                )  # fmt: skip
+                run.was_created = True
+                return run
+        except IntegrityError:
+            continue
+    raise OperationError(f"could not start a debounced run of {definition.name!r}; try again")
 
 
 def _run_budget(workflow: str, usd, tokens) -> dict:

@@ -53,3 +53,9 @@ def ask(ctx: RunContext, input: dict) -> str:
 def metered(ctx: RunContext, input: dict) -> int:
     """A plain step that declares a resource (a payment API, say)."""
     return ctx.step("charge", lambda: input["n"], resource="payments")
+
+
+@workflow("flow.digest", debounce=30, debounce_key=lambda input: input["user"], debounce_max=120)
+def digest(ctx: RunContext, input: dict) -> dict:
+    """One digest per user after 30 s without news (at most 2 minutes after the first)."""
+    return input

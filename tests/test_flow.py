@@ -464,3 +464,67 @@ def test_a_viewer_cannot_change_flow_control_from_the_page(client, cast):
     )
     assert refused.status_code == 403
     assert not Policy.objects.filter(scope="flow.plain").exists()
+
+
+# -- debounce --------------------------------------------------------------------------------------
+
+
+def test_starts_within_the_quiet_period_make_one_run_with_the_last_input(db):
+    first = start_run("flow.digest", {"user": "ada", "news": 1})
+    assert first.was_created and first.wake_at > timezone.now() + timedelta(seconds=29)
+    again = start_run("flow.digest", {"user": "ada", "news": 2})
+    other = start_run("flow.digest", {"user": "bob", "news": 1})
+    last = start_run("flow.digest", {"user": "ada", "news": 3})
+    assert (again.pk, last.pk) == (first.pk, first.pk) and not last.was_created
+    assert other.pk != first.pk  # each key has its own quiet period
+    run = Run.objects.get(pk=first.pk)
+    assert run.input == {"user": "ada", "news": 3}  # the last input wins
+    assert run.wake_at >= last.wake_at - timedelta(seconds=1)
+    assert Event.objects.filter(run=run, type="run.debounced").count() == 2
+    worker = WorkerProcess(concurrency=4)
+    worker.register()
+    assert worker.claim(4) == []  # still quiet: nothing is due
+
+
+def test_a_debounced_run_waits_no_longer_than_debounce_max_after_the_first_start(db):
+    first = start_run("flow.digest", {"user": "ada"})
+    Run.objects.filter(pk=first.pk).update(created_at=timezone.now() - timedelta(seconds=110))
+    later = start_run("flow.digest", {"user": "ada", "news": 9})
+    assert later.pk == first.pk
+    assert later.wake_at <= later.created_at + timedelta(seconds=120)
+
+
+def test_once_a_debounced_run_is_claimed_the_next_start_makes_a_new_run(db):
+    first = start_run("flow.digest", {"user": "ada"})
+    Run.objects.filter(pk=first.pk).update(wake_at=timezone.now())
+    worker = WorkerProcess(concurrency=1)
+    worker.register()
+    assert [r.pk for r in worker.claim(1)] == [first.pk]
+    second = start_run("flow.digest", {"user": "ada", "news": 2})
+    assert second.was_created and second.pk != first.pk
+
+
+def test_bad_debounce_options_are_refused_when_the_workflow_is_declared():
+    with pytest.raises(ValueError, match="debounce must be a positive duration"):
+        workflow("flow.bad", debounce=0)(lambda ctx, input: None)
+    with pytest.raises(ValueError, match="debounce_max is shorter than debounce"):
+        workflow("flow.bad", debounce=10, debounce_max=5)(lambda ctx, input: None)
+
+
+@pytest.mark.postgres
+def test_concurrent_starts_of_one_key_make_one_debounced_run(transactional_db):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connection
+
+    def start(n):
+        try:
+            return start_run("flow.digest", {"user": "zed", "news": n}).pk
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = set(pool.map(start, range(16)))
+    assert len(ids) == 1
+    run = Run.objects.get()
+    assert Event.objects.filter(run=run, type="run.debounced").count() == 15

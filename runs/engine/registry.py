@@ -3,6 +3,7 @@
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
@@ -22,21 +23,24 @@ class WorkflowDef:
     priority: int = 0
     schedule: str | None = None
     timezone: str = "UTC"
+    debounce: timedelta | None = None
+    debounce_key: Callable[[Any], Any] | None = None
+    debounce_max: timedelta | None = None
 
-    def key_for(self, input: Any) -> str:
-        """The concurrency key of a run with `input` ("" without a key function)."""
-        if self.concurrency_key is None:
+    def key_for(self, input: Any, which: str = "concurrency") -> str:
+        """The concurrency (or debounce) key of a run with `input`: "" without a function."""
+        fn = self.concurrency_key if which == "concurrency" else self.debounce_key
+        if fn is None:
             return ""
         try:
-            key = self.concurrency_key(input)
+            key = str(fn(input))
         except Exception as exc:
             raise InvalidInput(
-                f"the concurrency key of workflow {self.name!r} failed on this input: "
+                f"the {which} key of workflow {self.name!r} failed on this input: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        key = str(key)
         if len(key) > 200:
-            raise InvalidInput(f"concurrency key of workflow {self.name!r} is over 200 characters")
+            raise InvalidInput(f"{which} key of workflow {self.name!r} is over 200 characters")
         return key
 
     @property
@@ -70,6 +74,18 @@ def register(name: str, version: str, fn: Callable, **options: Any) -> WorkflowD
         raise ValueError(f"workflow {name!r}: per_key needs a concurrency_key function")
     if not -1000 <= options.get("priority", 0) <= 1000:
         raise ValueError(f"workflow {name!r}: priority must be between -1000 and 1000")
+    for option in ("debounce", "debounce_max"):
+        value = options.get(option)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = options[option] = timedelta(seconds=value)
+        if value is not None and (not isinstance(value, timedelta) or value <= timedelta(0)):
+            raise ValueError(f"workflow {name!r}: {option} must be a positive duration")
+    if options.get("debounce") is None and (
+        options.get("debounce_key") or options.get("debounce_max")
+    ):
+        raise ValueError(f"workflow {name!r}: debounce_key and debounce_max need debounce")
+    if options.get("debounce_max") is not None and options["debounce_max"] < options["debounce"]:
+        raise ValueError(f"workflow {name!r}: debounce_max is shorter than debounce")
     definition = WorkflowDef(name, version, fn, **options)
     _workflows[(name, version)] = definition
     _latest[name] = version

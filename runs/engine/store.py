@@ -403,13 +403,13 @@ def create_run(
     Call inside a transaction."""
     fields.setdefault("max_attempts", settings.STEPGUARD_RUN_MAX_ATTEMPTS)
     fields.setdefault("trace_context", tracing.carrier_for_new_run(workflow))
+    fields.setdefault("wake_at", timezone.now())  # a debounced run: when its quiet period ends
     run = Run.objects.create(
         workflow=workflow,
         version=version,
         input=input,
         key=key,
         parent_id=parent_id,
-        wake_at=timezone.now(),
         event_seq=1,
         **fields,
     )
