@@ -382,32 +382,34 @@ def test_a_step_over_its_resources_limit_waits_durably_and_uses_no_attempt(drive
 
 
 @pytest.mark.slow
-def test_a_model_rate_limit_holds_across_three_workers_and_holds_no_thread(
+def test_sixty_requests_a_minute_hold_across_three_workers_and_waiting_holds_no_thread(
     spawn_worker, demo_model, cast
 ):
     from runs import operations
 
-    operations.set_rate_limit(
-        "demo-rate", "otto", "the account's quota", requests=6, window_seconds=2
-    )
-    runs = [start_run("flow.ask", {"n": n}) for n in range(18)]
+    operations.set_rate_limit("demo-rate", "otto", "the account's quota", requests=60)
+    runs = [start_run("flow.ask", {"n": n}) for n in range(66)]
     for _ in range(3):
         spawn_worker(*FLOW, "--concurrency", "4")
-    # While calls wait for capacity, their runs are released: no worker holds them.
+    # The six over the limit wait for capacity released: no worker holds them meanwhile.
     wait_until(
-        lambda: Run.objects.filter(
-            status=RunStatus.WAITING, worker__isnull=True, steps__error__throttled="demo-rate"
-        ).exists(),
-        timeout=30,
-        what="a run waiting for the rate limit",
+        lambda: (
+            Run.objects.filter(
+                status=RunStatus.WAITING, worker__isnull=True, steps__error__throttled="demo-rate"
+            ).count()
+            == 6
+        ),
+        timeout=60,
+        what="six runs waiting for the rate limit",
     )
-    wait_all_done(runs, timeout=120)
+    assert not Run.objects.filter(status=RunStatus.RUNNING).exists()
+    wait_all_done(runs, timeout=150)
     arrivals = sorted(demo_model.arrivals)
-    assert len(arrivals) == 18
-    # No 2-second window saw more than 6 calls, and the limit was reached.
-    busiest = max(sum(1 for t in arrivals if start <= t < start + 2) for start in arrivals)
-    assert busiest == 6
-    assert Event.objects.filter(type="step.throttled").exists()
+    assert len(arrivals) == 66
+    # No minute at the model saw more than 60 calls, and the limit was reached.
+    busiest = max(sum(1 for t in arrivals if start <= t < start + 60) for start in arrivals)
+    assert busiest == 60
+    assert Event.objects.filter(type="step.throttled").count() >= 6
 
 
 # -- the dashboard's Flow page ---------------------------------------------------------------------
