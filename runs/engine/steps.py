@@ -26,6 +26,7 @@ from runs.engine.budget import (
     scopes_for,
 )
 from runs.engine.checkpoints import Held
+from runs.engine.llm import retry_after
 from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import describe_input, to_json
@@ -370,7 +371,10 @@ class Steps(ContextState):
                 if (delay := policy.next_delay(exc, tries)) is not None:
                     payload = {"attempt": attempt + 1, "delay_s": round(delay, 3)}
                     payload["error"] = brief(exc)
-                    if delay >= settings.STEPGUARD_DURABLE_RETRY_SECONDS:
+                    if (
+                        delay >= settings.STEPGUARD_DURABLE_RETRY_SECONDS
+                        or retry_after(exc) is not None  # a provider's 429 or 503: never slept
+                    ):
                         # Resumed, the step takes its rate grant as any start does.
                         self._retry_later(step_pk, key, None, delay, payload, tries)
                     if rate is not None:  # a retry slept here is another call: a grant too

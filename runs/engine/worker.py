@@ -235,7 +235,8 @@ class WorkerProcess:
     def _claim_limited(self, free: int, limits: dict[str, flow.Limit], now) -> list[Run]:
         """Claim due runs of limited workflows, each workflow under its lock, within what its
         running runs leave of its limits (per key too)."""
-        claimed_ids = []
+        claimed_ids: list = []
+        claimed: list[Run] = []
         due = (
             Run.objects.filter(self._mine, workflow__in=limits)
             .filter(status__in=WAKEABLE, wake_at__lte=now)
@@ -247,6 +248,13 @@ class WorkerProcess:
             limit = limits[name]
             if free <= 0:
                 break
+            if connection.vendor == "postgresql":
+                with transaction.atomic():
+                    flow.lock(name)
+                    taken = self._claim_limited_in_one_statement(name, limit, free, now)
+                claimed += taken
+                free -= len(taken)
+                continue
             with transaction.atomic():
                 flow.lock(name)
                 running = flow.running(name)
@@ -278,7 +286,7 @@ class WorkerProcess:
                         running[key] = running.get(key, 0) + 1
                         room -= 1
                         free -= 1
-        return self._adopt(claimed_ids)
+        return claimed + self._adopt(claimed_ids)
 
     def _adopt(self, claimed_ids: list) -> list[Run]:
         """The runs our claims took, read back; one taken over since is dropped."""
@@ -300,10 +308,8 @@ class WorkerProcess:
         often) are left to `claim`'s slow path; due runs of the `limited` workflows to
         `_claim_limited`.
         """
-        fields = [f for f in Run._meta.concrete_fields]
-        columns = ", ".join(f'r."{f.column}"' for f in fields)
         mine = " OR ".join(["(workflow = %s AND version = %s)"] * len(self._mine_refs))
-        sql = f"""
+        chosen = f"""
             WITH aged AS (
                 SELECT id, status AS was, 0 AS grp, 0 AS prio, wake_at AS at FROM {RUN_TABLE}
                 WHERE status = ANY(%s) AND wake_at < %s AND ({mine})
@@ -334,7 +340,23 @@ class WorkerProcess:
                     SELECT * FROM lost UNION ALL SELECT * FROM aged UNION ALL SELECT * FROM due
                 ) AS all_
                 ORDER BY grp, prio, at LIMIT %s
-            ), u AS (
+            )"""
+        poison = 2 * settings.STEPGUARD_MAX_RECOVERIES
+        refs = [part for ref in self._mine_refs for part in ref]
+        old = flow.aged(now)
+        params = [
+            list(WAKEABLE), old, *refs, limited, limit,
+            list(WAKEABLE), now, old, *refs, limited, limit,
+            RunStatus.RUNNING, now, *refs, poison, limit,
+            limit,
+        ]  # fmt: skip
+        return self._take_chosen(chosen, params, now)
+
+    def _take_chosen(self, chosen: str, params: list, now) -> list[Run]:
+        """Complete a claim statement whose CTEs end in `c` (id, was: the status it had):
+        take those runs' leases and append their claim events, in the same statement."""
+        columns = ", ".join(f'r."{f.column}"' for f in Run._meta.concrete_fields)
+        sql = f"""{chosen}, u AS (
                 UPDATE {RUN_TABLE} r SET
                     status = %s, worker_id = %s, lease_until = %s,
                     lease_epoch = r.lease_epoch + 1, event_seq = r.event_seq + 1,
@@ -352,14 +374,8 @@ class WorkerProcess:
             )
             SELECT * FROM u ORDER BY wake_at
         """
-        poison = 2 * settings.STEPGUARD_MAX_RECOVERIES
-        refs = [part for ref in self._mine_refs for part in ref]
-        old = flow.aged(now)
         params = [
-            list(WAKEABLE), old, *refs, limited, limit,
-            list(WAKEABLE), now, old, *refs, limited, limit,
-            RunStatus.RUNNING, now, *refs, poison, limit,
-            limit,
+            *params,
             RunStatus.RUNNING, self.id, now + self.lease, RunStatus.RUNNING, now,
             RunStatus.RUNNING, EventType.RUN_RECOVERED,
             RunStatus.WAITING, EventType.RUN_WOKEN, EventType.RUN_CLAIMED,
@@ -372,6 +388,61 @@ class WorkerProcess:
             was = run.was  # type: ignore[attr-defined]  # a column of the claim statement
             event_written(run.id, kinds.get(was, EventType.RUN_CLAIMED))
         return runs
+
+    def _claim_limited_in_one_statement(
+        self, name: str, limit: flow.Limit, free: int, now
+    ) -> list[Run]:
+        """PostgreSQL: claim due runs of one limited workflow in one statement, after its lock
+        (taken by the caller in a statement of its own, so that this one's snapshot sees every
+        claim committed before it). The count of its running runs per key, the room they leave
+        (`row_number()` per key for the per-key limit), the leases and the events: all here."""
+        mine = " OR ".join(["(workflow = %s AND version = %s)"] * len(self._mine_refs))
+        order = "aged DESC, CASE WHEN aged THEN 0 ELSE priority END DESC, wake_at"
+        chosen = f"""
+            WITH running AS (
+                SELECT concurrency_key AS k, count(*) AS n FROM {RUN_TABLE}
+                WHERE workflow = %s AND status = %s GROUP BY concurrency_key
+            ), room AS (
+                SELECT GREATEST(0, LEAST(%s::int,
+                    COALESCE(%s::int - (SELECT COALESCE(sum(n), 0) FROM running), %s::int)
+                )) AS n
+            ), locked AS (
+                SELECT id, status AS was, concurrency_key AS k, priority, wake_at,
+                    (status = ANY(%s) AND wake_at < %s) AS aged
+                FROM {RUN_TABLE}
+                WHERE workflow = %s AND status = ANY(%s) AND wake_at <= %s AND ({mine})
+                  AND NOT {holds.covered_sql()}
+                  AND concurrency_key NOT IN (
+                      SELECT k FROM running WHERE %s::int IS NOT NULL AND n >= %s::int
+                  )
+                ORDER BY (wake_at < %s) DESC,
+                    CASE WHEN wake_at < %s THEN 0 ELSE priority END DESC, wake_at
+                LIMIT %s
+                FOR UPDATE SKIP LOCKED
+            ), ranked AS (
+                SELECT l.id, l.was, l.aged, l.priority, l.wake_at,
+                    row_number() OVER (PARTITION BY l.k ORDER BY {order})
+                        + COALESCE(r.n, 0) AS load
+                FROM locked l LEFT JOIN running r ON r.k = l.k
+            ), c AS (
+                SELECT id, was FROM ranked
+                WHERE %s::int IS NULL OR load <= %s::int
+                ORDER BY {order}
+                LIMIT (SELECT n FROM room)
+            )"""
+        refs = [part for ref in self._mine_refs for part in ref]
+        old = flow.aged(now)
+        params = [
+            name, RunStatus.RUNNING,
+            free, limit.total, free,
+            list(WAKEABLE), old,
+            name, list(WAKEABLE), now, *refs,
+            limit.per_key, limit.per_key,
+            old, old,
+            free * 4 + 8,
+            limit.per_key, limit.per_key,
+        ]  # fmt: skip
+        return self._take_chosen(chosen, params, now)
 
     def _fail_poisoned(self, now) -> None:
         """Fail the due runs past twice the poison-run bound (see `_claim_one`)."""
