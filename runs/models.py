@@ -189,10 +189,13 @@ class Run(models.Model):
                 condition=Q(priority__gte=-1000, priority__lte=1000),
                 name="runs_run_priority_range",
             ),
-            # Debounce: one run per workflow and key waits out its quiet period (never claimed).
+            # Debounce: one run per workflow and key waits out its quiet period (never claimed;
+            # halted meanwhile it still waits, and takes the newer inputs).
             models.UniqueConstraint(
                 fields=["workflow", "debounce_key"],
-                condition=Q(status="pending", lease_epoch=0, debounce_key__isnull=False),
+                condition=Q(
+                    status__in=["pending", "halted"], lease_epoch=0, debounce_key__isnull=False
+                ),
                 name="runs_run_one_debouncing_per_key",
             ),
         ]
@@ -591,6 +594,10 @@ class Schedule(models.Model):
     catchup = models.CharField(max_length=10, choices=Catchup.choices, default=Catchup.SKIP)
     catchup_limit = models.PositiveIntegerField(default=10)
     source = models.CharField(max_length=10, default="api", help_text="code or api")
+    # Who added it: its runs are started in their name (the four-eyes rule applies to them).
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     next_fire_at = models.DateTimeField()
     last_fired_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)

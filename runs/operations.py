@@ -610,9 +610,10 @@ def save_schedule(user, name: str, **fields) -> Schedule:
     from runs import schedules
 
     user = require(user, "runs.set_flow", "manage schedules")
+    require(user, "runs.add_run", "start runs on a schedule")
     with transaction.atomic():
         existed = Schedule.objects.filter(name=name).exists()
-        schedule = schedules.save(name, **fields)
+        schedule = schedules.save(name, **fields, created_by=user)
         audit(user.get_username(), EventType.SCHEDULE_CHANGED, schedule=name,
               change="replaced" if existed else "added", cron=schedule.cron,
               workflow=schedule.workflow)  # fmt: skip

@@ -219,10 +219,11 @@ def _debounced(definition, data: Any, fields: dict, created: dict, started_by) -
         try:
             with transaction.atomic():
                 now = timezone.now()
+                quiet = [RunStatus.PENDING, RunStatus.HALTED]  # a halt does not end the quiet
                 waiting = (
                     Run.objects.select_for_update()
                     .filter(workflow=definition.name, debounce_key=debounce_key)
-                    .filter(status=RunStatus.PENDING, lease_epoch=0)
+                    .filter(status__in=quiet, lease_epoch=0)
                     .first()
                 )
                 if waiting is not None:
@@ -231,7 +232,7 @@ def _debounced(definition, data: Any, fields: dict, created: dict, started_by) -
                         wake = min(wake, waiting.created_at + definition.debounce_max)
                     seq = waiting.event_seq + 1
                     moved = Run.objects.filter(
-                        pk=waiting.pk, status=RunStatus.PENDING, lease_epoch=0,
+                        pk=waiting.pk, status__in=quiet, lease_epoch=0,
                         event_seq=waiting.event_seq,
                     ).update(input=data, wake_at=wake, event_seq=seq,
                              concurrency_key=fields["concurrency_key"])  # fmt: skip

@@ -102,8 +102,8 @@ class Grant:
         return until
 
     def finish(self) -> None:
-        end(self.id, timezone.now())
-        self.id = None
+        grant, self.id = self.id, None
+        end(grant, timezone.now())
 
     @contextmanager
     def ended_on_error(self) -> Iterator[None]:

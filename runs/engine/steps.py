@@ -158,7 +158,6 @@ class Steps(ContextState):
         if resource and not self._compensating:
             tokens = estimate.tokens_in + estimate.tokens_out if estimate else 0
             rate = rates.Grant(resource, tokens)
-            self._take_rate(rate, record, seq, key, kind, fields, tries)
         # An estimate is held against the budgets while the step runs; a step re-sent after a
         # crash still holds what its first attempt reserved. A hold made on an earlier day (or
         # against other shared budgets) moves to today's ledgers: the old day's spend is no
@@ -177,7 +176,9 @@ class Steps(ContextState):
             fields["reserved_micros"], fields["reserved_tokens"] = reserved
             fields["reserved_on"], fields["reserved_scopes"] = today, shared
         ending = rate.ended_on_error() if rate is not None else nullcontext()
-        with tracing.step(self._trace, key, kind, attempt, model), ending:
+        with ending, tracing.step(self._trace, key, kind, attempt, model):
+            if rate is not None:
+                self._take_rate(rate, record, seq, key, kind, fields, tries)
             try:
                 if approval is None and not shared and not moving:
                     step_pk = fenced_write(
@@ -377,15 +378,15 @@ class Steps(ContextState):
                     ):
                         # Resumed, the step takes its rate grant as any start does.
                         self._retry_later(step_pk, key, None, delay, payload, tries)
+                    attempt += 1
+                    self._sleep(delay)
                     if rate is not None:  # a retry slept here is another call: a grant too
                         now = timezone.now()
-                        until = rate.take(now + timedelta(seconds=delay))
+                        until = rate.take(now)
                         if until is not None:
                             payload["throttled"] = rate.resource
                             wait = (until - now).total_seconds()
                             self._retry_later(step_pk, key, None, wait, payload, tries)
-                    attempt += 1
-                    self._sleep(delay)
                     try:
                         # A retry is a new start: the halt, the cancel, the budget and the
                         # approval are checked again, in the statement that records it.

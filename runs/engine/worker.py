@@ -80,6 +80,7 @@ class WorkerProcess:
         self._mine = reduce(or_, (Q(workflow=d.name, version=d.version) for d in definitions))
         self._names = {d.name for d in definitions}
         self._schedules_at = 0.0  # when tick() next looks for due schedules (monotonic)
+        self._turn = 0  # which limited workflow's claim goes first (_claim_limited)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -168,8 +169,13 @@ class WorkerProcess:
             due=Min("wake_at")
         )["due"]
         fire = schedules.next_due(self._names)
-        if fire is not None and (due is None or fire < due):
-            due = fire
+        if fire is not None:
+            # Not before tick() looks at schedules again (a due schedule another worker is
+            # firing, or one just looked at, must not make this loop spin).
+            look = now + timedelta(seconds=max(0.0, self._schedules_at - time.monotonic()))
+            fire = max(fire, look)
+            if due is None or fire < due:
+                due = fire
         if due is None:
             return self.poll_interval
         return max(0.0, min(self.poll_interval, (due - now).total_seconds()))
@@ -181,7 +187,12 @@ class WorkerProcess:
         return how many."""
         if time.monotonic() >= self._schedules_at:
             self._schedules_at = time.monotonic() + min(self.poll_interval, 0.5)
-            schedules.fire_due(self._names)
+            try:
+                schedules.fire_due(self._names)
+            except Exception as exc:
+                if is_disconnect(exc):
+                    raise  # the loop's outage handling: said once, reconnect
+                log.exception("firing schedules failed; claiming runs all the same")
         free = self.concurrency - len(self.active)
         if free <= 0:
             return 0
@@ -200,21 +211,27 @@ class WorkerProcess:
         now = timezone.now()
         stopped, limits = flow.policies(self._names)
         if connection.vendor == "postgresql":
-            claimed = self._claim_in_one_statement(limit, now, sorted(limits))
+            # Limited workflows first: their limits bound what they take, and behind an
+            # unlimited backlog they would never get a thread.
+            claimed = self._claim_limited(limit, limits, now) if limits else []
+            if len(claimed) < limit:
+                claimed += self._claim_in_one_statement(limit - len(claimed), now, sorted(limits))
             outage.ok()  # the database answered
-            if limits and len(claimed) < limit:
-                claimed += self._claim_limited(limit - len(claimed), limits, now)
             if len(claimed) < limit:
                 # Nothing more is runnable now: the due runs left are held or poison runs,
                 # which the statement skips. Park the held ones; fail the poison ones.
                 self._park_held(now)
                 self._fail_poisoned(now)
             return claimed
-        claimed_ids = []
         self._park_held(now)
         outage.ok()  # the database answered
         if stopped:
             return []  # the kill switch: nothing starts
+        claimed = self._claim_limited(limit, limits, now) if limits else []
+        if len(claimed) >= limit:
+            return claimed
+        limit -= len(claimed)
+        claimed_ids = []
         with transaction.atomic():
             candidates = list(
                 Run.objects.select_for_update(skip_locked=True)
@@ -227,10 +244,7 @@ class WorkerProcess:
             for run_id, status, epoch, event_seq, recoveries in candidates:
                 if self._claim_one(run_id, status, epoch, event_seq, recoveries, now):
                     claimed_ids.append((run_id, epoch + 1))
-        claimed = self._adopt(claimed_ids)
-        if limits and len(claimed) < limit:
-            claimed += self._claim_limited(limit - len(claimed), limits, now)
-        return claimed
+        return claimed + self._adopt(claimed_ids)
 
     def _claim_limited(self, free: int, limits: dict[str, flow.Limit], now) -> list[Run]:
         """Claim due runs of limited workflows, each workflow under its lock, within what its
@@ -244,7 +258,10 @@ class WorkerProcess:
             .order_by()
             .distinct()
         )
-        for name in sorted(set(due)):
+        names = sorted(set(due))
+        self._turn += 1  # each claim starts with the next one: none waits behind the others
+        for i in range(len(names)):
+            name = names[(self._turn + i) % len(names)]
             limit = limits[name]
             if free <= 0:
                 break
