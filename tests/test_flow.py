@@ -391,16 +391,17 @@ def test_sixty_requests_a_minute_hold_across_three_workers_and_waiting_holds_no_
     runs = [start_run("flow.ask", {"n": n}) for n in range(66)]
     for _ in range(3):
         spawn_worker(*FLOW, "--concurrency", "4")
-    # The six over the limit wait for capacity released: no worker holds them meanwhile.
+    # Once the 60 have completed, the six over the limit wait for capacity released: no
+    # worker holds them (none is running) for the rest of the minute.
+    throttled = Run.objects.filter(
+        status=RunStatus.WAITING, worker__isnull=True, steps__error__throttled="demo-rate"
+    )
     wait_until(
         lambda: (
-            Run.objects.filter(
-                status=RunStatus.WAITING, worker__isnull=True, steps__error__throttled="demo-rate"
-            ).count()
-            == 6
+            throttled.count() == 6 and Run.objects.filter(status=RunStatus.COMPLETED).count() == 60
         ),
         timeout=60,
-        what="six runs waiting for the rate limit",
+        what="60 runs completed and six waiting for the rate limit",
     )
     assert not Run.objects.filter(status=RunStatus.RUNNING).exists()
     wait_all_done(runs, timeout=150)
