@@ -26,9 +26,8 @@ class Limit:
     per_key: int | None
 
 
-def policies(names: set[str]) -> tuple[bool, dict[str, Limit]]:
-    """Whether the kill switch is on, and the limited workflows among `names` with their
-    limits in force. One query: a claim asks it every time."""
+def code_limits(names: set[str]) -> dict[str, Limit]:
+    """The limits the code declares for `names` (their newest registered versions)."""
     code: dict[str, Limit] = {}
     for name in names:
         try:
@@ -36,6 +35,16 @@ def policies(names: set[str]) -> tuple[bool, dict[str, Limit]]:
         except registry.UnknownWorkflow:
             continue
         code[name] = Limit(definition.concurrency, definition.per_key)
+    return code
+
+
+def policies(
+    names: set[str], code: dict[str, Limit] | None = None
+) -> tuple[bool, dict[str, Limit]]:
+    """Whether the kill switch is on, and the limited workflows among `names` with their
+    limits in force (`code`: code_limits(names), which a worker computes once). One query: a
+    claim asks it every time."""
+    code = dict(code_limits(names) if code is None else code)
     rows = Policy.objects.filter(
         Q(scope=GLOBAL, halted_at__isnull=False)
         | Q(scope__in=names) & (Q(max_running__isnull=False) | Q(max_running_per_key__isnull=False))

@@ -81,6 +81,7 @@ class WorkerProcess:
         self._names = {d.name for d in definitions}
         self._schedules_at = 0.0  # when tick() next looks for due schedules (monotonic)
         self._turn = 0  # which limited workflow's claim goes first (_claim_limited)
+        self._code_limits = flow.code_limits(self._names)  # fixed once imported
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -209,7 +210,7 @@ class WorkerProcess:
 
     def claim(self, limit: int) -> list[Run]:
         now = timezone.now()
-        stopped, limits = flow.policies(self._names)
+        stopped, limits = flow.policies(self._names, self._code_limits)
         if connection.vendor == "postgresql":
             # Limited workflows first: their limits bound what they take, and behind an
             # unlimited backlog they would never get a thread.
