@@ -8,7 +8,26 @@ from runs.apikeys import create_key
 from runs.models import ApiKey, BudgetLedger, Event, Policy, Run, Signal, Step, Worker
 
 
-class StepInline(admin.TabularInline):
+class HistoryAdmin:
+    """Read-only for everyone, superusers included: these rows record what happened, and change
+    only through the engine and runs.operations (permission checks, audit events, wake-ups).
+
+    No add, no change (the pages show every field read-only, with no Save button), no delete (so
+    no bulk delete action either); whoever may view the model still sees it. Mixed into a
+    ModelAdmin or an inline, whose `has_add_permission` also takes `obj`.
+    """
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+class StepInline(HistoryAdmin, admin.TabularInline):
     model = Step
     extra = 0
     can_delete = False
@@ -26,7 +45,7 @@ class StepInline(admin.TabularInline):
     show_change_link = True
 
 
-class ChildInline(admin.TabularInline):
+class ChildInline(HistoryAdmin, admin.TabularInline):
     model = Run
     fk_name = "parent"
     verbose_name_plural = "child runs"
@@ -38,80 +57,50 @@ class ChildInline(admin.TabularInline):
 
 
 @admin.register(Run)
-class RunAdmin(admin.ModelAdmin):
+class RunAdmin(HistoryAdmin, admin.ModelAdmin):
+    """Read-only: runs are cancelled, halted, retried and pruned through runs.operations."""
+
     list_display = ("id", "workflow", "version", "status", "attempt", "key", "parent", "created_at")
     list_filter = ("status", "workflow")
     search_fields = ("=id", "key")
     inlines = [StepInline, ChildInline]
 
-    def has_add_permission(self, request):
-        return False
-
-    def get_readonly_fields(self, request, obj=None):
-        return [f.name for f in Run._meta.fields]
-
 
 @admin.register(Step)
-class StepAdmin(admin.ModelAdmin):
+class StepAdmin(HistoryAdmin, admin.ModelAdmin):
     list_display = ("run", "seq", "key", "kind", "status", "attempt", "recovered")
     list_filter = ("status", "kind", "recovered")
 
-    def get_readonly_fields(self, request, obj=None):
-        return [f.name for f in Step._meta.fields]
-
 
 @admin.register(Event)
-class EventAdmin(admin.ModelAdmin):
+class EventAdmin(HistoryAdmin, admin.ModelAdmin):
     """Read-only: the history is append-only."""
 
     list_display = ("run", "seq", "type", "step_key", "actor", "created_at")
     list_filter = ("type",)
 
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
-
 
 @admin.register(Worker)
-class WorkerAdmin(admin.ModelAdmin):
+class WorkerAdmin(HistoryAdmin, admin.ModelAdmin):
     list_display = ("id", "host", "pid", "concurrency", "started_at", "heartbeat_at", "stopped_at")
-
-    def get_readonly_fields(self, request, obj=None):
-        return [f.name for f in Worker._meta.fields]
 
 
 @admin.register(Signal)
-class SignalAdmin(admin.ModelAdmin):
+class SignalAdmin(HistoryAdmin, admin.ModelAdmin):
     list_display = ("id", "run", "name", "sent_by", "created_at", "consumed_by")
-
-    def get_readonly_fields(self, request, obj=None):
-        return [f.name for f in Signal._meta.fields]
 
 
 @admin.register(Policy)
-class PolicyAdmin(admin.ModelAdmin):
-    """Read-only: halts and budgets change through runs.operations (permission + audit)."""
+class PolicyAdmin(HistoryAdmin, admin.ModelAdmin):
+    """Read-only: halts, budgets and limits change through runs.operations (permission + audit);
+    deleting a row here would lift a halt with no event."""
 
     list_display = ("scope", "halted_at", "halted_by", "daily_budget_micros", "run_budget_micros")
 
-    def get_readonly_fields(self, request, obj=None):
-        return [f.name for f in Policy._meta.fields]
-
-    def has_add_permission(self, request):
-        return False
-
 
 @admin.register(BudgetLedger)
-class BudgetLedgerAdmin(admin.ModelAdmin):
+class BudgetLedgerAdmin(HistoryAdmin, admin.ModelAdmin):
     list_display = ("scope", "day", "spent_micros", "reserved_micros", "spent_tokens", "warned")
-
-    def get_readonly_fields(self, request, obj=None):
-        return [f.name for f in BudgetLedger._meta.fields]
 
 
 @admin.register(ApiKey)

@@ -350,8 +350,8 @@ class EventType(models.TextChoices):
     MODEL_UNPRICED = "model.unpriced", "a model call had no price"
     LOGIN_LOCKED_OUT = "login.locked_out", "a login was locked out"
     RUNS_PRUNED = "runs.pruned", "finished runs were pruned"
-    HALT = "halt", "a workflow or everything was halted"
-    UNHALT = "unhalt", "a workflow or everything was unhalted"
+    SCOPE_HALTED = "scope.halted", "a workflow or everything was halted"
+    SCOPE_UNHALTED = "scope.unhalted", "a workflow or everything was unhalted"
     NOTIFICATIONS_CHANGED = "notifications.changed", "a notification channel was added or removed"
     LIMITS_SET = "limits.set", "a workflow's concurrency limits were set"
     RATE_LIMIT_SET = "rate_limit.set", "a resource's rate limit was set or removed"
@@ -371,9 +371,16 @@ NOTIFIABLE = (
     EventType.BUDGET_WARNING,
     EventType.APPROVAL_REQUESTED,
     EventType.MODEL_UNPRICED,
-    EventType.HALT,
-    EventType.UNHALT,
+    EventType.SCOPE_HALTED,
+    EventType.SCOPE_UNHALTED,
 )
+
+#: Earlier spellings of renamed event types, still accepted where a person or a script names
+#: an event type (channel subscriptions, the API), so nothing stored or scripted breaks.
+RENAMED_EVENTS = {
+    "halt": EventType.SCOPE_HALTED.value,  # renamed by migration runs 0013
+    "unhalt": EventType.SCOPE_UNHALTED.value,
+}
 
 
 class Event(models.Model):

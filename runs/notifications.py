@@ -36,6 +36,7 @@ from runs.engine.retry import RetryPolicy
 from runs.errors import NotFound, OperationError, StepguardError
 from runs.models import (
     NOTIFIABLE,
+    RENAMED_EVENTS,
     ChannelKind,
     Chore,
     Event,
@@ -57,8 +58,8 @@ CHORE = "notifications"
 MARGIN = timedelta(seconds=60)
 BATCH = 500
 TIMEOUT_SECONDS = 10.0
-#: The spelling the issue tracker and other tools use, for Stepguard's own.
-ALIASES = {"run.over_budget": EventType.BUDGET_EXCEEDED.value}
+#: The spelling the issue tracker and other tools use, and earlier ones, for Stepguard's own.
+ALIASES = {"run.over_budget": EventType.BUDGET_EXCEEDED.value, **RENAMED_EVENTS}
 #: 408, 409, 425, 429 and 5xx are worth trying again; other answers will not change.
 RETRYABLE_STATUS = {408, 409, 425, 429}
 

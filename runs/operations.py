@@ -271,7 +271,7 @@ def halt(target, user, reason: str) -> Target:
         Policy.objects.filter(pk=policy.pk).update(
             halted_at=now, halted_by=actor, halt_reason=reason
         )
-        audit(actor, EventType.HALT, target=target.label, reason=reason)
+        audit(actor, EventType.SCOPE_HALTED, target=target.label, reason=reason)
         # Every run the hold now covers: the workflow's runs and their descendants.
         parkable = Run.objects.filter(holds.covered(), status__in=PARKABLE)
         for run_id in parkable.values_list("id", flat=True):
@@ -346,7 +346,7 @@ def unhalt(target, user, reason: str) -> Target:
         if policy is None or policy.halted_at is None:
             raise Conflict(f"{target.label} is not halted")
         Policy.objects.filter(pk=policy.pk).update(halted_at=None, halted_by="", halt_reason="")
-        audit(actor, EventType.UNHALT, target=target.label, reason=reason)
+        audit(actor, EventType.SCOPE_UNHALTED, target=target.label, reason=reason)
         for run_id in Run.objects.filter(status=RunStatus.HALTED).values_list("id", flat=True):
             if _resume(run_id):
                 run_event(

@@ -263,7 +263,7 @@ def test_the_audit_trail_lists_every_operator_action_with_its_actor(drive, cast)
         ("otto", "run.halted"),
         ("otto", "budget.set"),
         ("otto", "run.unhalted"),
-        ("otto", "halt"),
+        ("otto", "scope.halted"),
         ("otto", "budget.set"),
         ("otto", "run.cancel_requested"),
     ]

@@ -628,7 +628,7 @@ class EngineModel(RuleBasedStateMachine):
             spec, scope = self.target(target)
             halt(spec, self.operator, marker)
             self.held_scopes.add(scope)
-            self.expect(None, {"halt"}, "reason", marker, f"halt {spec}")
+            self.expect(None, {"scope.halted"}, "reason", marker, f"halt {spec}")
 
     def _unhalt(self, target) -> None:
         marker = self.marker("lift")
@@ -645,7 +645,7 @@ class EngineModel(RuleBasedStateMachine):
             spec, scope = self.target(target)
             unhalt(spec, self.operator, marker)
             self.held_scopes.discard(scope)
-            self.expect(None, {"unhalt"}, "reason", marker, f"unhalt {spec}")
+            self.expect(None, {"scope.unhalted"}, "reason", marker, f"unhalt {spec}")
 
     def _cancel(self, ref) -> None:
         run_id = self.pick(ref, Run.objects.exclude(status__in=TERMINAL))
