@@ -6,7 +6,9 @@
 1. Server times. Fills its own database (`stepguard_bench_ui`) once with generate_series
    (100,000 runs, 1,000,000 events), then times the runs list (first page, filtered pages, a
    search, a deep keyset page) and a run page through Django's test client, and prints medians
-   and p95. Target: under 200 ms median.
+   and p95. Target: under 200 ms median. Then the run page of a 5,000-step run (10,000 events)
+   against a 10-step run's, the baseline measured in the same invocation: median server time,
+   bytes, and their ratios. Both runs are written once with bulk_create (`bench.long`).
 
 2. Event-to-browser latency of the run page's websocket. For each configuration a real daphne
    process serves the project on 127.0.0.1 (a port the OS picks), the run page is fetched over
@@ -77,6 +79,7 @@ os.environ.pop("REDIS_URL", None)
 import psycopg  # noqa: E402
 
 RUNS, EVENTS_PER_RUN, REPEATS = 100_000, 10, 15
+LONG_WORKFLOW, LONG_STEPS, SHORT_STEPS = "bench.long", 5_000, 10
 REDIS_URL = os.environ.get("STEPGUARD_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 LIVE_POLL = "0.5"  # STEPGUARD_LIVE_POLL for every daphne started here (the default)
 LIVE_WORKFLOW = "bench.live"
@@ -103,18 +106,19 @@ from django.db import connection, transaction  # noqa: E402
 from django.test import Client, override_settings  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
+from runs import queries  # noqa: E402
 from runs.engine.store import Fence, Lease, create_run, fenced_write  # noqa: E402
 from runs.engine.wakeup import doorbell  # noqa: E402
-from runs.models import Run, RunStatus, StepKind, StepStatus  # noqa: E402
+from runs.models import Event, Run, RunStatus, Step, StepKind, StepStatus  # noqa: E402
 
 FILL = f"""
 INSERT INTO runs_run (id, workflow, version, input, status, key, lease_epoch, attempt,
     max_attempts, recoveries, event_seq, tokens_in, tokens_out, cost_micros, reserved_micros,
     reserved_tokens, budget_warned, halted_by, halt_reason, cancel_requested_by, cancel_reason,
-    created_at, wake_at)
+    concurrency_key, priority, created_at, wake_at)
 SELECT gen_random_uuid(), 'bench-' || (g % 20), '1', '{{}}'::jsonb,
        (ARRAY['completed','failed','waiting','pending','halted'])[1 + g % 5], 'k-' || g, 1, 1,
-       3, 0, {EVENTS_PER_RUN}, g % 1000, g % 500, g * 7, 0, 0, false, '', '', '', '',
+       3, 0, {EVENTS_PER_RUN}, g % 1000, g % 500, g * 7, 0, 0, false, '', '', '', '', '', 0,
        now() - (g || ' seconds')::interval, now()
 FROM generate_series(1, {RUNS}) g;
 INSERT INTO runs_event (run_id, seq, type, step_key, actor, payload, created_at)
@@ -124,7 +128,7 @@ FROM runs_run r, generate_series(1, {EVENTS_PER_RUN}) s WHERE r.workflow LIKE 'b
 
 
 def fill() -> None:
-    if Run.objects.exclude(workflow=LIVE_WORKFLOW).count() >= RUNS:
+    if Run.objects.exclude(workflow__in=[LIVE_WORKFLOW, LONG_WORKFLOW]).count() >= RUNS:
         return
     started = time.monotonic()
     with connection.cursor() as cursor:
@@ -152,10 +156,10 @@ def timed(client: Client, path: str, **params) -> tuple[float, float]:
 def server_times(user) -> None:
     client = Client()
     client.force_login(user)
-    history = Run.objects.exclude(workflow=LIVE_WORKFLOW)
+    history = Run.objects.exclude(workflow__in=[LIVE_WORKFLOW, LONG_WORKFLOW])
     oldest = history.order_by("created_at").first()
     middle = history.order_by("-created_at")[RUNS // 2]
-    marker = f"{middle.created_at.isoformat()}_{middle.pk}"
+    marker = queries.marker(middle)  # the list's own "older" link
     rows = [
         ("runs list, first page", "/", {}),
         ("runs list, status=failed", "/", {"status": "failed"}),
@@ -170,6 +174,66 @@ def server_times(user) -> None:
         median, high = timed(client, path, **params)
         verdict = "MET" if median < 200 else "MISSED"
         print(f"  {label:<34} {median:>7.1f}ms {high:>7.1f}ms  {verdict}")
+
+
+def long_run(steps: int) -> Run:
+    """A completed run of `steps` steps, each with its `step.started` and `step.completed`
+    events, written by bulk_create in seconds instead of executed. Made once per database
+    (found again by its key), so the bench runs twice in a row on the same database."""
+    key = f"bench-long-{steps}"
+    found = Run.objects.filter(workflow=LONG_WORKFLOW, key=key).first()
+    if found is not None:
+        return found
+    kinds = [StepKind.TOOL, StepKind.LLM, StepKind.CALL]
+    now = timezone.now()
+    with transaction.atomic():
+        run = create_run(workflow=LONG_WORKFLOW, version="1", input={}, key=key)
+        Step.objects.bulk_create(
+            [
+                Step(run=run, seq=i, key=f"step-{i}", kind=kinds[i % 3],
+                     status=StepStatus.COMPLETED, input={"args": [i], "kwargs": {}},
+                     output={"n": i}, idempotency_key=f"{run.pk}:step-{i}",
+                     started_at=now, finished_at=now)
+                for i in range(steps)
+            ],
+            batch_size=1000,
+        )  # fmt: skip
+        Event.objects.bulk_create(
+            [
+                Event(run=run, seq=2 + 2 * i + done, step_key=f"step-{i}",
+                      type="step.completed" if done else "step.started",
+                      payload={"attempt": 1}, created_at=now)
+                for i in range(steps)
+                for done in (0, 1)
+            ],
+            batch_size=1000,
+        )  # fmt: skip
+        Run.objects.filter(pk=run.pk).update(
+            status=RunStatus.COMPLETED, event_seq=1 + 2 * steps, started_at=now,
+            finished_at=now, wake_at=None,
+        )  # fmt: skip
+    return run
+
+
+def long_run_page(user) -> None:
+    """The run page of a 5,000-step run against a 10-step run's, the baseline measured in the
+    same invocation: server time (median of REPEATS requests) and the bytes sent."""
+    client = Client()
+    client.force_login(user)
+    rows = []
+    for steps in (SHORT_STEPS, LONG_STEPS):
+        path = f"/runs/{long_run(steps).pk}"
+        size = len(client.get(path).content)
+        median, high = timed(client, path)
+        rows.append((steps, median, high, size))
+    print(f"\nrun page by run length; {REPEATS} requests each, ratios against {SHORT_STEPS} steps")
+    print(f"  {'steps':>6} {'median':>9} {'p95':>9} {'bytes':>9} {'time':>7} {'bytes':>7}")
+    _, base_ms, _, base_size = rows[0]
+    for steps, median, high, size in rows:
+        print(
+            f"  {steps:>6,} {median:>7.1f}ms {high:>7.1f}ms {size:>9,}"
+            f" {median / base_ms:>6.2f}x {size / base_size:>6.2f}x"
+        )
 
 
 # -- event-to-browser latency -----------------------------------------------------------------
@@ -445,9 +509,9 @@ def measure(
     flushes: list[tuple[float, float]] = []  # (start, end) of each doorbell publish
     publish = doorbell.publish
 
-    def timed_publish(ids):
+    def timed_publish(ids, deltas=()):
         started = time.perf_counter()
-        publish(ids)
+        publish(ids, deltas)
         flushes.append((started, time.perf_counter()))
 
     writer, result = StepWriter(run), Latencies()
@@ -554,6 +618,7 @@ def main() -> None:
     if not args.latency_only:
         fill()
         server_times(user)
+        long_run_page(user)
     latency(user, args.events)
 
 

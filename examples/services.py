@@ -42,10 +42,45 @@ class NotifierDown(ConnectionError):
     pass
 
 
-def send_confirmation(passenger: str, reference: str, *, idempotency_key: str) -> dict:
-    """A flaky e-mail gateway: the first call for each key fails, the next one goes through."""
+def send_confirmation(
+    passenger: str, reference: str, *, idempotency_key: str, failures: int = 1
+) -> dict:
+    """A flaky e-mail gateway: the first `failures` calls for each key fail, then it answers."""
     calls = Effect.objects.filter(idempotency_key=idempotency_key, label="notify").count()
     Effect.objects.create(idempotency_key=idempotency_key, label="notify", pid=os.getpid())
-    if calls == 0:
-        raise NotifierDown("mail gateway timed out (the demo fails the first attempt on purpose)")
+    if calls < failures:
+        raise NotifierDown(
+            f"mail gateway timed out (the demo fails the first {failures} attempt(s) on purpose)"
+        )
     return {"sent_to": passenger, "reference": reference}
+
+
+ORDERS = {
+    "A-1001": {"order": "A-1001", "customer": "grace@example.com", "amount": "89.99",
+               "card": "visa-4242"},
+    "A-1002": {"order": "A-1002", "customer": "alan@example.com", "amount": "212.00",
+               "card": "visa-0005"},
+}  # fmt: skip
+EXPIRED_CARDS = {"visa-0005": "2025-09"}
+
+
+class RefundRefused(Exception):
+    """The payments API's answer, not an outage: trying again cannot change it."""
+
+
+def find_order(order: str) -> dict:
+    return ORDERS[order]
+
+
+def refund(order: dict, *, idempotency_key: str) -> dict:
+    """Refund an order's card once per key; refuse when the card has expired."""
+    expired = EXPIRED_CARDS.get(order["card"])
+    if expired:
+        raise RefundRefused(
+            f"payments API refused to refund {order['amount']} EUR on order {order['order']}: "
+            f"card {order['card']} expired in {expired}"
+        )
+    effect, _ = Effect.objects.get_or_create(
+        idempotency_key=idempotency_key, defaults={"label": "refund", "pid": os.getpid()}
+    )
+    return {"refund": f"RF{effect.pk:06d}", "amount": order["amount"]}

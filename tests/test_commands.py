@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
-from runs.models import Run, RunStatus
+from runs.models import Run, RunStatus, Step
 from runs.sdk import start_run
 from tests.conftest import ROOT, database_url, wait_until
 
@@ -133,7 +133,16 @@ def test_the_demo_shows_every_capability_and_ctrl_c_stops_everything(tmp_path):
         ("orchestrator", "1", RunStatus.COMPLETED),  # subagents as child runs
         ("outreach", "1", RunStatus.OVER_BUDGET),  # paused by its budget
         ("outreach", "1", RunStatus.HALTED),  # stopped by an operator
+        ("refund", "1", RunStatus.COMPLETED),  # its notify went through on the third attempt
+        ("refund", "1", RunStatus.FAILED),  # the payments API refused: to retry or fork
     }
+    failed = Run.objects.get(status=RunStatus.FAILED)
+    assert failed.error["cause"]["type"] == "RefundRefused"
+    assert "RefundRefused: payments API refused" in failed.error["message"]
+    assert "card visa-0005 expired" in failed.error["message"]
+    assert failed.steps.filter(status="completed", kind__in=["llm", "tool"]).count() >= 2
+    notify = Step.objects.get(run__key="demo:refund", key="notify")
+    assert notify.status == "completed" and notify.attempt >= 3  # NotifierDown twice
     research = Run.objects.get(workflow="research", parent__isnull=True)
     assert research.events.filter(type="run.recovered").exists()
     assert "worker" in text and "stopped" in text

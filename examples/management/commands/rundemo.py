@@ -194,13 +194,18 @@ class Command(BaseCommand):
             input={"prospects": [f"vip{i}@example.com" for i in range(6)], "pause_seconds": 1},
         )
         crash = self.demo_crash(research)
+        # Two endings an operator meets: a step that needed three tries, and a failed run to
+        # retry or fork (its card expired: the payments API refuses the refund). Started after
+        # the crash, so the attempts shown are the retry policy's alone.
+        retried = start_run("refund", {"order": "A-1001"}, key="demo:refund")
+        refused = start_run("refund", {"order": "A-1002"}, key="demo:refused", max_attempts=1)
         if self.wait(lambda: Effect.objects.filter(label="email").exists(), "the first email"):
             halt(stopped, DEMO_USER, "demo: an operator stops the outreach campaign")
         self.wait(
             lambda: (
                 all(
                     Run.objects.get(pk=r.pk).status not in ("pending", "running")
-                    for r in (agent, orchestrator, capped, stopped, research)
+                    for r in (agent, orchestrator, capped, stopped, research, retried, refused)
                 )
                 and Run.objects.get(pk=research.pk).is_terminal
             ),
@@ -214,6 +219,8 @@ class Command(BaseCommand):
             (orchestrator, "three research subagents as child runs, then a synthesis"),
             (capped, "paused before the draft that would exceed its $0.001 budget"),
             (stopped, "halted by an operator; only `unhalt` resumes it"),
+            (retried, "the mail gateway was down twice; notify went through on attempt 3"),
+            (refused, "failed: the payments API refused the refund; retry or fork it"),
         ]
         pending = ApprovalRequest.objects.filter(run=agent, status=ApprovalStatus.PENDING)
         request = self.wait(pending.first, "the booking agent's approval request", timeout=60)
