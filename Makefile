@@ -39,9 +39,11 @@ lint: $(STAMP) ## ruff check
 format: $(STAMP) ## ruff format
 	$(BIN)/ruff format .
 
-screenshots: $(STAMP) ## the main pages in light and dark themes and 360 px wide, as PNGs in var/screenshots/
+screenshots: $(STAMP) ## every page, light, dark and narrow, as PNGs in var/screenshots/ (three go to docs/)
 	$(BIN)/pytest -q tests/test_browser.py -k "accessibility or 360"
 	@ls var/screenshots
+	mkdir -p docs/screenshots
+	cp var/screenshots/light-run-failed.png var/screenshots/dark-run-detail.png var/screenshots/narrow-runs-list.png docs/screenshots/
 
 bench: $(STAMP) ## step overhead, replay and throughput benchmarks on local PostgreSQL
 	$(BIN)/pip install --quiet -e '.[dev,bench]'

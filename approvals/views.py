@@ -11,7 +11,7 @@ from django.views.decorators.http import require_POST
 
 from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.services import decide
-from runs.views import _act, json_download, shown, viewer_required
+from runs.views import _act, json_download, viewer_required, with_context
 
 INBOX_PAGE = 50
 
@@ -28,10 +28,7 @@ def approvals_inbox(request):
     page = list(pending.filter(pk__gt=after).order_by("pk")[: INBOX_PAGE + 1])
     more = len(page) > INBOX_PAGE
     page = page[:INBOX_PAGE]
-    for request_ in page:
-        request_.shown = shown(
-            "payload", request_.payload, reverse("approval-payload", args=[request_.pk])
-        )
+    with_context(page)
     return render(
         request,
         "approvals/inbox.html",

@@ -9,6 +9,7 @@ events for this run: channels-redis, or PostgreSQL NOTIFY relayed by EventsListe
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 from collections import Counter
@@ -25,8 +26,8 @@ from django.template.loader import render_to_string
 from django.utils.crypto import constant_time_compare
 from django.utils.html import escape
 
-from runs.engine.wakeup import EventsListener
-from runs.models import Event, Run, Step
+from runs.engine.wakeup import LIVE_GROUP, EventsListener
+from runs.models import GLOBAL, TERMINAL_STATUSES, Event, Policy, Run, Step, Worker
 from runs.queries import step_filter, step_matches
 from runs.views import timeline_rows
 
@@ -67,28 +68,79 @@ def still_allowed(session_key: str | None, user_id) -> bool:
     return user.has_perm("runs.view_run")
 
 
+def live_status(status: str | None) -> str:
+    """The page's feed indicator: "live" only while the run can still change."""
+    if status in TERMINAL_STATUSES:
+        return (
+            '<span id="ws-status" data-state="open" class="muted ended" hx-swap-oob="true">'
+            "ended: nothing more will change</span>"
+        )
+    return '<span id="ws-status" data-state="open" hx-swap-oob="true">live</span>'
+
+
 #: Open live feeds per user, in this process (a page keeps one; a user rarely needs many).
 _open: Counter = Counter()
 
 
-class RunConsumer(AsyncWebsocketConsumer):
-    counted = False
+class Feed(AsyncWebsocketConsumer):
+    """A live feed's guard: a logged-in session allowed to view runs, a bounded number of open
+    feeds per user, and the same questions asked again every few seconds while it is open."""
 
-    async def connect(self):
+    counted = False
+    group = ""
+
+    async def admit(self) -> bool:
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             await self.close()
-            return
+            return False
         self.session_key = self.scope["session"].session_key
         if not await database_sync_to_async(still_allowed)(self.session_key, user.pk):
             await self.close()
-            return
+            return False
         if _open[user.pk] >= settings.STEPGUARD_LIVE_MAX_SOCKETS:
             log.warning("user %s has %d live feeds open: refusing another", user, _open[user.pk])
             await self.close()
-            return
+            return False
         _open[user.pk] += 1
         self.counted = True
+        return True
+
+    async def still_open(self, check_at: float) -> float | None:
+        """The next time to check, or None once the session or permission is gone (closed)."""
+        loop = asyncio.get_running_loop()
+        if loop.time() < check_at:
+            return check_at
+        allowed = await database_sync_to_async(still_allowed)(
+            self.session_key, self.scope["user"].pk
+        )
+        if not allowed:
+            # 4401: not a server error, so the page does not keep reconnecting.
+            await self.close(code=4401)
+            return None
+        return loop.time() + RECHECK_SECONDS
+
+    async def disconnect(self, code):
+        if self.counted:
+            self.counted = False
+            user_id = self.scope["user"].pk
+            _open[user_id] -= 1
+            if _open[user_id] <= 0:
+                del _open[user_id]
+        pump = getattr(self, "pump", None)
+        if pump is not None:
+            pump.cancel()
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+
+    async def run_doorbell(self, event):
+        """A worker wrote events: look now rather than at the next poll."""
+        self.bell.set()
+
+
+class RunConsumer(Feed):
+    async def connect(self):
+        if not await self.admit():
+            return
         self.run_id = self.scope["url_route"]["kwargs"]["run_id"]
         query = {
             k: v[-1] for k, v in parse_qs(self.scope.get("query_string", b"").decode()).items()
@@ -118,26 +170,11 @@ class RunConsumer(AsyncWebsocketConsumer):
         if not settings.REDIS_URL and connection.vendor == "postgresql":
             EventsListener.ensure(asyncio.get_running_loop(), self.channel_layer)
         await self.accept()
-        await self.send(
-            text_data='<span id="ws-status" data-state="open" hx-swap-oob="true">live</span>'
-        )
+        status = await database_sync_to_async(
+            lambda: Run.objects.filter(pk=self.run_id).values_list("status", flat=True).first()
+        )()
+        await self.send(text_data=live_status(status))
         self.pump = asyncio.create_task(self._pump())
-
-    async def disconnect(self, code):
-        if self.counted:
-            self.counted = False
-            user_id = self.scope["user"].pk
-            _open[user_id] -= 1
-            if _open[user_id] <= 0:
-                del _open[user_id]
-        pump = getattr(self, "pump", None)
-        if pump is not None:
-            pump.cancel()
-            await self.channel_layer.group_discard(self.group, self.channel_name)
-
-    async def run_doorbell(self, event):
-        """A worker wrote events for this run: look now rather than at the next poll."""
-        self.bell.set()
 
     async def step_delta(self, event):
         """A piece of a model's streamed answer: appended to its step's row while it runs (the
@@ -148,19 +185,11 @@ class RunConsumer(AsyncWebsocketConsumer):
             await self.send(text_data=piece)
 
     async def _pump(self):
-        loop = asyncio.get_running_loop()
-        check_at = loop.time() + RECHECK_SECONDS
+        check_at: float | None = asyncio.get_running_loop().time() + RECHECK_SECONDS
         try:
             while True:
-                if loop.time() >= check_at:
-                    allowed = await database_sync_to_async(still_allowed)(
-                        self.session_key, self.scope["user"].pk
-                    )
-                    if not allowed:
-                        # 4401: not a server error, so the page does not keep reconnecting.
-                        await self.close(code=4401)
-                        return
-                    check_at = loop.time() + RECHECK_SECONDS
+                if (check_at := await self.still_open(check_at)) is None:
+                    return
                 messages = await database_sync_to_async(self._fragments)()
                 for message in messages:
                     await self.send(text_data=message)
@@ -212,6 +241,69 @@ class RunConsumer(AsyncWebsocketConsumer):
         items = "".join(render_to_string("runs/detail.html#event-item", {"e": e}) for e in events)
         status = render_to_string("runs/detail.html#run-status", {"run": run})
         status = status.replace("<span ", '<span hx-swap-oob="true" ', 1)
-        parts.append(f'<ol id="history" hx-swap-oob="beforeend">{items}</ol>{status}')
+        parts.append(
+            f'<ol id="history" hx-swap-oob="beforeend">{items}</ol>{status}'
+            + live_status(run.status)
+        )
         self.after = events[-1].seq
         return parts
+
+
+def site_state(workers: bool) -> tuple:
+    """What the site-wide pages show that can change: the newest event anywhere, the pending
+    approvals, the kill switch and (for the workers page) the workers' heartbeats."""
+    from approvals.models import ApprovalRequest, ApprovalStatus
+
+    last = Event.objects.order_by("-pk").values_list("pk", flat=True).first()
+    pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).count()
+    kill = Policy.objects.filter(scope=GLOBAL).values_list("halted_at", flat=True).first()
+    beat = None
+    if workers:
+        beats = Worker.objects.order_by("-heartbeat_at").values_list("pk", "heartbeat_at")
+        beat = list(beats[:200])
+    return last, pending, kill, beat
+
+
+class LiveConsumer(Feed):
+    """The site-wide feed every page keeps open: it says *that* something changed (an event
+    anywhere, an approval, the kill switch, a worker's heartbeat with `?workers=1`), and each
+    page's live regions fetch themselves again through the ordinary, permission-checked views.
+    A change is seen within the poll interval, or at once when a worker's doorbell rings."""
+
+    group = LIVE_GROUP
+
+    async def connect(self):
+        if not await self.admit():
+            return
+        query = parse_qs(self.scope.get("query_string", b"").decode())
+        self.workers = query.get("workers", [""])[-1] == "1"
+        self.bell = asyncio.Event()
+        await self.channel_layer.group_add(LIVE_GROUP, self.channel_name)
+        if not settings.REDIS_URL and connection.vendor == "postgresql":
+            EventsListener.ensure(asyncio.get_running_loop(), self.channel_layer)
+        await self.accept()
+        self.pump = asyncio.create_task(self._pump())
+
+    async def _pump(self):
+        check_at: float | None = asyncio.get_running_loop().time() + RECHECK_SECONDS
+        seen = None
+        try:
+            while True:
+                if (check_at := await self.still_open(check_at)) is None:
+                    return
+                state = await database_sync_to_async(site_state)(self.workers)
+                if seen is None:
+                    await self.send(text_data=json.dumps({"live": True}))
+                elif state != seen:
+                    changed = [n for n, a, b in zip(("events", "approvals", "killswitch",
+                               "workers"), seen, state, strict=True) if a != b]  # fmt: skip
+                    await self.send(text_data=json.dumps({"changed": changed}))
+                seen = state
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.bell.wait(), POLL_SECONDS * 2)
+                self.bell.clear()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("site-wide live feed stopped")
+            await self.close(code=1011)

@@ -26,7 +26,7 @@ class BadFilter(OperationError):
 
 
 #: The runs list's filters, as URL parameters (the API names `since`/`until` differently).
-RUN_FILTERS = ("status", "workflow", "version", "parent", "since", "until", "q")
+RUN_FILTERS = ("status", "workflow", "version", "parent", "since", "until", "q", "top")
 
 
 def _when(value: datetime | str, name: str) -> datetime:
@@ -56,13 +56,25 @@ def runs_matching(filters: Mapping[str, object]) -> QuerySet:
     for name, lookup in (("since", "created_at__gte"), ("until", "created_at__lt")):
         if name in f:
             runs = runs.filter(**{lookup: _when(f[name], name)})
+    if f.get("top") in ("1", True):
+        runs = runs.filter(parent__isnull=True)
     if "q" in f:
         q = str(f["q"])
         try:  # a whole run id is looked up by index, not by scanning every key
             runs = runs.filter(Q(pk=UUID(q)) | Q(key=q))
         except ValueError:
-            runs = runs.filter(key__icontains=q)
+            runs = runs.filter(id_prefix(q) | Q(key__icontains=q))
     return runs
+
+
+def id_prefix(q: str) -> Q:
+    """Runs whose id starts with `q` (the 8 characters the pages show): a range of the primary
+    key, so found by index. Nothing if `q` is not the start of an id."""
+    digits = q.lower().replace("-", "")
+    if not 4 <= len(digits) < 32 or any(c not in "0123456789abcdef" for c in digits):
+        return Q(pk__in=[])
+    low, high = UUID(digits.ljust(32, "0")), UUID(digits.ljust(32, "f"))
+    return Q(pk__gte=low, pk__lte=high)
 
 
 def newest_first(runs: QuerySet) -> QuerySet:

@@ -3,6 +3,9 @@ project's: docs/install.md)."""
 
 from django.urls import path
 
-from runs.consumers import RunConsumer
+from runs.consumers import LiveConsumer, RunConsumer
 
-websocket_urlpatterns = [path("ws/runs/<uuid:run_id>/", RunConsumer.as_asgi())]
+websocket_urlpatterns = [
+    path("ws/runs/<uuid:run_id>/", RunConsumer.as_asgi()),
+    path("ws/live/", LiveConsumer.as_asgi()),
+]

@@ -8,6 +8,9 @@ from runs import views
 urlpatterns = [
     path("", views.runs_list, name="runs"),
     path("runs/bulk", views.bulk_view, name="runs-bulk"),
+    path("runs/start", views.start_view, name="runs-start"),
+    path("nav", views.nav_part, name="nav"),
+    path("budgets", views.budgets_page, name="budgets"),
     path("runs/count", views.runs_count, name="runs-count"),
     path("runs/<uuid:run_id>", views.run_detail, name="run"),
     path("runs/<uuid:run_id>/budget", views.budget_view, name="run-budget"),
@@ -19,6 +22,8 @@ urlpatterns = [
         "runs/<uuid:run_id>/steps/<int:seq>/<str:part>.json", views.step_json, name="run-step-json"
     ),
     path("runs/<uuid:run_id>/events", views.earlier_events, name="run-earlier-events"),
+    path("runs/<uuid:run_id>/header", views.run_header, name="run-header"),
+    path("runs/<uuid:run_id>/<str:part>.json", views.run_json, name="run-json"),
     path("runs/<uuid:run_id>/<str:action>", views.run_action, name="run-action"),
     path("workers", views.workers_page, name="workers"),
     path("audit", views.audit_page, name="audit"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import timedelta
+from decimal import Decimal, InvalidOperation
 from urllib.parse import urlencode
 from uuid import UUID
 
@@ -16,27 +17,31 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, QuerySet
+from django.db.models import Count, QuerySet, Sum
 from django.db.models.fields.json import KT
 from django.http import Http404, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
 from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
 from approvals.models import ApprovalStatus
 from runs import notifications, operations, queries
+from runs.conversation import conversation, last_answer
 from runs.engine import flow, rates, registry
 from runs.engine.budget import to_usd
 from runs.engine.deltas import Conversations
-from runs.engine.holds import holds_on
 from runs.errors import Forbidden, OperationError, StepguardError
+from runs.explain import explain
 from runs.models import (
     GLOBAL,
     NOTIFIABLE,
+    RENAMED_EVENTS,
     BudgetLedger,
     Event,
+    EventType,
     NotificationChannel,
     Policy,
     RateLimit,
@@ -49,6 +54,7 @@ from runs.models import (
     Worker,
 )
 from runs.queries import RUN_FILTERS, BadFilter
+from runs.sdk import start_run
 
 log = logging.getLogger("stepguard.dashboard")
 PAGE = 50
@@ -87,7 +93,7 @@ def runs_list(request):
     except BadFilter as exc:
         raise Http404(str(exc)) from None
     counts = dict(Run.objects.values_list("status").annotate(n=Count("id")))
-    rows = [{"run": r, "percent": budget_percent(r), "usd": to_usd(r.cost_micros)} for r in page]
+    rows = list_rows(page)
     query = {k: v for k, v in filters.items() if v}
     older = urlencode({**query, "before": marker}) if marker else None
     return render(
@@ -105,8 +111,92 @@ def runs_list(request):
             "statuses": RunStatus.values,
             "can_operate": request.user.has_perm("runs.halt_run"),
             "bulk_actions": BULK_ACTIONS,
+            "can_start": request.user.has_perm("runs.add_run"),
+            "registered": registered_workflows() if request.user.has_perm("runs.add_run") else [],
         },
     )
+
+
+WAIT_WORDS = {
+    StepKind.EVENT: "signal",
+    StepKind.SLEEP: "timer",
+    StepKind.APPROVAL: "approval",
+    StepKind.CHILD: "child runs",
+}
+
+
+def list_rows(page: list[Run]) -> list[dict]:
+    """The runs list's rows: what each waiting run waits for and how many children each has,
+    in two queries for the page, whatever its size."""
+    waiting = [r.pk for r in page if r.status == RunStatus.WAITING]
+    waits = {
+        run_id: (kind, data)
+        for run_id, kind, data in Step.objects.filter(
+            run_id__in=waiting, status=StepStatus.WAITING
+        ).values_list("run_id", "kind", "input")
+    }
+    kids = dict(
+        Run.objects.filter(parent_id__in=[r.pk for r in page])
+        .values_list("parent_id")
+        .annotate(n=Count("id"))
+    )
+    rows = []
+    for r in page:
+        kind, data = waits.get(r.pk, (None, None))
+        what = WAIT_WORDS.get(kind, kind or "")
+        if kind == StepKind.EVENT and isinstance(data, dict):
+            what = f"signal “{data.get('signal', '')}”"
+        rows.append(
+            {
+                "run": r,
+                "percent": budget_percent(r),
+                "usd": to_usd(r.cost_micros),
+                "waits_for": what,
+                "children": kids.get(r.pk, 0),
+            }
+        )
+    return rows
+
+
+def registered_workflows() -> list[str]:
+    registry.load_configured()
+    return sorted({d.name for d in registry.all_workflows() if not registry.builtin(d.name)})
+
+
+@login_required
+@require_POST
+def start_view(request):
+    """Start a run from the runs list's form: a registered workflow, JSON input, a key and a
+    budget, checked here as the API checks them (the page checks the JSON before it posts)."""
+    post = request.POST
+    created = {}
+
+    def start():
+        operations.require(request.user, "runs.add_run", "start runs")
+        workflow = post.get("workflow", "")
+        if workflow not in registered_workflows():
+            raise OperationError(f"no workflow named {workflow!r} is registered")
+        text = post.get("input", "").strip()
+        try:
+            data = json.loads(text) if text else None
+        except json.JSONDecodeError as exc:
+            raise OperationError(f"the input is not JSON: {exc}") from None
+        usd = post.get("budget_usd", "").strip()
+        try:
+            budget = Decimal(usd) if usd else None
+        except InvalidOperation:
+            raise OperationError(f"the budget {usd!r} is not an amount in USD") from None
+        if budget is not None and budget <= 0:
+            raise OperationError("the budget must be more than 0 USD")
+        created["run"] = start_run(
+            workflow, data, key=post.get("key", "").strip() or None, budget_usd=budget,
+            started_by=request.user,
+        )  # fmt: skip
+
+    response = _act(request, start, reverse("runs"))
+    if "run" in created:
+        return HttpResponseRedirect(reverse("run", args=[created["run"].pk]))
+    return response
 
 
 @viewer_required
@@ -237,6 +327,76 @@ def _before(request) -> int | None:
         return None
 
 
+def family_cost(run: Run) -> int:
+    """What the run's descendants spent, level by level (trees are a few levels deep)."""
+    total, level = 0, [run.pk]
+    for _ in range(20):
+        rows = list(Run.objects.filter(parent_id__in=level).values_list("pk", "cost_micros"))
+        if not rows:
+            break
+        total += sum(cost for _, cost in rows)
+        level = [pk for pk, _ in rows]
+    return total
+
+
+def pending_approvals(run: Run) -> list:
+    """The run's pending approvals, with their context."""
+    return with_context(list(run.approvals.filter(status=ApprovalStatus.PENDING).order_by("pk")))
+
+
+def with_context(asks: list) -> list:
+    """Approval requests with what a person needs to decide: the arguments as JSON (cut to
+    STEPGUARD_UI_MAX_JSON), and what the model said in the last model call before the ask."""
+    for ask in asks:
+        ask.shown = shown("payload", ask.payload, reverse("approval-payload", args=[ask.pk]))
+        steps = Step.objects.filter(run_id=ask.run_id)
+        asked_at = steps.filter(key=ask.step_key).values_list("seq", flat=True).first()
+        said = None
+        if asked_at is not None:
+            said = (
+                steps.filter(kind=StepKind.LLM, status=StepStatus.COMPLETED, seq__lt=asked_at)
+                .order_by("-seq")
+                .values_list("output", flat=True)
+                .first()
+            )
+        ask.model_said = last_answer(said)[:2000] if said else ""
+    return asks
+
+
+def header_context(request, run: Run) -> dict:
+    """The run header: what the run got and produced, why it is in its state and the one action
+    that moves it on. Rendered with the page and again whenever the live feed says it changed."""
+    state = explain(run)
+    children_cost = family_cost(run)
+    user = request.user
+    hold = state.hold
+    return {
+        "run": run,
+        "state": state,
+        "may_act": state.may_act(user),
+        "hold_workflow": hold.scope.removeprefix("workflow ") if hold else "",
+        "hold_parent": hold.scope.removeprefix("parent run ") if hold else "",
+        "step_count": run.steps.count(),
+        "children": list(run.children.order_by("created_at")[:100]),
+        "children_usd": to_usd(children_cost),
+        "total_usd": to_usd(run.cost_micros + children_cost),
+        "percent": budget_percent(run),
+        "usd": to_usd(run.cost_micros),
+        "budget_usd": to_usd(run.budget_micros),
+        "input": shown("input", run.input, reverse("run-json", args=[run.pk, "input"])),
+        "output": shown("output", run.output, reverse("run-json", args=[run.pk, "output"]))
+        if run.status == RunStatus.COMPLETED
+        else None,
+        "approvals": pending_approvals(run),
+        "held": hold is not None,
+        "can_operate": user.has_perm("runs.halt_run"),
+        "can_cancel": user.has_perm("runs.cancel_run"),
+        "can_budget": user.has_perm("runs.set_budget"),
+        "can_retry": user.has_perm("runs.retry_run"),
+        "can_decide": user.has_perm("approvals.decide_approvalrequest"),
+    }
+
+
 @viewer_required
 def run_detail(request, run_id: UUID):
     """A run's header, actions and timeline. Long runs show their latest steps and events;
@@ -253,10 +413,9 @@ def run_detail(request, run_id: UUID):
         request,
         "runs/detail.html",
         {
-            "run": run,
+            **header_context(request, run),
             "steps": steps,
             "earlier_steps": earlier_steps,
-            "step_count": run.steps.count(),
             "shown_from": steps[0].seq if steps else 0,
             "filters": chosen,
             "filter_query": urlencode({k: v for k, v in chosen.items() if v}),
@@ -268,18 +427,8 @@ def run_detail(request, run_id: UUID):
             "last_seq": events[-1].seq if events else 0,
             "last_step": steps[-1].seq if steps else -1,
             "shown_rows": ",".join(str(s.seq) for s in steps),
-            "children": list(run.children.order_by("created_at")[:100]),
-            # Every hold covering the run, its own first: what must be lifted, and by whom.
-            "holds": holds_on(run) if not run.is_terminal else [],
-            "percent": budget_percent(run),
-            "usd": to_usd(run.cost_micros),
-            "budget_usd": to_usd(run.budget_micros),
-            "approvals": list(run.approvals.filter(status=ApprovalStatus.PENDING)),
-            "can_operate": request.user.has_perm("runs.halt_run"),
-            "can_unhalt": request.user.has_perm("runs.unhalt_run"),
+            "span": _span(run),
             "can_fork": request.user.has_perm("runs.fork_run"),
-            "can_decide": request.user.has_perm("approvals.decide_approvalrequest"),
-            "waiting_reason": operations.unserved_reason(run),
             # The latest ones: a run is usually forked near where it went wrong.
             "fork_points": list(
                 run.steps.filter(kind__in=FORK_KINDS)
@@ -288,6 +437,30 @@ def run_detail(request, run_id: UUID):
             )[::-1],
         },
     )
+
+
+def _span(run: Run) -> dict:
+    """The run's wall-clock span, for the waterfall's axis (epoch ms; `end` empty while live)."""
+    first = run.steps.order_by("seq").values_list("started_at", flat=True).first()
+    start = run.started_at or first or run.created_at
+    end = run.finished_at if run.is_terminal else None
+    return {"start": start, "end": end}
+
+
+@viewer_required
+def run_header(request, run_id: UUID):
+    """The header again, for the live feed: the page asks for it when the run's events move."""
+    run = _run_or_404(run_id)
+    return render(request, "runs/detail.html#run-header", header_context(request, run))
+
+
+@viewer_required
+def run_json(request, run_id: UUID, part: str):
+    """A run's whole input or output, as JSON (a download)."""
+    if part not in ("input", "output"):
+        raise Http404(f"a run has no {part!r}")
+    run = _run_or_404(run_id)
+    return json_download(getattr(run, part), f"run-{run_id}-{part}.json")
 
 
 @viewer_required
@@ -322,8 +495,9 @@ def earlier_events(request, run_id: UUID):
 
 @viewer_required
 def step_body(request, run_id: UUID, seq: int):
-    """A step's input, output and error, loaded when its row is opened (rows stay light).
-    A value too big to show in a page is cut, with a link to the whole of it."""
+    """A step's details for the side panel, loaded when its row is opened (rows stay light):
+    every attempt, a model call as a conversation, and the raw input, output and error. A
+    value too big to show in a page is cut, with a link to the whole of it."""
     step = Step.objects.filter(run_id=run_id, seq=seq).first()
     if step is None:
         raise Http404(f"run {run_id} has no step {seq}")
@@ -331,9 +505,63 @@ def step_body(request, run_id: UUID, seq: int):
     parts = [
         shown(name, getattr(step, name), reverse("run-step-json", args=[run_id, seq, name]))
         for name in STEP_PARTS
-        if name != "error" or step.error
+        if getattr(step, name) is not None or name == "input"
     ]
-    return render(request, "runs/detail.html#step-body", {"s": step, "parts": parts})
+    request = step.input
+    if isinstance(request, list) and request and isinstance(request[0], dict):
+        request = request[0]  # a long conversation's request, stored as a delta and expanded
+    turns = conversation(request, step.output) if step.kind == StepKind.LLM else []
+    return render(
+        request,
+        "runs/detail.html#step-body",
+        {
+            "s": step,
+            "parts": parts,
+            "turns": turns,
+            "model": request.get("model", "") if isinstance(request, dict) and turns else "",
+            "attempts": attempts(step) if step.kind in ATTEMPTED else None,
+        },
+    )
+
+
+#: Kinds whose function is called, maybe several times; waits are not attempted.
+ATTEMPTED = (StepKind.CALL, StepKind.LLM, StepKind.TOOL, StepKind.TRANSACTION)
+ATTEMPT_EVENTS = (
+    EventType.STEP_STARTED,
+    EventType.STEP_RETRYING,
+    EventType.STEP_FAILED,
+    EventType.STEP_COMPLETED,
+)
+
+
+def attempts(step: Step) -> list[dict]:
+    """Every attempt of a step, from its events: when it began and ended, on which worker, and
+    how it ended (the error of each failed one; the step row keeps only the last)."""
+    found: list[dict] = []
+    current: dict | None = None
+    events = Event.objects.filter(run_id=step.run_id, step_key=step.key, type__in=ATTEMPT_EVENTS)
+    for e in events.order_by("seq"):
+        p = e.payload
+        if e.type == EventType.STEP_STARTED:
+            current = {"n": p.get("attempt", 1), "start": e.created_at, "worker": p.get("worker")}
+            continue
+        if current is None:  # an attempt that began before history was kept, or a transaction
+            current = {"n": p.get("attempt", 1), "start": None, "worker": p.get("worker")}
+        current |= {"end": e.created_at, "worker": p.get("worker") or current["worker"]}
+        if e.type == EventType.STEP_COMPLETED:
+            found.append({**current, "outcome": "completed"})
+            current = None
+        elif e.type == EventType.STEP_FAILED:
+            found.append({**current, "outcome": "failed", "error": p.get("error")})
+            current = None
+        else:  # retrying: the next attempt starts after the delay
+            if p.get("error"):
+                found.append({**current, "outcome": "failed, tried again", "error": p["error"]})
+            current = {"n": p.get("attempt", current["n"] + 1), "start": e.created_at,
+                       "worker": p.get("worker")}  # fmt: skip
+    if current is not None and step.status in (StepStatus.STARTED, StepStatus.WAITING):
+        found.append({**current, "outcome": step.status})
+    return found
 
 
 STEP_PARTS = ("input", "output", "error")
@@ -421,8 +649,8 @@ def audit_page(request):
     actor, action, run = (request.GET.get(k, "").strip() for k in ("actor", "action", "run"))
     if actor:
         events = events.filter(actor=actor)
-    if action:
-        events = events.filter(type=action)
+    if action:  # a bookmark of a renamed type still finds its events
+        events = events.filter(type=RENAMED_EVENTS.get(action, action))
     if run:
         try:
             events = events.filter(run_id=UUID(run))
@@ -436,32 +664,70 @@ def audit_page(request):
     )  # fmt: skip
 
 
-@viewer_required
-def halts_page(request):
-    """The kill switch and workflow-wide halts, with the shared budgets and today's spend."""
-
+def scope_rows() -> list[dict]:
+    """Everything and each workflow, with its policy (halt, budgets) and today's spend."""
     policies = {p.scope: p for p in Policy.objects.all()}
-    spent = {
-        row.scope: row
-        for row in BudgetLedger.objects.filter(day=timezone.now().date())  # UTC days
-    }
     workflows = sorted(set(Run.objects.values_list("workflow", flat=True).distinct()) | (
         policies.keys() - {GLOBAL}))  # fmt: skip
-    scopes = [
+    return [
         {"scope": name, "label": "everything" if name == GLOBAL else name,
-         "policy": policies.get(name), "ledger": spent.get(name)}
+         "policy": policies.get(name)}
         for name in [GLOBAL, *workflows]
     ]  # fmt: skip
+
+
+@viewer_required
+def halts_page(request):
+    """The kill switch and the workflow-wide halts."""
+    scopes = scope_rows()
     return render(
         request,
         "runs/halts.html",
         {
-            "scopes": scopes,
-            "global_halt": (g := policies.get(GLOBAL)) and g.halted_at and g,
+            "scopes": scopes[1:],
+            "global_halt": (g := scopes[0]["policy"]) and g.halted_at and g,
             "can_operate": request.user.has_perm("runs.halt_run"),
+            "can_unhalt": request.user.has_perm("runs.unhalt_run"),
+        },
+    )
+
+
+@viewer_required
+def budgets_page(request):
+    """Shared daily budgets with what was spent today, and the runs a budget has stopped.
+
+    Today's spend is summed from the steps that finished today, not read from the ledgers: a
+    ledger only counts a scope while it has a daily budget, so a page reading them said $0 for
+    workflows that spent money."""
+    midnight = timezone.now().replace(hour=0, minute=0, second=0, microsecond=0)
+    spent = dict(
+        Step.objects.filter(finished_at__gte=midnight, cost_micros__gt=0)
+        .values_list("run__workflow")
+        .annotate(total=Sum("cost_micros"))
+    )
+    held = {row.scope: row for row in BudgetLedger.objects.filter(day=midnight.date())}
+    scopes = scope_rows()
+    for row in scopes:
+        row["spent"] = sum(spent.values()) if row["scope"] == GLOBAL else spent.get(row["scope"], 0)
+        row["ledger"] = held.get(row["scope"])
+    return render(
+        request,
+        "runs/budgets.html",
+        {
+            "scopes": scopes,
+            "stopped": list(
+                Run.objects.filter(status=RunStatus.OVER_BUDGET).order_by("-created_at")[:100]
+            ),
             "can_budget": request.user.has_perm("runs.set_budget"),
         },
     )
+
+
+@viewer_required
+def nav_part(request):
+    """The nav (approvals badge, kill switch) or the kill-switch banner, for the live feed."""
+    part = "killswitch-banner" if request.GET.get("part") == "banner" else "nav-live"
+    return render(request, f"stepguard/base.html#{part}")
 
 
 @login_required
@@ -476,7 +742,7 @@ def budget_scope(request):
     return _act(
         request,
         lambda: operations.set_budget(target, request.user, reason, **amounts),
-        reverse("halts"),
+        reverse("budgets"),
     )
 
 
@@ -489,7 +755,20 @@ def halt_scope(request, action: str):
     act = {"halt": operations.halt, "unhalt": operations.unhalt}.get(action)
     if act is None:
         raise Http404(f"no action {action!r}")
-    return _act(request, lambda: act(target, request.user, reason), reverse("halts"))
+    typed = request.POST.get("confirm", "").strip().lower()
+    if target == "all" and action == "halt" and typed != KILL_SWITCH_CONFIRM:
+        messages.error(
+            request, f"the kill switch halts every run: type “{KILL_SWITCH_CONFIRM}” to confirm"
+        )
+        return HttpResponseRedirect(reverse("halts"))
+    back = request.POST.get("next") or reverse("halts")
+    if not url_has_allowed_host_and_scheme(back, {request.get_host()}, request.is_secure()):
+        back = reverse("halts")
+    return _act(request, lambda: act(target, request.user, reason), back)
+
+
+#: What an operator types to turn the kill switch on from the dashboard.
+KILL_SWITCH_CONFIRM = "halt everything"
 
 
 @login_required
@@ -614,9 +893,7 @@ def flow_page(request):
             "workflows": flow.overview(),
             "rate_limits": rate_limits,
             "schedules": found,
-            "registered": sorted(
-                {d.name for d in registry.all_workflows() if not registry.builtin(d.name)}
-            ),
+            "registered": registered_workflows(),
             "can_set": request.user.has_perm("runs.set_flow"),
         },
     )

@@ -121,16 +121,18 @@ SHOTS = Path(
 )
 
 
-@pytest.mark.parametrize("scheme", ["light", "dark"])
+@pytest.mark.parametrize("scheme", ["light", "dark", "narrow"])
 def test_the_main_pages_have_no_serious_accessibility_violations(
     server, browser, cast, drive, scheme
 ):
+    """Every page, in both themes and (light) at 390 px, the width of a common phone."""
     from playwright.sync_api import expect
 
     from runs.operations import halt
 
     # axe goes in as an inline script: the test's own tooling, which the pages' CSP refuses.
-    context = browser.new_context(bypass_csp=True)
+    narrow = {"viewport": {"width": 390, "height": 844}} if scheme == "narrow" else {}
+    context = browser.new_context(bypass_csp=True, **narrow)
     page = context.new_page()
     page.set_default_timeout(10_000)
 
@@ -138,19 +140,27 @@ def test_the_main_pages_have_no_serious_accessibility_violations(
     drive()
     halted = start_run("ledger", {"steps": 1})
     halt(halted, cast["otto"], "checking the halted state")
+    failed = start_run("saga", {"fail": True}, max_attempts=1)
+    drive()
     flow_content()
-    page.emulate_media(color_scheme=scheme)
+    page.emulate_media(color_scheme="dark" if scheme == "dark" else "light")
     page.goto(f"{server}/login/")
     page.get_by_label("Username").fill("otto")
     page.get_by_label("Password").fill("x")
     page.get_by_role("button", name="Log in").click()
     expect(page.get_by_role("heading", name="Runs")).to_be_visible()
     problems = {}
-    for path in ("/", f"/runs/{waiting.pk}", f"/runs/{halted.pk}", "/approvals", "/halts", "/flow"):
+    runs = {waiting.pk: "run-detail", halted.pk: "run-halted", failed.pk: "run-failed"}
+    pages = ["/", *(f"/runs/{pk}" for pk in runs), "/approvals", "/halts", "/budgets", "/flow",
+             "/workers", "/audit", "/notifications"]  # fmt: skip
+    for path in pages:
         page.goto(f"{server}{path}")
         name = path.strip("/").split("/")[0] or "runs-list"
         if path.startswith("/runs/"):
-            name = "run-halted" if str(halted.pk) in path else "run-detail"
+            name = next(n for pk, n in runs.items() if str(pk) in path)
+            if page.locator("#timeline .step-open").count():  # the step panel too
+                page.locator("#timeline .step-open").last.click()
+                expect(page.locator("#step-panel .step-body")).to_be_attached()
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SHOTS / f"{scheme}-{name}.png"), full_page=True)
         page.add_script_tag(path=AXE)
@@ -176,7 +186,8 @@ def test_the_main_pages_fit_a_360_px_wide_screen(server, browser, cast, drive):
     expect(page.get_by_role("heading", name="Runs")).to_be_visible()
     wide = {}
     flow_content()
-    for path in ("/", f"/runs/{run.pk}", "/approvals", "/halts", "/workers", "/audit", "/flow"):
+    for path in ("/", f"/runs/{run.pk}", "/approvals", "/halts", "/budgets", "/workers", "/audit",
+                 "/flow"):  # fmt: skip
         page.goto(f"{server}{path}")
         name = path.strip("/").split("/")[0] or "runs-list"
         SHOTS.mkdir(parents=True, exist_ok=True)
@@ -218,12 +229,18 @@ def test_an_operator_halts_a_running_run_and_sees_it_stop_at_the_next_step(
     login(page, server, "otto", f"/runs/{run.pk}")
     expect(page.locator("#ws-status")).to_have_attribute("data-state", "open")
     expect(page.locator("#step-2")).to_contain_text("completed", timeout=20_000)
-    page.get_by_label("Reason").first.fill("watching a runaway loop")
-    page.get_by_role("button", name="Halt").click()
-    expect(page.get_by_role("status")).to_contain_text("Halted by otto")
+    page.get_by_text("More actions").click()
+    page.get_by_label("Reason to halt").fill("watching a runaway loop")
+    page.get_by_role("button", name="Halt", exact=True).click()
+    expect(page.get_by_role("status")).to_contain_text("by otto")
+    expect(page.get_by_role("status")).to_contain_text("“watching a runaway loop”")
     # First the worker stops (the database says so), then the page shows it, live.
     wait_until(lambda: Run.objects.get(pk=run.pk).status == "halted", what="the worker to stop")
     expect(page.locator("#run-status")).to_have_text("halted")
+    # The header caught up by itself: the sentence, and the one action that moves it on.
+    expect(page.get_by_role("status")).to_contain_text("Halted by otto")
+    expect(page.get_by_role("button", name="Unhalt", exact=True)).to_be_visible()
+    expect(page.get_by_role("button", name="Halt", exact=True)).to_have_count(0)
     assert Step.objects.filter(run=run).count() < 30
     # j / k walk the timeline from the keyboard.
     page.keyboard.press("j")
@@ -313,11 +330,14 @@ def test_an_operator_raises_the_budget_of_a_run_paused_over_budget_and_it_resume
     login(page, server, "otto", f"/runs/{run.pk}")
     expect(page.locator("#run-status")).to_have_text("over_budget")
     expect(page.locator("#ws-status")).to_have_attribute("data-state", "open")
-    form = _form_with(page, "Set budget")
-    form.get_by_label("Budget (USD)").fill("10")
-    form.get_by_label("Reason").fill("the report is worth it")
+    expect(page.get_by_role("status")).to_contain_text(
+        "Paused because the next step needs $1.0000 and the run budget has $0.5000 left"
+    )
+    form = _form_with(page, "Raise the budget")
+    form.get_by_label("New budget (USD)").fill("10")
+    form.get_by_label("Reason for the budget").fill("the report is worth it")
     with page.expect_navigation():
-        form.get_by_role("button", name="Set budget").click()
+        form.get_by_role("button", name="Raise the budget").click()
     expect(page.locator("#ws-status")).to_have_attribute("data-state", "open")
     page.evaluate("window.__marker = 'after the budget'")
     # Four calls of 0.4 s remain: the page loaded before the end, so the end comes live.
@@ -485,13 +505,16 @@ def test_a_viewer_sees_no_actions_and_the_server_refuses_her_posts(
     # The same page for an operator has the buttons, so their absence below means something.
     operator = browser.new_context().new_page()
     login(operator, server, "otto", f"/runs/{run.pk}")
+    operator.get_by_text("More actions").click()
     for name in ("Halt", "Cancel", "Set budget"):
         expect(operator.get_by_role("button", name=name, exact=True)).to_be_visible()
     operator.context.close()
 
     login(page, server, "vera", f"/runs/{run.pk}")
     expect(page.locator("#run-status")).to_have_text("waiting")
-    expect(page.get_by_text("charge card")).to_be_visible()  # the pending approval is shown
+    # The pending approval is shown, and the header says the run waits for it.
+    expect(page.get_by_role("heading", name=f"#{approval.pk} charge card")).to_be_visible()
+    expect(page.get_by_role("status")).to_contain_text(f"Waiting for approval #{approval.pk}")
     for name in buttons:
         expect(page.get_by_role("button", name=name, exact=True)).to_have_count(0)
 
@@ -608,9 +631,10 @@ def test_no_attacker_controlled_field_runs_a_script(server, browser, django_user
     for path in paths:
         page.goto(f"{server}{path}")
         if path == f"/runs/{run.pk}":
-            for summary in page.locator("#timeline details summary").all():
-                summary.click()  # each step's input, output and error, loaded on opening
-            expect(page.locator(".step-body p.muted")).to_have_count(0)  # none still loading
+            for row in page.locator("#timeline tr[id^=step-]").all():
+                row.locator(".step-open").click()  # its attempts, input, output and error
+                seq = row.get_attribute("id").removeprefix("step-")
+                expect(page.locator(f"#step-panel .step-body[data-seq='{seq}']")).to_be_attached()
         found = page.evaluate("[window.__xss, document.querySelectorAll('img[src=x]').length]")
         if found != [None, 0]:
             ran[path] = found
@@ -631,4 +655,296 @@ def test_no_attacker_controlled_field_runs_a_script(server, browser, django_user
         0,
     ]
     assert not dialogs
+    context.close()
+
+
+# -- the dashboard's second pass: one journey per part of issue 13 -------------------------------
+
+
+def test_a_failed_runs_header_says_why_and_offers_retry_which_moves_it_on(
+    server, page, cast, drive
+):
+    """1. The header explains the run: its input, its final error as a readable traceback, the
+    sentence saying why it is in its state, and the one action that moves it on."""
+    from playwright.sync_api import expect
+
+    from runs.models import Run
+    from tests import workflows
+
+    workflows.calls.pop("flaky", None)
+    run = start_run("flaky", {"failures": 9, "attempts": 1}, max_attempts=1)
+    drive()
+    login(page, server, "otto", f"/runs/{run.pk}")
+    status = page.get_by_role("status")
+    expect(status).to_contain_text("Failed at step call after 1 attempt: StepFailed")
+    expect(status).to_contain_text("ConnectionError")
+    header = page.locator("#run-header")
+    expect(header.locator("pre.traceback")).to_contain_text("Traceback")  # real newlines
+    assert "\\n" not in header.locator("pre.traceback").text_content()
+    expect(header.locator("summary", has_text="Input")).to_be_visible()
+    for fact in ("Started", "Ended", "Duration", "Attempt", "Steps"):
+        expect(header.locator("dt", has_text=fact)).to_be_visible()
+    page.get_by_label("Reason to retry").fill("the service is back")
+    page.get_by_role("button", name="Retry", exact=True).click()
+    expect(page.locator("#run-status")).not_to_have_text("failed")
+    assert Run.objects.get(pk=run.pk).status != "failed"
+    # A viewer reads the same kind of sentence and is offered nothing; a compensated run is
+    # offered a fork (a retry would be refused).
+    viewer = page.context.browser.new_context().new_page()
+    failed = start_run("saga", {"fail": True}, max_attempts=1)
+    drive()
+    login(viewer, server, "vera", f"/runs/{failed.pk}")
+    expect(viewer.get_by_role("status")).to_contain_text("Failed at step ship")
+    expect(viewer.get_by_role("status")).to_contain_text("fork it from a step")
+    expect(viewer.get_by_role("button", name="Retry", exact=True)).to_have_count(0)
+    viewer.context.close()
+
+
+def test_approving_in_one_tab_updates_the_header_approvals_badge_and_actions_in_another(
+    server, browser, cast, spawn_worker
+):
+    """2. Everything live: another tab's header, approvals, actions and nav badge follow."""
+    from playwright.sync_api import expect
+
+    from approvals.models import ApprovalRequest
+
+    run = start_run("approver", {"amount": 30})
+    spawn_worker()
+    from tests.conftest import wait_until
+
+    wait_until(lambda: ApprovalRequest.objects.filter(run=run).exists(), what="the approval")
+    ask = ApprovalRequest.objects.get(run=run)
+    tabs = [browser.new_context().new_page() for _ in range(2)]
+    for tab in tabs:
+        tab.set_default_timeout(10_000)
+        login(tab, server, "ada", f"/runs/{run.pk}")
+        expect(tab.locator("#site-live")).to_have_attribute("data-state", "open")
+        expect(tab.get_by_role("status")).to_contain_text(f"Waiting for approval #{ask.pk}")
+        expect(tab.get_by_role("link", name=re.compile("Approvals 1"))).to_be_visible()
+    watcher = tabs[1]
+    watcher.evaluate("window.__marker = 'no reload'")
+    tabs[0].get_by_label(f"Comment on #{ask.pk}").fill("within the limit")
+    tabs[0].get_by_role("button", name="Approve").click()
+    expect(watcher.locator("#run-status")).to_have_text("completed", timeout=20_000)
+    expect(watcher.get_by_role("status")).to_contain_text("Completed")
+    expect(watcher.get_by_role("heading", name=f"#{ask.pk} charge card")).to_have_count(0)
+    expect(watcher.get_by_role("link", name=re.compile("^Approvals$"))).to_be_visible()
+    expect(watcher.get_by_role("button", name="Approve")).to_have_count(0)
+    expect(watcher.locator("#ws-status")).to_contain_text("ended")  # live only while it can change
+    assert watcher.evaluate("window.__marker") == "no reload"
+    for tab in tabs:
+        tab.context.close()
+
+
+def test_a_new_run_and_the_kill_switch_appear_on_open_pages_without_a_reload(server, browser, cast):
+    """2 and 7. The runs list shows a new run; every page shows the kill switch's banner."""
+    from playwright.sync_api import expect
+
+    from runs.operations import halt, unhalt
+
+    runs, other = (browser.new_context().new_page() for _ in range(2))
+    login(runs, server, "vera", "/")
+    login(other, server, "vera", "/workers")
+    for tab in (runs, other):
+        expect(tab.locator("#site-live")).to_have_attribute("data-state", "open")
+        tab.evaluate("window.__marker = 'no reload'")
+    fresh = start_run("ledger", {"steps": 1}, key="arrives-live")
+    expect(runs.locator(f"#run-{fresh.pk}")).to_contain_text("arrives-live", timeout=10_000)
+    halt("all", cast["otto"], "incident 42")
+    for tab in (runs, other):
+        expect(tab.get_by_role("alert")).to_contain_text("Kill switch on")
+        expect(tab.get_by_role("alert")).to_contain_text("incident 42")
+    unhalt("all", cast["otto"], "over")
+    for tab in (runs, other):
+        expect(tab.get_by_role("alert")).to_have_count(0)
+        assert tab.evaluate("window.__marker") == "no reload"
+        tab.context.close()
+
+
+def test_every_attempt_of_a_step_shows_its_error_and_worker_and_events_expand(
+    server, page, cast, drive
+):
+    """3. Attempts and errors are first-class: the first attempts' errors are not lost."""
+    from playwright.sync_api import expect
+
+    from tests import workflows
+
+    workflows.calls.pop("flaky", None)
+    run = start_run("flaky", {"failures": 2, "attempts": 3})
+    drive()
+    login(page, server, "vera", f"/runs/{run.pk}")
+    row = page.locator("#step-0")
+    expect(row.locator(".status-retried")).to_have_text("3")
+    row.locator(".step-open").click()
+    attempts = page.locator("#step-panel .attempt")
+    expect(attempts).to_have_count(3)
+    expect(attempts.nth(0)).to_contain_text("attempt 1: failed, tried again")
+    expect(attempts.nth(0)).to_contain_text("ConnectionError: failure 1")
+    expect(attempts.nth(1)).to_contain_text("ConnectionError: failure 2")
+    expect(attempts.nth(2)).to_contain_text("attempt 3: completed")
+    expect(attempts.nth(0)).to_contain_text("worker ")  # where it ran
+    page.get_by_role("tab", name="History").click()
+    retrying = page.locator("#history li", has_text="step.retrying").first
+    retrying.locator("summary").click()
+    expect(retrying.locator("dl")).to_contain_text("ConnectionError: failure 1")
+
+
+def test_a_model_call_reads_as_a_conversation_with_its_raw_json_a_click_away(
+    server, page, cast, drive, demo_model
+):
+    """4. Steps you can read: a side panel, the conversation, tokens, a time axis, ms times."""
+    from playwright.sync_api import expect
+
+    run = start_run("llm-chat", {"prompt": "Why do steps need keys?"})
+    assert drive() == ["completed"]
+    login(page, server, "vera", f"/runs/{run.pk}")
+    expect(page.locator("#step-0 time")).to_have_text(re.compile(r"^\d\d:\d\d:\d\d\.\d{3}$"))
+    expect(page.locator("th.waterfall .axis .tick")).to_have_count(3)
+    expect(page.locator("#run-span")).to_contain_text("Run span:")
+    page.locator("#step-0 .step-open").click()
+    panel = page.locator("#step-panel")
+    expect(panel.locator(".turn-user")).to_contain_text("Why do steps need keys?")
+    expect(panel.locator(".turn-assistant")).not_to_be_empty()
+    expect(panel).to_contain_text("gpt-4o-mini")
+    expect(panel.locator("dt", has_text="Tokens")).to_be_visible()
+    raw = panel.get_by_text("Raw response")
+    raw.click()
+    expect(panel.locator("details.raw[open]")).to_contain_text("choices")
+    expect(page.locator("#step-0")).to_have_class(re.compile("selected"))
+
+
+def test_the_runs_list_finds_a_run_by_its_short_id_and_starts_one_from_its_form(
+    server, page, cast, drive
+):
+    """5. Search by the 8-character id, children under their parent, a Start run form."""
+    from playwright.sync_api import expect
+
+    from runs.models import Run
+
+    parent = start_run("parent", {"n": 2}, key="the-parent")
+    other = start_run("ledger", {"steps": 1}, key="other")
+    drive()
+    login(page, server, "otto", "/")
+    page.get_by_label("Id, key or key prefix").fill(str(other.pk)[:8])
+    page.get_by_role("button", name="Filter", exact=True).click()
+    expect(page.locator("tr[id^=run-]")).to_have_count(1)
+    expect(page.locator(f"#run-{other.pk}")).to_be_visible()
+    page.goto(f"{server}/?top=1")
+    expect(page.locator("tr[id^=run-]")).to_have_count(2)  # the parent and "other"
+    page.locator(f"#run-{parent.pk}").get_by_text("2 children").click()
+    expect(page.locator("tr[id^=run-]")).to_have_count(2)
+    expect(page.locator("tr[id^=run-]").first).to_contain_text("child of")
+
+    page.goto(f"{server}/")
+    page.get_by_text("Start run").click()
+    page.locator("#start-run").get_by_label("Workflow").select_option("ledger")
+    page.get_by_label("Input (JSON)").fill("{steps: 1}")  # not JSON: the page says so
+    page.get_by_role("button", name="Start the run").click()
+    assert page.url == f"{server}/"
+    assert (
+        page.get_by_label("Input (JSON)")
+        .evaluate("e => e.validationMessage")
+        .startswith("The input is not JSON")
+    )
+    page.get_by_label("Input (JSON)").fill('{"steps": 2}')
+    page.get_by_label("Key (optional").fill("from-the-form")
+    page.get_by_label("Budget in USD").fill("2.5")
+    page.get_by_role("button", name="Start the run").click()
+    started = Run.objects.get(key="from-the-form")
+    expect(page).to_have_url(f"{server}/runs/{started.pk}")
+    assert (started.input, started.budget_micros, started.workflow) == (
+        {"steps": 2},
+        2_500_000,
+        "ledger",
+    )
+
+
+def test_an_approval_shows_its_arguments_expiry_and_what_the_model_said_and_takes_a_comment(
+    server, page, cast, drive
+):
+    """6. Approvals with context, decided with a comment from the run page."""
+    from playwright.sync_api import expect
+
+    from approvals.models import ApprovalRequest
+
+    run = start_run("approver", {"amount": 77, "timeout": 3600})
+    drive()
+    ask = ApprovalRequest.objects.get(run=run)
+    login(page, server, "ada", "/approvals")
+    card = page.locator("article.approval")
+    expect(card).to_contain_text("expires")
+    expect(card.locator(".json-key", has_text="amount")).to_be_visible()
+    expect(card.locator(".json-leaf", has_text="77")).to_be_visible()  # JSON, not a repr
+    expect(card).to_contain_text("step ok")
+    page.goto(f"{server}/runs/{run.pk}")
+    page.get_by_role("link", name=f"Decide approval #{ask.pk}").click()
+    page.get_by_label(f"Comment on #{ask.pk}").fill("fine, the customer asked")
+    page.get_by_role("button", name="Reject").click()
+    ask.refresh_from_db()
+    assert (ask.status, ask.comment) == ("rejected", "fine, the customer asked")
+    page.goto(f"{server}/approvals")
+    expect(page.get_by_text("“fine, the customer asked”")).to_be_visible()
+
+
+def test_the_kill_switch_asks_for_confirmation_and_a_run_it_stops_offers_to_lift_it(
+    server, page, cast, drive
+):
+    """7. Governance: a typed confirmation; the stopped run says so and offers the lift."""
+    from playwright.sync_api import expect
+
+    from runs.models import GLOBAL, Policy
+
+    run = start_run("approver", {"amount": 5})
+    drive()
+    login(page, server, "otto", "/halts")
+    page.get_by_label("Reason to halt everything").fill("incident 9")
+    page.get_by_role("button", name="Turn the kill switch on").click()
+    assert not Policy.objects.filter(scope=GLOBAL, halted_at__isnull=False).exists()
+    page.get_by_label("Type “halt everything” to confirm").fill("halt everything")
+    page.get_by_role("button", name="Turn the kill switch on").click()
+    expect(page.get_by_role("alert")).to_contain_text("Kill switch on")
+    page.goto(f"{server}/runs/{run.pk}")
+    expect(page.get_by_role("alert")).to_contain_text("incident 9")
+    expect(page.get_by_role("status")).to_contain_text("by a hold on the kill switch")
+    expect(page.get_by_role("button", name="Halt", exact=True)).to_have_count(0)
+    page.get_by_label("Reason to lift the kill switch").fill("over")
+    page.get_by_role("button", name="Lift the kill switch").click()
+    expect(page.get_by_role("alert")).to_have_count(0)
+    expect(page.get_by_role("status")).not_to_contain_text("kill switch")
+
+
+def test_spent_today_on_the_budgets_page_counts_what_runs_spent(server, page, cast, drive):
+    """7. The Budgets page of its own: today's spend is what the steps cost today."""
+    from playwright.sync_api import expect
+
+    start_run("metered", {"steps": 2})
+    drive()
+    login(page, server, "vera", "/budgets")
+    row = page.locator("tr", has=page.locator("th", has_text="metered"))
+    expect(row.locator("td").first).to_have_text("$2")
+
+
+def test_at_390_px_tables_become_cards_and_every_action_field_names_its_action(
+    server, browser, cast, drive
+):
+    """8. Small screens and labels."""
+    from playwright.sync_api import expect
+
+    run = start_run("approver", {"amount": 12}, key="narrow")
+    drive()
+    context = browser.new_context(viewport={"width": 390, "height": 844})
+    page = context.new_page()
+    login(page, server, "otto", "/")
+    first = page.locator("tr[id^=run-]").first
+    expect(first.locator("td[data-label=Status]")).to_be_visible()
+    # The card shows each value under its column's name.
+    label = first.locator("td[data-label=Status]").evaluate(
+        "e => getComputedStyle(e, '::before').content"
+    )
+    assert label == '"Status"'
+    page.goto(f"{server}/runs/{run.pk}")
+    page.get_by_text("More actions").click()
+    for name in ("Reason to halt", "Reason to cancel", "Reason for the budget"):
+        expect(page.get_by_label(name, exact=True)).to_have_count(1)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
     context.close()

@@ -123,16 +123,20 @@ def test_the_kill_switch_is_turned_on_from_the_halts_page_and_leaves_finished_ru
     run = start_run("ledger", {"steps": 1})
     drive()
     otto = browser_as("otto")
-    otto.post("/halts/halt", {"reason": "incident 7"})
-    halts = otto.get("/halts").content.decode()
-    assert "Kill switch ON" in halts and "incident 7" in halts
+    refused = otto.post("/halts/halt", {"reason": "incident 7"}, follow=True).content.decode()
+    assert "type “halt everything” to confirm" in refused  # not on without the typed phrase
+    assert not Policy.objects.filter(scope=GLOBAL, halted_at__isnull=False).exists()
+    otto.post("/halts/halt", {"reason": "incident 7", "confirm": " Halt everything "})
+    for path in ("/halts", "/", f"/runs/{run.pk}", "/budgets"):  # the banner on every page
+        page = otto.get(path).content.decode()
+        assert "Kill switch on:" in page and "incident 7" in page and 'role="alert"' in page
     finished = Run.objects.get(pk=run.pk)
     assert (finished.status, finished.halted_at) == (RunStatus.COMPLETED, None)
 
 
 def test_the_audit_page_lists_each_action_of_an_actor_with_its_reason(browser_as):
     otto = browser_as("otto")
-    otto.post("/halts/halt", {"reason": "incident 7"})
+    otto.post("/halts/halt", {"reason": "incident 7", "confirm": "halt everything"})
     otto.post("/halts/unhalt", {"reason": "over"})
     otto.post("/halts/halt", {"workflow": "ledger", "reason": "freeze ledger"})
     audit = otto.get("/audit", {"actor": "otto"}).content.decode()
@@ -156,7 +160,19 @@ def over_budget(drive) -> Run:
 
 def test_the_run_page_offers_an_operator_budget_and_fork_forms(browser_as, over_budget):
     page = browser_as("otto").get(f"/runs/{over_budget.pk}").content.decode()
-    assert "Set budget" in page and "Fork from a step" in page
+    # The header says why it stopped, in numbers, with the one action that moves it on.
+    assert (
+        "Paused because the next step needs $1.0000 and the run budget has $0.0000 left of "
+        "$1.0000." in page
+    )
+    assert "Raise the budget</button>" in page and "Fork from a step" in page
+    assert (
+        browser_as("vera")
+        .get(f"/runs/{over_budget.pk}")
+        .content.decode()
+        .count("Raise the budget</button>")
+        == 0
+    )  # a viewer reads the sentence but is offered no action
 
 
 def test_raising_the_budget_of_a_paused_run_from_its_page_resumes_it(browser_as, over_budget):
@@ -219,7 +235,9 @@ def test_a_5000_step_run_renders_its_latest_chunk_and_loads_earlier_ones(
 
     run = long_run(5000)
     vera = browser_as("vera")
-    with django_assert_max_num_queries(16):
+    # A fixed number, whatever the run's size: the header's explanation, holds, children's
+    # spend and pending approvals are a query or two each.
+    with django_assert_max_num_queries(18):
         page = vera.get(f"/runs/{run.pk}").content.decode()
     assert rows(page) == list(range(4800, 5000))
     assert len(re.findall(r'<li id="event-', page)) == 500
@@ -334,7 +352,7 @@ def test_the_runs_list_filters_by_parent(browser_as, drive):
     parent = start_run("parent", {"n": 2}, key="the-parent")
     drive()
     children = browser_as("vera").get("/", {"parent": str(parent.pk)}).content.decode()
-    assert children.count('name="run"') == 0 and children.count("<tr>") - 1 == 2  # 2 children
+    assert children.count('name="run"') == 0 and children.count('<tr id="run-') == 2
     assert "the-parent" not in children
 
 
@@ -355,16 +373,21 @@ def test_the_halts_page_has_a_row_for_everything_and_for_each_workflow(browser_a
     start_run("metered", {"steps": 2})
     drive()
     page = browser_as("otto").get("/halts").content.decode()
-    assert '<th scope="row">metered</th>' in page and "everything" in page
+    assert '<th scope="row" data-label="Workflow">metered</th>' in page
+    assert "Turn the kill switch on" in page
+    page = browser_as("otto").get("/budgets").content.decode()
+    assert '<th scope="row" data-label="Scope">metered</th>' in page and "everything" in page
 
 
 def test_the_halts_page_shows_todays_spend_against_a_shared_budget(browser_as, drive):
     browser_as("otto").post("/halts/budget", {"workflow": "metered", "usd": "10", "reason": "cap"})
     start_run("metered", {"steps": 2})  # $1 a step
     drive()
-    page = browser_as("vera").get("/halts").content.decode()
-    row = page[page.index('<th scope="row">metered</th>') :].split("</tr>")[0]
-    assert '<td class="num">$2</td>' in row and "$10" in row
+    page = browser_as("vera").get("/budgets").content.decode()
+    row = page[page.index('data-label="Scope">metered</th>') :].split("</tr>")[0]
+    assert 'data-label="Spent today">$2 ' in row and "$10" in row and "20%" in row
+    everything = page[page.index('data-label="Scope">everything</th>') :].split("</tr>")[0]
+    assert 'data-label="Spent today">$2<' in everything  # no global budget, spend counted
 
 
 def test_workflow_and_global_budgets_are_set_from_the_halts_page(browser_as):
@@ -374,7 +397,7 @@ def test_workflow_and_global_budgets_are_set_from_the_halts_page(browser_as):
     assert Policy.objects.get(scope="metered").daily_budget_micros == 1
     otto.post("/halts/budget", {"usd": "", "run_usd": "2.5", "reason": "default per run"})
     assert Policy.objects.get(scope=GLOBAL).run_budget_micros == 2_500_000
-    page = otto.get("/halts").content.decode()
+    page = otto.get("/budgets").content.decode()
     assert 'value="0.000001"' in page and 'value="2.5"' in page
 
 
@@ -467,7 +490,7 @@ def test_a_huge_or_deeply_nested_output_shows_as_text_not_an_error(browser_as):
     vera = browser_as("vera")
     for seq in (0, 1):
         body = vera.get(f"/runs/{run.pk}/steps/{seq}").content.decode()
-        assert "<pre>[" in body and "Copy output" in body
+        assert '<pre tabindex="0">[' in body and "Copy output" in body
 
 
 def test_the_run_page_reads_its_event_cursor_before_the_run(browser_as, drive):
@@ -497,8 +520,11 @@ def test_a_run_page_names_every_hold_that_stops_the_run_and_offers_unhalt_only_f
     halt("workflow:parent", cast["otto"], "bad deploy")
     otto = browser_as("otto")
     page = otto.get(f"/runs/{child.pk}").content.decode()
-    assert "Halted</strong> by otto (workflow parent)" in page and "bad deploy" in page
+    assert "by otto" in page and "by a hold on workflow parent: “bad deploy”" in page
     assert "Unhalt</button>" not in page  # the child has no hold of its own to lift
+    assert "Unhalt workflow parent</button>" in page  # but the hold that stops it
+    assert "Halt</button>" not in page  # a held run is not offered another halt
     halt(child, cast["otto"], "this one too")
     page = otto.get(f"/runs/{child.pk}").content.decode()
-    assert "Halted</strong> by otto at" in page and "Unhalt</button>" in page
+    assert "by a hold on this run: “this one too”" in page and "Unhalt</button>" in page
+    assert "Also held by workflow parent" in page  # every hold is named

@@ -237,5 +237,5 @@ def test_deltas_travel_by_notify_without_redis(settings):
     payloads = [jsonlib.loads(n.payload) for n in notes]
     assert "".join(p["text"] for p in payloads) == "<b>hi</b>" * 300
     assert EventsListener.messages(DELTAS_CHANNEL, notes[0].payload) == [
-        ("r-1", {"type": "step.delta", "seq": 3, "text": payloads[0]["text"]})
+        ("run-r-1", {"type": "step.delta", "seq": 3, "text": payloads[0]["text"]})
     ]

@@ -103,7 +103,7 @@ def test_the_approvals_inbox_cuts_payloads_and_pages(root):
     assert page.status_code == 200
     assert len(page.content) < 500_000, "before: 20 requests of 1 MB made 45 MB of HTML"
     text = page.content.decode()
-    assert text.count("download the whole payload") == 3
+    assert text.count("Download the whole payload") == 3
     assert "Next 50 of 60 pending" in text
     first = ApprovalRequest.objects.order_by("pk").first()
     whole = browser.get(f"/approvals/{first.pk}/payload.json")

@@ -185,7 +185,7 @@ class Checkpoints(ContextState):
             "attempt": attempt,
             "run_attempt": self.attempt,
         }
-        payload = {"attempt": attempt, "error": brief(exc)}
+        payload = {"attempt": attempt, "error": brief(exc), "worker": self.worker_id}
         if step_pk is not None:
             self._settle_step(step_pk, key, payload, fields, None, held or Held())
         else:

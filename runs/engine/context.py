@@ -34,6 +34,8 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         self.version: str = run.version
         self.input: Any = run.input
         self.attempt: int = run.attempt
+        #: Recorded with each step attempt, so an attempt's error names where it happened.
+        self.worker_id: str = str(run.worker_id or "")
         self._history = history
         self._lease = lease
         self._seq = 0

@@ -34,6 +34,7 @@ class ContextState:
     version: str
     input: Any
     attempt: int
+    worker_id: str
     _history: dict[int, Step]
     _lease: Lease
     _seq: int

@@ -130,7 +130,7 @@ class Steps(ContextState):
                 self._retry_later(record.pk, key, record.wake_at)  # woken early: not yet
         if record is None:
             attempt = 1
-            payload: dict[str, Any] = {"attempt": 1}
+            payload: dict[str, Any] = {"attempt": 1, "worker": self.worker_id}
             fields: dict[str, Any] = {
                 "seq": seq,
                 "key": key,
@@ -143,7 +143,7 @@ class Steps(ContextState):
             }
         else:
             attempt = record.attempt + 1
-            payload = {"attempt": attempt}
+            payload = {"attempt": attempt, "worker": self.worker_id}
             fields = {
                 "status": StepStatus.STARTED,
                 "attempt": attempt,
@@ -371,7 +371,7 @@ class Steps(ContextState):
             except Exception as exc:
                 if (delay := policy.next_delay(exc, tries)) is not None:
                     payload = {"attempt": attempt + 1, "delay_s": round(delay, 3)}
-                    payload["error"] = brief(exc)
+                    payload |= {"error": brief(exc), "worker": self.worker_id}
                     if (
                         delay >= settings.STEPGUARD_DURABLE_RETRY_SECONDS
                         or retry_after(exc) is not None  # a provider's 429 or 503: never slept

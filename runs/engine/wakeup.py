@@ -145,15 +145,17 @@ class Doorbell:
 
             layer = get_channel_layer()
             messages: list[tuple[str, dict[str, Any]]] = [
-                (i, {"type": "run.doorbell"}) for i in ids
+                (f"run-{i}", {"type": "run.doorbell"}) for i in ids
             ]
+            if ids:  # every other page's feed: something changed somewhere
+                messages.append((LIVE_GROUP, {"type": "run.doorbell"}))
             messages += [
-                (run_id, {"type": "step.delta", "seq": seq, "text": text})
+                (f"run-{run_id}", {"type": "step.delta", "seq": seq, "text": text})
                 for run_id, seq, text in deltas
             ]
 
             async def send():
-                sends = (layer.group_send(f"run-{i}", message) for i, message in messages)
+                sends = (layer.group_send(group, message) for group, message in messages)
                 for failed in await asyncio.gather(*sends, return_exceptions=True):
                     if isinstance(failed, Exception):
                         raise failed
@@ -183,6 +185,8 @@ class Doorbell:
 
 
 doorbell = Doorbell()
+#: The channel-layer group of every page's site-wide feed (runs/consumers.py LiveConsumer).
+LIVE_GROUP = "stepguard-live"
 
 
 class EventsListener(threading.Thread):
@@ -205,12 +209,17 @@ class EventsListener(threading.Thread):
 
     @staticmethod
     def messages(channel: str, payload: str) -> list[tuple[str, dict]]:
+        """(group, message) pairs for a notification: the runs' pages and the site-wide feed."""
         if channel == DELTAS_CHANNEL:
             delta = json.loads(payload)
             return [
-                (delta["run"], {"type": "step.delta", "seq": delta["seq"], "text": delta["text"]})
+                (
+                    f"run-{delta['run']}",
+                    {"type": "step.delta", "seq": delta["seq"], "text": delta["text"]},
+                )
             ]
-        return [(run_id, {"type": "run.doorbell"}) for run_id in payload.split(",")]
+        rings = [(f"run-{run_id}", {"type": "run.doorbell"}) for run_id in payload.split(",")]
+        return [*rings, (LIVE_GROUP, {"type": "run.doorbell"})]
 
     def run(self) -> None:
         import asyncio
@@ -222,10 +231,9 @@ class EventsListener(threading.Thread):
                     conn.execute(f"LISTEN {EVENTS_CHANNEL}")
                     conn.execute(f"LISTEN {DELTAS_CHANNEL}")
                     for note in conn.notifies():
-                        for run_id, message in self.messages(note.channel, note.payload):
+                        for group, message in self.messages(note.channel, note.payload):
                             self.loop.call_soon_threadsafe(
-                                asyncio.ensure_future,
-                                self.layer.group_send(f"run-{run_id}", message),
+                                asyncio.ensure_future, self.layer.group_send(group, message)
                             )
             except Exception as exc:
                 log.warning("events listener lost (%s); live pages poll meanwhile", exc)

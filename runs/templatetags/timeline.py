@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 
 from django import template
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 
@@ -48,9 +49,12 @@ def duration(step) -> str:
     """Wall time from the write-ahead row to the finish, as a person reads it."""
     if step.finished_at is None:
         return ""
-    seconds = (step.finished_at - step.started_at).total_seconds()
+    return span_text((step.finished_at - step.started_at).total_seconds())
+
+
+def span_text(seconds: float) -> str:
     if seconds < 1:
-        return f"{seconds * 1000:.0f} ms"
+        return f"{seconds * 1000:.1f} ms" if seconds < 0.01 else f"{seconds * 1000:.0f} ms"
     if seconds < 120:
         return f"{seconds:.1f} s"
     minutes, rest = divmod(round(seconds), 60)
@@ -101,7 +105,7 @@ def json_tree(value) -> SafeString:
         return node(value, 0)
     except TooBig:
         text = as_json(value) or "(nested too deeply to show; the API returns it)"
-        return format_html("<pre>{}</pre>", text)
+        return format_html('<pre tabindex="0">{}</pre>', text)
 
 
 @register.filter
@@ -109,3 +113,58 @@ def usd_value(micros: int | None) -> str:
     """An amount for an input field: empty when there is no limit."""
     # A scope with no policy yet resolves to "" in templates: no limit either.
     return "" if micros in (None, "") else f"{to_usd(micros).normalize():f}"
+
+
+def _field_value(name: str, value) -> str:
+    if name.endswith("_micros") and isinstance(value, int):
+        return usd(value)
+    if isinstance(value, dict) and {"type", "message"} <= value.keys():
+        return f"{value['type']}: {value['message']}"
+    if isinstance(value, str):
+        return value
+    return as_json(value)
+
+
+@register.filter
+def event_fields(payload) -> list[tuple[str, str]]:
+    """An event's payload as label/value pairs a person reads: amounts in USD, an error as its
+    type and message, a change as old → new."""
+    if not isinstance(payload, dict):
+        return []
+    pairs = []
+    before, after = payload.get("before"), payload.get("after")
+    for name, value in payload.items():
+        if name in ("before", "after") and isinstance(before, dict) and isinstance(after, dict):
+            continue
+        pairs.append((name.replace("_", " "), _field_value(name, value)))
+    if isinstance(before, dict) and isinstance(after, dict):
+        for name in after:
+            label = name.removesuffix("_micros").replace("_", " ")
+            old, new = before.get(name), after[name]
+            shown_old = "none" if old is None else _field_value(name, old)
+            shown_new = "none" if new is None else _field_value(name, new)
+            pairs.append((label, f"{shown_old} → {shown_new}"))
+    return pairs
+
+
+@register.filter
+def ms_time(when: datetime | None) -> str:
+    """A time of day to the millisecond, UTC: steps are milliseconds apart."""
+    if when is None:
+        return ""
+    return when.astimezone(UTC).strftime("%H:%M:%S.") + f"{when.microsecond // 1000:03d}"
+
+
+@register.filter
+def short_id(value) -> str:
+    """The 8 characters of an id the pages show (and the runs list searches by)."""
+    return str(value)[:8]
+
+
+@register.filter
+def run_duration(run) -> str:
+    """From the run's start to its end (or to now while it goes on)."""
+    if run.started_at is None:
+        return ""
+    end = run.finished_at or timezone.now()
+    return span_text((end - run.started_at).total_seconds())

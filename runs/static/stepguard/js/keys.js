@@ -1,4 +1,4 @@
-// Keyboard: j / k move through the timeline's steps, Enter opens one, "/" jumps to the search box.
+// Keyboard: j / k move through the timeline's steps, Enter opens one (its button), "/" jumps to the search box.
 (function () {
   "use strict";
   function steps() { return Array.from(document.querySelectorAll("#timeline tr[id^='step-']")); }
@@ -10,8 +10,8 @@
     rows.forEach(function (r) { r.removeAttribute("aria-current"); });
     var row = rows[current];
     row.setAttribute("aria-current", "true");
-    var summary = row.querySelector("summary");
-    (summary || row).focus();
+    var opener = row.querySelector(".step-open");
+    (opener || row).focus();
     row.scrollIntoView({ block: "nearest" });
   }
   document.addEventListener("keydown", function (e) {

@@ -28,22 +28,40 @@
     select(tabs[0]);
   }
 
-  // Waterfall: each step's bar spans its start..finish on one scale for the rows shown. Rescaled
-  // whenever rows arrive, so live steps and earlier chunks line up.
+  // Waterfall: each step's bar spans its start..finish on one scale: the run's wall-clock span
+  // (to now while it runs), so live steps and earlier chunks line up. The header gets an axis.
+  function label(ms) {
+    return ms < 1000 ? Math.round(ms) + " ms" : ms < 120000 ? (ms / 1000).toFixed(1) + " s"
+      : Math.round(ms / 60000) + " min";
+  }
   function layoutWaterfall() {
     var bars = Array.from(document.querySelectorAll("#timeline .bar"));
-    if (!bars.length) return;
+    var span = document.getElementById("run-span");
     var now = Date.now(), lo = Infinity, hi = -Infinity;
+    if (span && span.dataset.start) lo = Number(span.dataset.start);
+    if (span && span.dataset.end) hi = Number(span.dataset.end);
     var spans = bars.map(function (b) {
       var start = Number(b.dataset.start), end = b.dataset.end ? Number(b.dataset.end) : now;
       lo = Math.min(lo, start); hi = Math.max(hi, end);
       return [start, end];
     });
+    if (!isFinite(lo)) return;
+    if (!isFinite(hi) || hi <= lo) hi = Math.max(now, lo + 1);
     var total = Math.max(hi - lo, 1);
     bars.forEach(function (b, i) {
       b.style.marginLeft = (100 * (spans[i][0] - lo) / total).toFixed(2) + "%";
       b.style.width = Math.max(100 * (spans[i][1] - spans[i][0]) / total, 0.5).toFixed(2) + "%";
     });
+    var axis = document.querySelector("th.waterfall .axis");
+    if (axis) {
+      axis.textContent = "";
+      [0, 0.5, 1].forEach(function (f) {
+        var tick = document.createElement("span");
+        tick.className = "tick";
+        tick.textContent = label(total * f);
+        axis.appendChild(tick);
+      });
+    }
   }
 
   // Copy buttons carry the compact JSON they copy.
@@ -70,18 +88,24 @@
     setupTabs();
     layoutWaterfall();
     if (!window.htmx) return;
-    document.body.addEventListener("htmx:wsAfterMessage", layoutWaterfall);
-    // A live update replaces a row: keep it open if the operator had opened it.
-    var reopen = null;
-    document.body.addEventListener("htmx:oobBeforeSwap", function (e) {
-      var d = e.detail.target && e.detail.target.querySelector && e.detail.target.querySelector("details[open]");
-      reopen = d && e.detail.target.id ? e.detail.target.id : null;
+    document.body.addEventListener("htmx:wsAfterMessage", function () {
+      layoutWaterfall();
+      // The header, the approvals and the actions fetch themselves again (run-header view).
+      document.body.dispatchEvent(new CustomEvent("sg:run-changed"));
+      // A step whose details are open and whose row just changed: its details again too.
+      var panel = document.querySelector("#step-panel .step-body");
+      var row = panel && document.getElementById("step-" + panel.dataset.seq);
+      var opener = row && row.querySelector(".step-open");
+      if (opener && row.dataset.status !== panel.dataset.status) window.htmx.trigger(opener, "click");
     });
-    document.body.addEventListener("htmx:oobAfterSwap", function () {
-      var row = reopen && document.getElementById(reopen);
-      var d = row && row.querySelector("details");
-      if (d) d.open = true;
-      reopen = null;
+    // The step whose details the panel shows is marked in the timeline.
+    document.body.addEventListener("htmx:afterSwap", function (e) {
+      if (!e.detail.target || e.detail.target.id !== "step-panel") return;
+      var body = e.detail.target.querySelector(".step-body");
+      document.querySelectorAll("#timeline tr.selected").forEach(function (r) { r.classList.remove("selected"); });
+      var row = body && document.getElementById("step-" + body.dataset.seq);
+      if (row) row.classList.add("selected");
+      if (window.matchMedia("(max-width: 70rem)").matches) e.detail.target.scrollIntoView({ block: "start" });
     });
     // Say when the feed is down: the server marks it "live" again when a reconnect succeeds.
     // The ws extension retries after these close codes only; after others, offer a reload.

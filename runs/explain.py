@@ -1,0 +1,197 @@
+"""Why a run is in its state, in one sentence, and the one action that moves it on.
+
+The run page's header reads this instead of making the operator reconstruct it from the
+history: a waiting run names what it waits for and since when, a paused one how much it needs
+against what it has, a halted one which hold stops it and who placed it. Everything comes from
+state (rows), never from parsing event text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+
+from django.utils import timezone
+from django.utils.timesince import timesince
+
+from runs.engine.budget import to_usd
+from runs.engine.holds import Hold, holds_on
+from runs.models import Event, EventType, Run, RunStatus, Step, StepKind, StepStatus
+
+#: The one action that moves a run on: (label, permission a person needs to take it).
+ACTIONS = {
+    "unhalt": ("Unhalt this run", "runs.unhalt_run"),
+    "unhalt-workflow": ("Unhalt the workflow", "runs.unhalt_run"),
+    "lift-killswitch": ("Lift the kill switch", "runs.unhalt_run"),
+    "open-parent": ("Open the halted parent run", "runs.view_run"),
+    "raise-budget": ("Raise the budget", "runs.set_budget"),
+    "open-budgets": ("Open the budgets", "runs.view_run"),
+    "approve": ("Decide the approval", "approvals.decide_approvalrequest"),
+    "retry": ("Retry the run", "runs.retry_run"),
+    "fork": ("Fork from a step", "runs.fork_run"),
+}
+
+
+@dataclass(frozen=True)
+class State:
+    """What the header says: the sentence, and the action (a key of ACTIONS) if any."""
+
+    sentence: str
+    action: str | None = None
+    hold: Hold | None = None
+    more_holds: tuple[Hold, ...] = ()  # the others covering it: lifting one lifts no other
+    step: Step | None = None  # the step it waits on, or the one running, or the failed one
+    approval_id: int | None = None
+
+    @property
+    def action_label(self) -> str:
+        return ACTIONS[self.action][0] if self.action else ""
+
+    def may_act(self, user) -> bool:
+        return self.action is not None and user.has_perm(ACTIONS[self.action][1])
+
+
+def _when(at: datetime | None, now: datetime) -> str:
+    """'3 minutes ago' or 'in 3 minutes', with the UTC time beside it."""
+    if at is None:
+        return "an unknown time"
+    stamp = at.astimezone(UTC).strftime("%H:%M:%S UTC")
+    seconds = (now - at).total_seconds()
+    if abs(seconds) < 60:
+        return f"{abs(seconds):.0f} s {'ago' if seconds >= 0 else 'from now'} ({stamp})"
+    if at <= now:
+        return f"{timesince(at, now).split(',')[0]} ago ({stamp})"
+    return f"in {timesince(now, at).split(',')[0]} ({stamp})"
+
+
+def _amount(unit: str, value: int) -> str:
+    return f"${to_usd(value):.4f}" if unit == "micro-USD" else f"{value:,} tokens"
+
+
+def explain(run: Run, now: datetime | None = None) -> State:
+    """The state of `run` as a person reads it (a few indexed queries, whatever the run's size)."""
+    now = now or timezone.now()
+    status = run.status
+    if status == RunStatus.COMPLETED:
+        took = f" in {timesince(run.started_at, run.finished_at)}" if run.started_at else ""
+        return State(f"Completed{took}, {_when(run.finished_at, now)}.")
+    if status == RunStatus.CANCELLED:
+        by = f" by {run.cancel_requested_by}" if run.cancel_requested_by else ""
+        why = f": “{run.cancel_reason}”" if run.cancel_reason else ""
+        return State(f"Cancelled{by} {_when(run.finished_at, now)}{why}.")
+    if status == RunStatus.FAILED:
+        error = run.error or {}
+        where = f" at step {error['step']}" if error.get("step") else ""
+        what = error.get("type", "an error")
+        message = error.get("message", "")
+        tries = f" after {run.attempt} attempt{'s' if run.attempt != 1 else ''}"
+        failed = run.steps.filter(status=StepStatus.FAILED).order_by("-seq").first()
+        text = f"Failed{where}{tries}: {what}{': ' if message else ''}{message}"
+        if run.steps.filter(key__startswith="undo:").exists():  # retry refuses these
+            return State(f"{text}. Its compensations ran: fork it from a step to try again.",
+                         "fork", step=failed)  # fmt: skip
+        return State(text, "retry", step=failed)
+    holds = holds_on(run)
+    if holds:
+        return replace(_halted(run, holds[0], now), more_holds=tuple(holds[1:]))
+    if status == RunStatus.OVER_BUDGET:
+        return _over_budget(run)
+    if run.halted_at is None and run.cancel_requested_at is not None:
+        asked = _when(run.cancel_requested_at, now)
+        return State(f"Cancelling: {run.cancel_requested_by} asked {asked}.")
+    if status == RunStatus.RUNNING:
+        step = run.steps.filter(status=StepStatus.STARTED).order_by("-seq").first()
+        doing = f"running step {step.key} (attempt {step.attempt})" if step else "replaying"
+        return State(
+            f"Running on worker {run.worker_id}: {doing}; run attempt {run.attempt} of "
+            f"{run.max_attempts}.",
+            step=step,
+        )
+    if status == RunStatus.WAITING:
+        return _waiting(run, now)
+    return _pending(run, now)
+
+
+def _halted(run: Run, hold: Hold, now: datetime) -> State:
+    where = {
+        "run": ("this run", "unhalt"),
+        "ancestor": (hold.scope, "open-parent"),
+        "workflow": (hold.scope, "unhalt-workflow"),
+        "global": ("the kill switch", "lift-killswitch"),
+    }[hold.kind]
+    why = f": “{hold.reason}”" if hold.reason else ""
+    text = f"by {hold.by} {_when(hold.at, now)}, by a hold on {where[0]}{why}"
+    if run.status == RunStatus.HALTED:
+        return State(f"Halted {text}.", where[1], hold=hold)
+    return State(f"Halt placed {text}; the run stops before its next step.", where[1], hold=hold)
+
+
+def _over_budget(run: Run) -> State:
+    stop = Event.objects.filter(run=run, type=EventType.BUDGET_EXCEEDED).order_by("-seq").first()
+    p = stop.payload if stop else {}
+    if not p:
+        return State("Paused over budget.", "raise-budget")
+    unit, limit, spent, need = p["unit"], p["limit"], p["spent"], p["estimate"]
+    left = max(limit - spent, 0)
+    action = "raise-budget" if p.get("budget") == "run" else "open-budgets"
+    return State(
+        f"Paused because the next step needs {_amount(unit, need)} and the {p['budget']} budget "
+        f"has {_amount(unit, left)} left of {_amount(unit, limit)}.",
+        action,
+    )
+
+
+def _waiting(run: Run, now: datetime) -> State:
+    step = run.steps.filter(status=StepStatus.WAITING).order_by("-seq").first()
+    if step is None:
+        until = f" until {_when(run.wake_at, now)}" if run.wake_at else ""
+        return State(f"Waiting{until}.")
+    since = _when(step.started_at, now)
+    limit = f"; gives up {_when(step.wake_at, now)}" if step.wake_at else ""
+    if step.kind == StepKind.EVENT:
+        name = (step.input or {}).get("signal", step.key)
+        return State(f"Waiting for signal “{name}” since {since}{limit}.", step=step)
+    if step.kind == StepKind.SLEEP:
+        return State(f"Sleeping until {_when(step.wake_at, now)}.", step=step)
+    if step.kind == StepKind.APPROVAL:
+        ask = run.approvals.filter(step_key=step.key).order_by("-pk").first()
+        number = f" #{ask.pk}" if ask else ""
+        action = f" to {ask.action}" if ask else ""
+        expires = f"; expires {_when(ask.expires_at, now)}" if ask and ask.expires_at else ""
+        return State(
+            f"Waiting for approval{number}{action}, asked of approvers {since}{expires}.",
+            "approve" if ask and ask.status == "pending" else None,
+            step=step,
+            approval_id=ask.pk if ask else None,
+        )
+    if step.kind == StepKind.CHILD:
+        open_ = run.children.exclude(status__in=[RunStatus.COMPLETED, RunStatus.FAILED,
+                                                 RunStatus.CANCELLED]).count()  # fmt: skip
+        return State(f"Waiting for {open_} child run{'s' if open_ != 1 else ''} since {since}.",
+                     step=step)  # fmt: skip
+    return State(f"Waiting on step {step.key} since {since}{limit}.", step=step)
+
+
+def _pending(run: Run, now: datetime) -> State:
+    from runs.operations import unserved_reason
+
+    if run.wake_at and run.wake_at > now:
+        if run.debounce_key is not None:
+            return State(f"Debounced: starts {_when(run.wake_at, now)} unless newer input comes.")
+        if run.attempt > 1 and run.error:
+            error = run.error
+            return State(
+                f"Retrying from the top {_when(run.wake_at, now)} (attempt {run.attempt} of "
+                f"{run.max_attempts}) after {error.get('type', 'an error')}: "
+                f"{error.get('message', '')}"
+            )
+        throttled = run.steps.filter(status=StepStatus.STARTED).order_by("-seq").first()
+        if throttled is not None:
+            return State(f"Step {throttled.key} waits {_when(run.wake_at, now)} to try again.",
+                         step=throttled)  # fmt: skip
+        return State(f"Queued until {_when(run.wake_at, now)}.")
+    unserved = unserved_reason(run)
+    if unserved:
+        return State(f"Not moving: {unserved}.")
+    since = _when(run.wake_at or run.created_at, now)
+    return State(f"Ready since {since}, for the next free worker.")

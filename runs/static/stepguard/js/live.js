@@ -1,0 +1,104 @@
+// The site-wide live feed: one websocket per page says *that* something changed; the page's
+// live regions (hx-trigger="sg:changed from:body") fetch themselves again through the ordinary
+// views. A region someone is typing into, or has ticked a box in, waits until they are done.
+(function () {
+  "use strict";
+  var retry = 0, socket = null;
+
+  function indicator(state, text) {
+    var el = document.getElementById("site-live");
+    if (!el) return;
+    el.dataset.state = state;
+    el.textContent = text;
+  }
+
+  // A region with a focused field, typed text or a ticked box is not replaced under the user.
+  function busy(region) {
+    if (!region || !region.querySelectorAll) return false;
+    if (region.contains(document.activeElement) && document.activeElement.matches("input, textarea, select")) return true;
+    return Array.from(region.querySelectorAll("input, textarea")).some(function (f) {
+      if (f.type === "hidden" || f.type === "radio") return false;
+      if (f.type === "checkbox") return f.checked !== f.defaultChecked;
+      return f.value !== f.defaultValue;
+    });
+  }
+
+  document.addEventListener("htmx:beforeRequest", function (e) {
+    var elt = e.detail.elt;
+    var live = e.detail.requestConfig && e.detail.requestConfig.triggeringEvent;
+    if (live && /^sg:/.test(live.type) && busy(elt)) {
+      e.preventDefault();
+      elt.dataset.stale = "1"; // refreshed when the user leaves it
+    }
+  });
+  // A response that arrives after the user started typing is dropped too; and what the user
+  // had opened (details) stays open in the fresh copy.
+  var opened = [];
+  document.addEventListener("htmx:beforeSwap", function (e) {
+    var elt = e.detail.elt;
+    var live = e.detail.requestConfig && e.detail.requestConfig.triggeringEvent;
+    if (!live || !/^sg:/.test(live.type)) return;
+    if (busy(elt)) {
+      e.detail.shouldSwap = false;
+      elt.dataset.stale = "1";
+      return;
+    }
+    opened = Array.from(elt.querySelectorAll("details[open][id]")).map(function (d) { return d.id; });
+  });
+  document.addEventListener("htmx:afterSettle", function () {
+    opened.forEach(function (id) {
+      var d = document.getElementById(id);
+      if (d) d.open = true;
+    });
+    opened = [];
+  });
+  document.addEventListener("focusout", function (e) {
+    var region = e.target.closest && e.target.closest("[data-stale]");
+    if (!region) return;
+    setTimeout(function () {
+      if (!busy(region)) {
+        delete region.dataset.stale;
+        document.body.dispatchEvent(new CustomEvent("sg:changed"));
+        document.body.dispatchEvent(new CustomEvent("sg:run-changed"));
+      }
+    }, 300);
+  });
+
+  function connect() {
+    var scheme = location.protocol === "https:" ? "wss://" : "ws://";
+    var topics = document.querySelector("[data-live-workers]") ? "?workers=1" : "";
+    socket = new WebSocket(scheme + location.host + "/ws/live/" + topics);
+    socket.onopen = function () { retry = 0; };
+    socket.onmessage = function (m) {
+      var data = {};
+      try { data = JSON.parse(m.data); } catch (err) { return; }
+      if (data.live) indicator("open", "live");
+      if (data.changed) {
+        indicator("open", "live");
+        document.body.dispatchEvent(new CustomEvent("sg:changed", { detail: data }));
+      }
+    };
+    socket.onclose = function (e) {
+      if (e.code === 4401 || e.code === 1000) { indicator("closed", "offline: reload"); return; }
+      indicator("reconnecting", "reconnecting…");
+      retry = Math.min(retry + 1, 6);
+      setTimeout(connect, Math.random() * 1000 * Math.pow(2, retry));
+    };
+  }
+  document.addEventListener("DOMContentLoaded", function () {
+    if (window.WebSocket && document.getElementById("site-live")) connect();
+    // The start-run form: its input must be JSON before it is sent.
+    document.querySelectorAll("textarea[data-json]").forEach(function (area) {
+      function check() {
+        var text = area.value.trim();
+        try { if (text) JSON.parse(text); area.setCustomValidity(""); }
+        catch (err) { area.setCustomValidity("The input is not JSON: " + err.message); }
+      }
+      area.addEventListener("input", check);
+      if (area.form) area.form.addEventListener("submit", function (e) {
+        check();
+        if (!area.checkValidity()) { area.reportValidity(); e.preventDefault(); }
+      });
+    });
+  });
+})();
