@@ -249,19 +249,23 @@ class RunConsumer(Feed):
         return parts
 
 
+#: What each part of `site_state` is called in the feed's messages.
+TOPICS = ("events", "approvals", "killswitch", "holds", "workers")
+
+
 def site_state(workers: bool) -> tuple:
     """What the site-wide pages show that can change: the newest event anywhere, the pending
-    approvals, the kill switch and (for the workers page) the workers' heartbeats."""
+    approvals, the kill switch, the workflow holds and (for the workers page) the heartbeats."""
     from approvals.models import ApprovalRequest, ApprovalStatus
 
     last = Event.objects.order_by("-pk").values_list("pk", flat=True).first()
     pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).count()
-    kill = Policy.objects.filter(scope=GLOBAL).values_list("halted_at", flat=True).first()
+    held = dict(Policy.objects.filter(halted_at__isnull=False).values_list("scope", "halted_at"))
     beat = None
     if workers:
         beats = Worker.objects.order_by("-heartbeat_at").values_list("pk", "heartbeat_at")
         beat = list(beats[:200])
-    return last, pending, kill, beat
+    return last, pending, held.get(GLOBAL), held, beat
 
 
 class LiveConsumer(Feed):
@@ -286,21 +290,25 @@ class LiveConsumer(Feed):
 
     async def _pump(self):
         check_at: float | None = asyncio.get_running_loop().time() + RECHECK_SECONDS
-        seen = None
+        seen, rang = None, False
         try:
             while True:
                 if (check_at := await self.still_open(check_at)) is None:
                     return
                 state = await database_sync_to_async(site_state)(self.workers)
-                if seen is None:
-                    await self.send(text_data=json.dumps({"live": True}))
-                elif state != seen:
-                    changed = [n for n, a, b in zip(("events", "approvals", "killswitch",
-                               "workers"), seen, state, strict=True) if a != b]  # fmt: skip
-                    await self.send(text_data=json.dumps({"changed": changed}))
+                if seen is None:  # the page catches up with what changed since it rendered
+                    await self.send(text_data=json.dumps({"live": True, "changed": TOPICS}))
+                else:
+                    changed = [n for n, a, b in zip(TOPICS, seen, state, strict=True) if a != b]
+                    if rang and "events" not in changed:
+                        # An event committed after a newer id was seen: ids are not commit order.
+                        changed.append("events")
+                    if changed:
+                        await self.send(text_data=json.dumps({"changed": changed}))
                 seen = state
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.bell.wait(), POLL_SECONDS * 2)
+                rang = self.bell.is_set()
                 self.bell.clear()
         except asyncio.CancelledError:
             raise

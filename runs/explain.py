@@ -17,6 +17,7 @@ from django.utils.timesince import timesince
 from runs.engine.budget import to_usd
 from runs.engine.holds import Hold, holds_on
 from runs.models import Event, EventType, Run, RunStatus, Step, StepKind, StepStatus
+from runs.templatetags.timeline import span_text
 
 #: The one action that moves a run on: (label, permission a person needs to take it).
 ACTIONS = {
@@ -52,16 +53,18 @@ class State:
 
 
 def _when(at: datetime | None, now: datetime) -> str:
-    """'3 minutes ago' or 'in 3 minutes', with the UTC time beside it."""
+    """'04:28:24 UTC (3 minutes ago)' or '… (in 3 minutes)': the time, and how far it is."""
     if at is None:
         return "an unknown time"
     stamp = at.astimezone(UTC).strftime("%H:%M:%S UTC")
     seconds = (now - at).total_seconds()
     if abs(seconds) < 60:
-        return f"{abs(seconds):.0f} s {'ago' if seconds >= 0 else 'from now'} ({stamp})"
-    if at <= now:
-        return f"{timesince(at, now).split(',')[0]} ago ({stamp})"
-    return f"in {timesince(now, at).split(',')[0]} ({stamp})"
+        far = f"{seconds:.0f} s ago" if seconds >= 0 else f"in {-seconds:.0f} s"
+    elif seconds > 0:
+        far = f"{timesince(at, now).split(',')[0]} ago"
+    else:
+        far = f"in {timesince(now, at).split(',')[0]}"
+    return f"{stamp} ({far.replace(chr(0xA0), ' ')})"
 
 
 def _amount(unit: str, value: int) -> str:
@@ -73,12 +76,14 @@ def explain(run: Run, now: datetime | None = None) -> State:
     now = now or timezone.now()
     status = run.status
     if status == RunStatus.COMPLETED:
-        took = f" in {timesince(run.started_at, run.finished_at)}" if run.started_at else ""
-        return State(f"Completed{took}, {_when(run.finished_at, now)}.")
+        took = ""
+        if run.started_at and run.finished_at:
+            took = f" in {span_text((run.finished_at - run.started_at).total_seconds())}"
+        return State(f"Completed{took}, at {_when(run.finished_at, now)}.")
     if status == RunStatus.CANCELLED:
         by = f" by {run.cancel_requested_by}" if run.cancel_requested_by else ""
         why = f": “{run.cancel_reason}”" if run.cancel_reason else ""
-        return State(f"Cancelled{by} {_when(run.finished_at, now)}{why}.")
+        return State(f"Cancelled{by} at {_when(run.finished_at, now)}{why}.")
     if status == RunStatus.FAILED:
         error = run.error or {}
         where = f" at step {error['step']}" if error.get("step") else ""
@@ -98,7 +103,7 @@ def explain(run: Run, now: datetime | None = None) -> State:
         return _over_budget(run)
     if run.halted_at is None and run.cancel_requested_at is not None:
         asked = _when(run.cancel_requested_at, now)
-        return State(f"Cancelling: {run.cancel_requested_by} asked {asked}.")
+        return State(f"Cancelling: {run.cancel_requested_by} asked at {asked}.")
     if status == RunStatus.RUNNING:
         step = run.steps.filter(status=StepStatus.STARTED).order_by("-seq").first()
         doing = f"running step {step.key} (attempt {step.attempt})" if step else "replaying"
@@ -120,7 +125,7 @@ def _halted(run: Run, hold: Hold, now: datetime) -> State:
         "global": ("the kill switch", "lift-killswitch"),
     }[hold.kind]
     why = f": “{hold.reason}”" if hold.reason else ""
-    text = f"by {hold.by} {_when(hold.at, now)}, by a hold on {where[0]}{why}"
+    text = f"by {hold.by} at {_when(hold.at, now)}, by a hold on {where[0]}{why}"
     if run.status == RunStatus.HALTED:
         return State(f"Halted {text}.", where[1], hold=hold)
     return State(f"Halt placed {text}; the run stops before its next step.", where[1], hold=hold)
@@ -147,7 +152,7 @@ def _waiting(run: Run, now: datetime) -> State:
         until = f" until {_when(run.wake_at, now)}" if run.wake_at else ""
         return State(f"Waiting{until}.")
     since = _when(step.started_at, now)
-    limit = f"; gives up {_when(step.wake_at, now)}" if step.wake_at else ""
+    limit = f"; gives up at {_when(step.wake_at, now)}" if step.wake_at else ""
     if step.kind == StepKind.EVENT:
         name = (step.input or {}).get("signal", step.key)
         return State(f"Waiting for signal “{name}” since {since}{limit}.", step=step)
@@ -157,9 +162,9 @@ def _waiting(run: Run, now: datetime) -> State:
         ask = run.approvals.filter(step_key=step.key).order_by("-pk").first()
         number = f" #{ask.pk}" if ask else ""
         action = f" to {ask.action}" if ask else ""
-        expires = f"; expires {_when(ask.expires_at, now)}" if ask and ask.expires_at else ""
+        expires = f"; expires at {_when(ask.expires_at, now)}" if ask and ask.expires_at else ""
         return State(
-            f"Waiting for approval{number}{action}, asked of approvers {since}{expires}.",
+            f"Waiting for approval{number}{action}, asked of approvers at {since}{expires}.",
             "approve" if ask and ask.status == "pending" else None,
             step=step,
             approval_id=ask.pk if ask else None,
@@ -169,6 +174,14 @@ def _waiting(run: Run, now: datetime) -> State:
                                                  RunStatus.CANCELLED]).count()  # fmt: skip
         return State(f"Waiting for {open_} child run{'s' if open_ != 1 else ''} since {since}.",
                      step=step)  # fmt: skip
+    error = step.error or {}
+    again = _when(step.wake_at, now)
+    if error.get("throttled"):  # a rate limit's capacity returns then (runs/engine/rates.py)
+        return State(f"Step {step.key} waits for the rate limit of {error['throttled']} "
+                     f"until {again}.", step=step)  # fmt: skip
+    if error.get("type"):  # a durable retry: the step's last try failed
+        return State(f"Step {step.key} failed ({error['type']}: {error.get('message', '')}) "
+                     f"and tries again at {again}.", step=step)  # fmt: skip
     return State(f"Waiting on step {step.key} since {since}{limit}.", step=step)
 
 
@@ -176,19 +189,16 @@ def _pending(run: Run, now: datetime) -> State:
     from runs.operations import unserved_reason
 
     if run.wake_at and run.wake_at > now:
-        if run.debounce_key is not None:
-            return State(f"Debounced: starts {_when(run.wake_at, now)} unless newer input comes.")
+        if run.debounce_key is not None and run.lease_epoch == 0:  # still in its quiet period
+            starts = _when(run.wake_at, now)
+            return State(f"Debounced: starts at {starts} unless newer input comes.")
         if run.attempt > 1 and run.error:
             error = run.error
             return State(
-                f"Retrying from the top {_when(run.wake_at, now)} (attempt {run.attempt} of "
+                f"Retrying from the top at {_when(run.wake_at, now)} (attempt {run.attempt} of "
                 f"{run.max_attempts}) after {error.get('type', 'an error')}: "
                 f"{error.get('message', '')}"
             )
-        throttled = run.steps.filter(status=StepStatus.STARTED).order_by("-seq").first()
-        if throttled is not None:
-            return State(f"Step {throttled.key} waits {_when(run.wake_at, now)} to try again.",
-                         step=throttled)  # fmt: skip
         return State(f"Queued until {_when(run.wake_at, now)}.")
     unserved = unserved_reason(run)
     if unserved:

@@ -302,6 +302,12 @@ class Step(models.Model):
                 name="runs_step_completed_has_finish",
             ),
         ]
+        indexes = [
+            # The Budgets page: what steps that cost something spent since midnight.
+            models.Index(
+                fields=["finished_at"], condition=Q(cost_micros__gt=0), name="runs_step_spent_idx"
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.run_id}#{self.seq} {self.key} ({self.status})"

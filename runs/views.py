@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import timedelta
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from urllib.parse import urlencode
 from uuid import UUID
 
@@ -17,7 +17,7 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, QuerySet, Sum
+from django.db.models import Count, Q, QuerySet, Sum
 from django.db.models.fields.json import KT
 from django.http import Http404, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
@@ -31,7 +31,7 @@ from approvals.models import ApprovalStatus
 from runs import notifications, operations, queries
 from runs.conversation import conversation, last_answer
 from runs.engine import flow, rates, registry
-from runs.engine.budget import to_usd
+from runs.engine.budget import to_micros, to_usd
 from runs.engine.deltas import Conversations
 from runs.errors import Forbidden, OperationError, StepguardError
 from runs.explain import explain
@@ -129,11 +129,11 @@ def list_rows(page: list[Run]) -> list[dict]:
     """The runs list's rows: what each waiting run waits for and how many children each has,
     in two queries for the page, whatever its size."""
     waiting = [r.pk for r in page if r.status == RunStatus.WAITING]
-    waits = {
-        run_id: (kind, data)
-        for run_id, kind, data in Step.objects.filter(
+    waits = {  # the signal's name, not the whole input (a model call's is a conversation)
+        run_id: (kind, signal, throttled)
+        for run_id, kind, signal, throttled in Step.objects.filter(
             run_id__in=waiting, status=StepStatus.WAITING
-        ).values_list("run_id", "kind", "input")
+        ).values_list("run_id", "kind", KT("input__signal"), KT("error__throttled"))
     }
     kids = dict(
         Run.objects.filter(parent_id__in=[r.pk for r in page])
@@ -142,10 +142,12 @@ def list_rows(page: list[Run]) -> list[dict]:
     )
     rows = []
     for r in page:
-        kind, data = waits.get(r.pk, (None, None))
-        what = WAIT_WORDS.get(kind, kind or "")
-        if kind == StepKind.EVENT and isinstance(data, dict):
-            what = f"signal “{data.get('signal', '')}”"
+        kind, signal, throttled = waits.get(r.pk, (None, None, None))
+        what = WAIT_WORDS.get(kind, "a retry" if kind else "")
+        if kind == StepKind.EVENT:
+            what = f"signal “{signal}”"
+        elif throttled:
+            what = f"rate limit of {throttled}"
         rows.append(
             {
                 "run": r,
@@ -182,12 +184,12 @@ def start_view(request):
         except json.JSONDecodeError as exc:
             raise OperationError(f"the input is not JSON: {exc}") from None
         usd = post.get("budget_usd", "").strip()
-        try:
-            budget = Decimal(usd) if usd else None
-        except InvalidOperation:
-            raise OperationError(f"the budget {usd!r} is not an amount in USD") from None
-        if budget is not None and budget <= 0:
-            raise OperationError("the budget must be more than 0 USD")
+        try:  # checked as every amount is: ASCII digits, finite, in range; and more than 0
+            if usd and to_micros(usd) <= 0:
+                raise ValueError
+        except ValueError:
+            raise OperationError(f"the budget {usd!r} is not an amount over 0 USD") from None
+        budget = Decimal(usd) if usd else None
         created["run"] = start_run(
             workflow, data, key=post.get("key", "").strip() or None, budget_usd=budget,
             started_by=request.user,
@@ -346,20 +348,41 @@ def pending_approvals(run: Run) -> list:
 
 def with_context(asks: list) -> list:
     """Approval requests with what a person needs to decide: the arguments as JSON (cut to
-    STEPGUARD_UI_MAX_JSON), and what the model said in the last model call before the ask."""
+    STEPGUARD_UI_MAX_JSON), and what the model said in the last model call before the ask.
+    Three queries for any number of requests."""
+    runs = {ask.run_id for ask in asks}
+    asked_at = {
+        (run_id, key): seq
+        for run_id, key, seq in Step.objects.filter(
+            run_id__in=runs, key__in={ask.step_key for ask in asks}
+        ).values_list("run_id", "key", "seq")
+    }
+    calls: dict = {}
+    for run_id, seq in Step.objects.filter(
+        run_id__in=runs, kind=StepKind.LLM, status=StepStatus.COMPLETED
+    ).values_list("run_id", "seq"):
+        calls.setdefault(run_id, []).append(seq)
+    before = {}
+    for ask in asks:
+        at = asked_at.get((ask.run_id, ask.step_key))
+        earlier = [seq for seq in calls.get(ask.run_id, []) if at is not None and seq < at]
+        if earlier:
+            before[ask.pk] = (ask.run_id, max(earlier))
+    said = {}
+    if before:
+        match = Q()
+        for run_id, seq in before.values():
+            match |= Q(run_id=run_id, seq=seq)
+        said = {
+            (run_id, seq): output
+            for run_id, seq, output in Step.objects.filter(match).values_list(
+                "run_id", "seq", "output"
+            )
+        }
     for ask in asks:
         ask.shown = shown("payload", ask.payload, reverse("approval-payload", args=[ask.pk]))
-        steps = Step.objects.filter(run_id=ask.run_id)
-        asked_at = steps.filter(key=ask.step_key).values_list("seq", flat=True).first()
-        said = None
-        if asked_at is not None:
-            said = (
-                steps.filter(kind=StepKind.LLM, status=StepStatus.COMPLETED, seq__lt=asked_at)
-                .order_by("-seq")
-                .values_list("output", flat=True)
-                .first()
-            )
-        ask.model_said = last_answer(said)[:2000] if said else ""
+        output = said.get(before.get(ask.pk))
+        ask.model_said = last_answer(output)[:2000] if output else ""
     return asks
 
 
@@ -507,10 +530,10 @@ def step_body(request, run_id: UUID, seq: int):
         for name in STEP_PARTS
         if getattr(step, name) is not None or name == "input"
     ]
-    request = step.input
-    if isinstance(request, list) and request and isinstance(request[0], dict):
-        request = request[0]  # a long conversation's request, stored as a delta and expanded
-    turns = conversation(request, step.output) if step.kind == StepKind.LLM else []
+    sent = step.input
+    if isinstance(sent, list) and sent and isinstance(sent[0], dict):
+        sent = sent[0]  # a long conversation's request, stored as a delta and expanded
+    turns = conversation(sent, step.output) if step.kind == StepKind.LLM else []
     return render(
         request,
         "runs/detail.html#step-body",
@@ -518,7 +541,7 @@ def step_body(request, run_id: UUID, seq: int):
             "s": step,
             "parts": parts,
             "turns": turns,
-            "model": request.get("model", "") if isinstance(request, dict) and turns else "",
+            "model": sent.get("model", "") if isinstance(sent, dict) and turns else "",
             "attempts": attempts(step) if step.kind in ATTEMPTED else None,
         },
     )
@@ -547,18 +570,21 @@ def attempts(step: Step) -> list[dict]:
             continue
         if current is None:  # an attempt that began before history was kept, or a transaction
             current = {"n": p.get("attempt", 1), "start": None, "worker": p.get("worker")}
-        current |= {"end": e.created_at, "worker": p.get("worker") or current["worker"]}
+        end = e.created_at
+        if e.type == EventType.STEP_RETRYING and p.get("delay_s"):
+            end -= timedelta(seconds=p["delay_s"])  # written after the backoff's sleep
+        current |= {"end": end, "worker": p.get("worker") or current["worker"]}
         if e.type == EventType.STEP_COMPLETED:
             found.append({**current, "outcome": "completed"})
             current = None
         elif e.type == EventType.STEP_FAILED:
             found.append({**current, "outcome": "failed", "error": p.get("error")})
             current = None
-        else:  # retrying: the next attempt starts after the delay
-            if p.get("error"):
-                found.append({**current, "outcome": "failed, tried again", "error": p["error"]})
+        elif p.get("error"):  # retrying: the next attempt starts after the delay
+            found.append({**current, "outcome": "failed, tried again", "error": p["error"]})
             current = {"n": p.get("attempt", current["n"] + 1), "start": e.created_at,
                        "worker": p.get("worker")}  # fmt: skip
+        # else: a durable retry woken early goes back to waiting; the same attempt waits on
     if current is not None and step.status in (StepStatus.STARTED, StepStatus.WAITING):
         found.append({**current, "outcome": step.status})
     return found
@@ -708,8 +734,14 @@ def budgets_page(request):
     held = {row.scope: row for row in BudgetLedger.objects.filter(day=midnight.date())}
     scopes = scope_rows()
     for row in scopes:
-        row["spent"] = sum(spent.values()) if row["scope"] == GLOBAL else spent.get(row["scope"], 0)
-        row["ledger"] = held.get(row["scope"])
+        row["ledger"] = ledger = held.get(row["scope"])
+        policy = row["policy"]
+        if ledger is not None and policy is not None and policy.daily_budget_micros is not None:
+            row["spent"] = ledger.spent_micros  # what the daily budget is enforced against
+        elif row["scope"] == GLOBAL:
+            row["spent"] = sum(spent.values())
+        else:
+            row["spent"] = spent.get(row["scope"], 0)
     return render(
         request,
         "runs/budgets.html",

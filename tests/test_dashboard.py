@@ -528,3 +528,80 @@ def test_a_run_page_names_every_hold_that_stops_the_run_and_offers_unhalt_only_f
     page = otto.get(f"/runs/{child.pk}").content.decode()
     assert "by a hold on this run: “this one too”" in page and "Unhalt</button>" in page
     assert "Also held by workflow parent" in page  # every hold is named
+
+
+def test_the_new_pages_and_fragments_need_a_login(client):
+    run = start_run("ledger", {"steps": 1})
+    for path in ("/budgets", "/nav", f"/runs/{run.pk}/header", f"/runs/{run.pk}/input.json"):
+        response = client.get(path)
+        assert response.status_code == 302 and response["Location"].startswith("/login/")
+    assert client.post("/runs/start", {"workflow": "ledger"}).status_code == 302
+
+
+def test_the_start_run_form_names_what_is_wrong_and_starts_nothing(browser_as):
+    from django.utils.html import escape
+
+    otto = browser_as("otto")
+    bad = [
+        ({"budget_usd": amount}, f"the budget {amount!r} is not an amount over 0 USD")
+        for amount in ("NaN", "Infinity", "1e400", "٣", "0", "-1")
+    ] + [
+        ({"workflow": "nope"}, "no workflow named 'nope' is registered"),
+        ({"input": "{steps: 1}"}, "the input is not JSON"),
+    ]
+    for change, message in bad:
+        form = {"workflow": "ledger", "input": "{}", **change}
+        page = otto.post("/runs/start", form, follow=True)
+        assert page.status_code == 200 and escape(message) in page.content.decode(), message
+    assert not Run.objects.exists()
+    assert browser_as("vera").post("/runs/start", {"workflow": "ledger"}).status_code == 403
+    page = otto.post("/runs/start", {"workflow": "ledger", "input": '{"steps": 1}',
+                                     "key": "k1", "budget_usd": "0.5"})  # fmt: skip
+    run = Run.objects.get(key="k1")
+    assert page["Location"] == f"/runs/{run.pk}" and run.budget_micros == 500_000
+
+
+def test_the_inbox_reads_the_context_of_any_number_of_approvals_in_a_fixed_number_of_queries(
+    browser_as, drive, django_assert_num_queries
+):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    ada = browser_as("ada")
+
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as seen:
+            assert ada.get("/approvals").status_code == 200
+        return len(seen)
+
+    start_run("approver", {"amount": 1})
+    drive()
+    few = queries()
+    for amount in range(2, 12):
+        start_run("approver", {"amount": amount})
+    drive()
+    assert ApprovalRequest.objects.filter(status="pending").count() == 11
+    assert queries() == few
+
+
+def test_a_workflow_unhalt_is_offered_only_to_those_who_may_unhalt(
+    browser_as, cast, django_user_model
+):
+    from django.contrib.auth.models import Permission
+
+    from runs.operations import halt
+
+    halt("workflow:ledger", cast["otto"], "freeze")
+    start_run("ledger", {"steps": 1})
+    assert "Unhalt ledger</button>" in browser_as("otto").get("/halts").content.decode()
+    halter = django_user_model.objects.create_user("hal", password="x")
+    halter.user_permissions.add(
+        *Permission.objects.filter(
+            codename__in=["view_run", "halt_run"], content_type__app_label="runs"
+        )
+    )
+    client = Client()
+    client.force_login(halter)
+    page = client.get("/halts").content.decode()
+    assert "Unhalt ledger</button>" not in page and "unhalting needs the unhalt permission" in page
+    assert "Halt ledger</button>" not in page  # the halted workflow is not offered a halt

@@ -5,6 +5,38 @@
   "use strict";
   var retry = 0, socket = null;
 
+  // Live regions listen for these on <body>: sg:changed (an event anywhere: lists), sg:nav (the
+  // approvals count or the kill switch), sg:holds (a workflow hold or the kill switch: run
+  // headers), sg:run-changed (this run's feed). A region replaces itself when it refreshes, so an
+  // event that arrives while its request is in flight would reach only the old element: such
+  // events are fired again once every refresh has settled.
+  var inflight = 0, missed = {};
+  function fire(type) {
+    if (inflight > 0) missed[type] = true;
+    document.body.dispatchEvent(new CustomEvent(type));
+  }
+  window.stepguardFire = fire;
+  function liveRequest(e) {
+    var live = e.detail.requestConfig && e.detail.requestConfig.triggeringEvent;
+    return !!live && /^sg:/.test(live.type);
+  }
+  document.addEventListener("htmx:beforeSend", function (e) {
+    if (!liveRequest(e)) return;
+    inflight++;
+    // On the request itself: htmx's own after-events fire on an element that may be gone.
+    e.detail.xhr.addEventListener("loadend", function () { inflight = Math.max(0, inflight - 1); });
+  });
+  document.addEventListener("htmx:afterSettle", function () {
+    if (inflight > 0) return;
+    var again = Object.keys(missed);
+    missed = {};
+    again.forEach(function (type) { document.body.dispatchEvent(new CustomEvent(type)); });
+  });
+  var TOPICS = {
+    events: ["sg:changed"], workers: ["sg:changed"], approvals: ["sg:nav"],
+    killswitch: ["sg:nav", "sg:holds"], holds: ["sg:holds"]
+  };
+
   function indicator(state, text) {
     var el = document.getElementById("site-live");
     if (!el) return;
@@ -58,8 +90,7 @@
     setTimeout(function () {
       if (!busy(region)) {
         delete region.dataset.stale;
-        document.body.dispatchEvent(new CustomEvent("sg:changed"));
-        document.body.dispatchEvent(new CustomEvent("sg:run-changed"));
+        ["sg:changed", "sg:nav", "sg:holds", "sg:run-changed"].forEach(fire);
       }
     }, 300);
   });
@@ -74,8 +105,11 @@
       try { data = JSON.parse(m.data); } catch (err) { return; }
       if (data.live) indicator("open", "live");
       if (data.changed) {
-        indicator("open", "live");
-        document.body.dispatchEvent(new CustomEvent("sg:changed", { detail: data }));
+        var types = {};
+        data.changed.forEach(function (topic) {
+          (TOPICS[topic] || []).forEach(function (t) { types[t] = true; });
+        });
+        Object.keys(types).forEach(fire);
       }
     };
     socket.onclose = function (e) {

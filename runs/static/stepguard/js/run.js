@@ -88,15 +88,26 @@
     setupTabs();
     layoutWaterfall();
     if (!window.htmx) return;
-    document.body.addEventListener("htmx:wsAfterMessage", function () {
+    var userOpened = false;
+    document.addEventListener("click", function (e) {
+      if (e.isTrusted && e.target.closest && e.target.closest(".step-open")) userOpened = true;
+    });
+    document.body.addEventListener("htmx:wsAfterMessage", function (e) {
       layoutWaterfall();
-      // The header, the approvals and the actions fetch themselves again (run-header view).
-      document.body.dispatchEvent(new CustomEvent("sg:run-changed"));
+      // The header, the approvals and the actions fetch themselves again (run-header view),
+      // when events came: not for each piece of a streamed answer.
+      var message = e.detail && typeof e.detail.message === "string" ? e.detail.message : "";
+      if (message.indexOf('id="history"') >= 0) {
+        (window.stepguardFire || function (t) { document.body.dispatchEvent(new CustomEvent(t)); })("sg:run-changed");
+      }
       // A step whose details are open and whose row just changed: its details again too.
       var panel = document.querySelector("#step-panel .step-body");
       var row = panel && document.getElementById("step-" + panel.dataset.seq);
       var opener = row && row.querySelector(".step-open");
-      if (opener && row.dataset.status !== panel.dataset.status) window.htmx.trigger(opener, "click");
+      var attempts = row && row.querySelector(".num .badge") ? row.querySelector(".num .badge").textContent : "1";
+      if (opener && (row.dataset.status !== panel.dataset.status || attempts !== panel.dataset.attempts)) {
+        window.htmx.trigger(opener, "click");
+      }
     });
     // The step whose details the panel shows is marked in the timeline.
     document.body.addEventListener("htmx:afterSwap", function (e) {
@@ -105,7 +116,10 @@
       document.querySelectorAll("#timeline tr.selected").forEach(function (r) { r.classList.remove("selected"); });
       var row = body && document.getElementById("step-" + body.dataset.seq);
       if (row) row.classList.add("selected");
-      if (window.matchMedia("(max-width: 70rem)").matches) e.detail.target.scrollIntoView({ block: "start" });
+      if (userOpened && window.matchMedia("(max-width: 70rem)").matches) {
+        e.detail.target.scrollIntoView({ block: "start" });
+      }
+      userOpened = false;
     });
     // Say when the feed is down: the server marks it "live" again when a reconnect succeeds.
     // The ws extension retries after these close codes only; after others, offer a reload.
