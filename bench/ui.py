@@ -37,6 +37,15 @@
    the publish itself, and flush to arrival. The client is a minimal websocket client on
    asyncio (see LiveFeed), not a browser: it stops at the page's socket, before htmx's swap.
    The runs written here (workflow `bench.live`, three per invocation) stay: events are append-only.
+
+3. Runs-list live update latency. In the same three configurations, a client holds the site-wide
+   feed (`/ws/live/`) every page keeps open, as an open runs list does. This process creates a
+   run (`create_run`: the row and its `run.created` event, committed, then the doorbell), and
+   measures the time from the commit to the feed's "changed" message; then, as the page does,
+   waits the runs list's trigger delay (150 ms) and fetches the list's first page, which must
+   show the new run. Total = commit to the fetched page; 30 runs per configuration after 4
+   warm-up ones, 0-0.5 s apart; target under 1 s. These runs (`bench.live`) are marked
+   completed afterwards and stay.
 """
 
 from __future__ import annotations
@@ -85,6 +94,14 @@ LIVE_POLL = "0.5"  # STEPGUARD_LIVE_POLL for every daphne started here (the defa
 LIVE_WORKFLOW = "bench.live"
 WARMUP, DEADLINE, MAX_PAUSE = 4, 3.0, 0.5
 LATENCY_TARGET_MS = 250
+#: The runs list's `hx-trigger` delay (runs/templates/runs/list.html), and its target: a new run
+#: on an open list within a second.
+LIST_TRIGGER_DELAY, LIST_TARGET_MS = 0.15, 1000
+CONFIGURATIONS = [
+    ("doorbell via Redis", True, True),
+    ("doorbell via PostgreSQL NOTIFY", False, True),
+    (f"polling only ({LIVE_POLL} s)", False, False),
+]
 
 
 def ensure_database() -> None:
@@ -490,6 +507,26 @@ class Latencies:
     delivery: list[float] = field(default_factory=list)
 
 
+@contextlib.contextmanager
+def writer_settings(*, redis: bool, ring: bool):
+    """This process writes as a worker of the configuration would: it rings through Redis, or
+    through NOTIFY, or (`ring=False`) its rings reach no page."""
+    layer = (
+        {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+        if redis
+        else {"BACKEND": "channels.layers.InMemoryChannelLayer"}
+    )
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            override_settings(
+                REDIS_URL=REDIS_URL if redis else "", CHANNEL_LAYERS={"default": layer}
+            )
+        )
+        if not ring:
+            stack.enter_context(mock.patch.object(doorbell, "enabled", lambda: False))
+        yield
+
+
 def measure(
     base: str, cookie: str, events: int, rng: random.Random, *, redis: bool, ring: bool
 ) -> Latencies:
@@ -501,11 +538,6 @@ def measure(
     if found is None:
         raise RuntimeError("the run page has no ws-connect (not logged in?)")
     ws_url = "ws://" + urlsplit(base).netloc + html.unescape(found.group(1))
-    layer = (
-        {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
-        if redis
-        else {"BACKEND": "channels.layers.InMemoryChannelLayer"}
-    )
     flushes: list[tuple[float, float]] = []  # (start, end) of each doorbell publish
     publish = doorbell.publish
 
@@ -516,14 +548,8 @@ def measure(
 
     writer, result = StepWriter(run), Latencies()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(
-            override_settings(
-                REDIS_URL=REDIS_URL if redis else "", CHANNEL_LAYERS={"default": layer}
-            )
-        )
+        stack.enter_context(writer_settings(redis=redis, ring=ring))
         stack.enter_context(mock.patch.object(doorbell, "publish", timed_publish))
-        if not ring:
-            stack.enter_context(mock.patch.object(doorbell, "enabled", lambda: False))
         feed = stack.enter_context(LiveFeed(ws_url, base, cookie))
         written = []
         for i in range(WARMUP + events):
@@ -548,6 +574,107 @@ def measure(
     return result
 
 
+class SiteFeed(LiveFeed):
+    """The site-wide feed every page keeps open (`/ws/live/`): when did each "changed" come?"""
+
+    def __init__(self, url: str, origin: str, cookie: str):
+        super().__init__(url, origin, cookie)
+        self.changes: list[float] = []
+
+    def _received(self, at: float, payload: bytes) -> None:
+        if b'"changed"' in payload:
+            with self._changed:
+                self.changes.append(at)
+                self._changed.notify_all()
+
+    def wait_change(self, after: float, until: float) -> float | None:
+        with self._changed:
+            while not self.close_reason:
+                found = next((t for t in self.changes if t >= after), None)
+                if found is not None:
+                    return found
+                left = until - time.perf_counter()
+                if left <= 0:
+                    return None
+                self._changed.wait(left)
+        return None
+
+
+@dataclass
+class ListLatencies:
+    """Per new run, in ms from its commit: the feed's "changed", and the refetched runs list
+    (after the page's trigger delay) that shows it."""
+
+    feed: list[float] = field(default_factory=list)
+    fetch: list[float] = field(default_factory=list)
+    total: list[float] = field(default_factory=list)
+
+
+def measure_list(
+    base: str, cookie: str, runs: int, rng: random.Random, *, redis: bool, ring: bool
+) -> ListLatencies:
+    """New runs (`create_run`: the row and its `run.created` event, then the doorbell) against an
+    open runs list: the site feed says something changed, the page waits its trigger delay and
+    fetches its first page again, as htmx does, and the new run is in it."""
+    result = ListLatencies()
+    url = "ws://" + urlsplit(base).netloc + "/ws/live/"
+    with writer_settings(redis=redis, ring=ring), SiteFeed(url, base, cookie) as feed:
+        for i in range(WARMUP + runs):
+            time.sleep(rng.uniform(0, MAX_PAUSE))
+            with transaction.atomic():
+                run = create_run(workflow=LIVE_WORKFLOW, version="1", input={}, key=None)
+            committed = time.perf_counter()
+            changed = feed.wait_change(committed, committed + DEADLINE)
+            if feed.close_reason:
+                raise RuntimeError(f"websocket {feed.close_reason} after run {i}")
+            if changed is None:
+                if i >= WARMUP:
+                    result.total.append(math.inf)
+                continue
+            time.sleep(LIST_TRIGGER_DELAY)
+            fetch_start = time.perf_counter()
+            request = urllib.request.Request(f"{base}/", headers={"Cookie": cookie})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                shown = f'id="run-{run.pk}"' in response.read().decode()
+            done = time.perf_counter()
+            Run.objects.filter(pk=run.pk).update(status=RunStatus.COMPLETED)
+            if i < WARMUP:
+                continue
+            result.feed.append((changed - committed) * 1000)
+            result.fetch.append((done - fetch_start) * 1000)
+            result.total.append((done - committed) * 1000 if shown else math.inf)
+    return result
+
+
+def list_latency(user, runs: int) -> None:
+    client = Client()
+    client.force_login(user)
+    cookie = f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}"
+    rng = random.Random(7)
+    print(
+        f"\nruns-list live update: {runs} new runs each (+{WARMUP} warm-up), 0-{MAX_PAUSE} s "
+        f"apart, against an open runs list (its trigger waits {LIST_TRIGGER_DELAY * 1000:.0f} ms)"
+    )
+    print(
+        f"  {'configuration':<32} {'feed':>9} {'fetch':>9} {'total':>9} {'p95':>9} {'lost':>4}"
+        f"  target < {LIST_TARGET_MS} ms"
+    )
+    for label, redis, ring in CONFIGURATIONS:
+        if redis and not redis_available():
+            print(f"  {label:<32} skipped: no Redis at {REDIS_URL}")
+            continue
+        with daphne(REDIS_URL if redis else None) as (base, _log):
+            measured = measure_list(base, cookie, runs, rng, redis=redis, ring=ring)
+        finite = [t for t in measured.total if not math.isinf(t)]
+        lost = len(measured.total) - len(finite)
+        median = statistics.median(finite) if finite else math.inf
+        verdict = "MET" if median < LIST_TARGET_MS else "MISSED"
+        print(
+            f"  {label:<32} {median_ms(measured.feed)} {median_ms(measured.fetch)}"
+            f" {median:>7.1f}ms {p95(finite) if finite else math.inf:>7.1f}ms {lost:>4}  {verdict}"
+        )
+
+
 def median_ms(samples: list[float]) -> str:
     return f"{statistics.median(samples):>7.1f}ms" if samples else f"{'-':>9}"
 
@@ -556,14 +683,9 @@ def latency(user, events: int) -> None:
     client = Client()
     client.force_login(user)
     cookie = f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}"
-    configurations = [
-        ("doorbell via Redis", True, True),
-        ("doorbell via PostgreSQL NOTIFY", False, True),
-        (f"polling only ({LIVE_POLL} s)", False, False),
-    ]
     results = []
     rng = random.Random(42)
-    for label, redis, ring in configurations:
+    for label, redis, ring in CONFIGURATIONS:
         if redis and not redis_available():
             results.append((label, None, f"skipped: no Redis at {REDIS_URL}"))
             continue
@@ -612,6 +734,7 @@ def main() -> None:
         help="skip the 100,000-run fill and the server times; only the websocket latency",
     )
     parser.add_argument("--events", type=int, default=50, help="events per configuration")
+    parser.add_argument("--list-runs", type=int, default=30, help="new runs per configuration")
     args = parser.parse_args()
     call_command("migrate", verbosity=0)
     user, _ = get_user_model().objects.get_or_create(username="bench", is_superuser=True)
@@ -620,6 +743,7 @@ def main() -> None:
         server_times(user)
         long_run_page(user)
     latency(user, args.events)
+    list_latency(user, args.list_runs)
 
 
 if __name__ == "__main__":
