@@ -259,13 +259,19 @@ def test_two_approvers_decide_the_same_request_and_the_first_wins(server, browse
     start_run("approver", {"amount": 77})
     drive()
     pages = []
-    for name in ("ada", "bea"):
+    for name in ("ada", "bea", "ada"):
         context = browser.new_context()
         pages.append(context.new_page())
         login(pages[-1], server, name, "/approvals")
         expect(pages[-1].get_by_role("button", name="Approve")).to_be_visible()
+        expect(pages[-1].locator("#site-live")).to_have_attribute("data-state", "open")
+    # Bea is typing her comment when Ada approves: her inbox is not replaced under her (it is
+    # live), so she still rejects, and the server says who decided first.
+    pages[1].get_by_label(re.compile("^Comment on #")).fill("too much for one order")
     pages[0].get_by_role("button", name="Approve").click()
     expect(pages[0].get_by_text("Nothing waits for a decision.")).to_be_visible()
+    # Ada's idle second tab follows by itself.
+    expect(pages[2].get_by_text("Nothing waits for a decision.")).to_be_visible()
     pages[1].get_by_role("button", name="Reject").click()
     expect(pages[1].get_by_text(re.compile("already approved by ada"))).to_be_visible()
     for p in pages:
