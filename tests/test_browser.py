@@ -954,3 +954,22 @@ def test_at_390_px_tables_become_cards_and_every_action_field_names_its_action(
         expect(page.get_by_label(name, exact=True)).to_have_count(1)
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
     context.close()
+
+
+def test_the_sentence_follows_the_run_while_an_operator_types_in_an_action_form(
+    server, page, cast, spawn_worker
+):
+    """2. A half-typed reason is never replaced, and the state above it still updates."""
+    from playwright.sync_api import expect
+
+    from runs.operations import halt
+
+    run = start_run("ledger", {"steps": 30, "sleep": 0.3})
+    spawn_worker()
+    login(page, server, "otto", f"/runs/{run.pk}")
+    expect(page.locator("#step-2")).to_contain_text("completed", timeout=20_000)
+    page.get_by_text("More actions").click()
+    page.get_by_label("Reason to cancel").fill("half-typed")
+    halt(run, cast["otto"], "from another desk")  # from the CLI, say
+    expect(page.get_by_role("status")).to_contain_text("“from another desk”", timeout=10_000)
+    assert page.get_by_label("Reason to cancel").input_value() == "half-typed"

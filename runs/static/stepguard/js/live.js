@@ -77,6 +77,17 @@
     }
     opened = Array.from(elt.querySelectorAll("details[open][id]")).map(function (d) { return d.id; });
   });
+  // The other parts of a refresh (hx-select-oob) are guarded alike, one by one.
+  document.addEventListener("htmx:oobBeforeSwap", function (e) {
+    var target = e.detail.target;
+    if (!target || !target.id || target.tagName === "TR") return; // timeline rows: never typed in
+    if (busy(target)) {
+      e.detail.shouldSwap = false;
+      target.dataset.stale = "1";
+      return;
+    }
+    target.querySelectorAll("details[open][id]").forEach(function (d) { opened.push(d.id); });
+  });
   document.addEventListener("htmx:afterSettle", function () {
     opened.forEach(function (id) {
       var d = document.getElementById(id);
