@@ -68,7 +68,12 @@ def _when(at: datetime | None, now: datetime) -> str:
 
 
 def _amount(unit: str, value: int) -> str:
-    return f"${to_usd(value):.4f}" if unit == "micro-USD" else f"{value:,} tokens"
+    """Exact, so that what a step needs and what is left never round to the same figure:
+    at least cents ($1.00, $0.50), to the micro-dollar below ($0.00084)."""
+    if unit != "micro-USD":
+        return f"{value:,} tokens"
+    usd = to_usd(value).normalize()
+    return f"${usd:.2f}" if usd.as_tuple().exponent >= -2 else f"${usd:f}"
 
 
 def explain(run: Run, now: datetime | None = None) -> State:
@@ -87,8 +92,10 @@ def explain(run: Run, now: datetime | None = None) -> State:
     if status == RunStatus.FAILED:
         error = run.error or {}
         where = f" at step {error['step']}" if error.get("step") else ""
-        what = error.get("type", "an error")
-        message = error.get("message", "")
+        # A failed step's own error says it better than the StepFailed wrapped around it.
+        cause = error.get("cause") if isinstance(error.get("cause"), dict) else {}
+        shown = cause if cause.get("type") else error
+        what, message = shown.get("type", "an error"), shown.get("message", "")
         tries = f" after {run.attempt} attempt{'s' if run.attempt != 1 else ''}"
         failed = run.steps.filter(status=StepStatus.FAILED).order_by("-seq").first()
         text = f"Failed{where}{tries}: {what}{': ' if message else ''}{message}"

@@ -162,8 +162,8 @@ def test_the_run_page_offers_an_operator_budget_and_fork_forms(browser_as, over_
     page = browser_as("otto").get(f"/runs/{over_budget.pk}").content.decode()
     # The header says why it stopped, in numbers, with the one action that moves it on.
     assert (
-        "Paused because the next step needs $1.0000 and the run budget has $0.0000 left of "
-        "$1.0000." in page
+        "Paused because the next step needs $1.00 and the run budget has $0.00 left of "
+        "$1.00." in page
     )
     assert "Raise the budget</button>" in page and "Fork from a step" in page
     assert (

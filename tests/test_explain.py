@@ -58,7 +58,7 @@ def test_a_run_over_a_shared_budget_points_to_the_budgets_not_its_own(drive, cas
     drive()
     state = state_of(run)
     assert Run.objects.get(pk=run.pk).status == RunStatus.OVER_BUDGET
-    assert "workflow 'metered' daily budget has $0.0000 left of $1.0000" in state.sentence
+    assert "workflow 'metered' daily budget has $0.00 left of $1.00" in state.sentence
     assert state.action == "open-budgets"
 
 
@@ -88,6 +88,15 @@ def test_a_completed_run_says_how_long_it_took(drive):
     drive()
     assert state_of(run).sentence.startswith("Completed in ")
     assert state_of(run).action is None
+
+
+def test_amounts_are_exact_so_need_and_left_never_look_the_same():
+    from runs.explain import _amount
+
+    assert [_amount("micro-USD", m) for m in (840, 778, 500_000, 1_000_000, 0, 1_234_567)] == [
+        "$0.00084", "$0.000778", "$0.50", "$1.00", "$0.00", "$1.234567",
+    ]  # fmt: skip
+    assert _amount("tokens", 12_000) == "12,000 tokens"
 
 
 def test_a_pending_run_nobody_serves_says_so():
