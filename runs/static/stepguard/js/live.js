@@ -7,31 +7,13 @@
 
   // Live regions listen for these on <body>: sg:changed (an event anywhere: lists), sg:nav (the
   // approvals count or the kill switch), sg:holds (a workflow hold or the kill switch: run
-  // headers), sg:run-changed (this run's feed). A region replaces itself when it refreshes, so an
-  // event that arrives while its request is in flight would reach only the old element: such
-  // events are fired again once every refresh has settled.
-  var inflight = 0, missed = {};
+  // headers), sg:run-changed (this run's feed). A region stays in the page and swaps its inside
+  // (hx-select="#id > *"), so an event that lands while it is fetching queues on it, never on
+  // an element that is gone.
   function fire(type) {
-    if (inflight > 0) missed[type] = true;
     document.body.dispatchEvent(new CustomEvent(type));
   }
   window.stepguardFire = fire;
-  function liveRequest(e) {
-    var live = e.detail.requestConfig && e.detail.requestConfig.triggeringEvent;
-    return !!live && /^sg:/.test(live.type);
-  }
-  document.addEventListener("htmx:beforeSend", function (e) {
-    if (!liveRequest(e)) return;
-    inflight++;
-    // On the request itself: htmx's own after-events fire on an element that may be gone.
-    e.detail.xhr.addEventListener("loadend", function () { inflight = Math.max(0, inflight - 1); });
-  });
-  document.addEventListener("htmx:afterSettle", function () {
-    if (inflight > 0) return;
-    var again = Object.keys(missed);
-    missed = {};
-    again.forEach(function (type) { document.body.dispatchEvent(new CustomEvent(type)); });
-  });
   var TOPICS = {
     events: ["sg:changed"], workers: ["sg:changed"], approvals: ["sg:nav"],
     killswitch: ["sg:nav", "sg:holds"], holds: ["sg:holds"]
