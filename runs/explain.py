@@ -16,7 +16,8 @@ from django.utils.timesince import timesince
 
 from runs.engine.budget import to_usd
 from runs.engine.holds import Hold, holds_on
-from runs.models import Event, EventType, Run, RunStatus, Step, StepKind, StepStatus
+from runs.models import TERMINAL_STATUSES, Event, EventType, Run, RunStatus, StepKind, StepStatus
+from runs.operations import compensated, unserved_reason
 from runs.templatetags.timeline import span_text
 
 #: The one action that moves a run on: (label, permission a person needs to take it).
@@ -41,7 +42,6 @@ class State:
     action: str | None = None
     hold: Hold | None = None
     more_holds: tuple[Hold, ...] = ()  # the others covering it: lifting one lifts no other
-    step: Step | None = None  # the step it waits on, or the one running, or the failed one
     approval_id: int | None = None
 
     @property
@@ -97,12 +97,12 @@ def explain(run: Run, now: datetime | None = None) -> State:
         shown = cause if cause.get("type") else error
         what, message = shown.get("type", "an error"), shown.get("message", "")
         tries = f" after {run.attempt} attempt{'s' if run.attempt != 1 else ''}"
-        failed = run.steps.filter(status=StepStatus.FAILED).order_by("-seq").first()
         text = f"Failed{where}{tries}: {what}{': ' if message else ''}{message}"
-        if run.steps.filter(key__startswith="undo:").exists():  # retry refuses these
-            return State(f"{text}. Its compensations ran: fork it from a step to try again.",
-                         "fork", step=failed)  # fmt: skip
-        return State(text, "retry", step=failed)
+        if compensated(run):  # a retry refuses these
+            return State(
+                f"{text}. Its compensations ran: fork it from a step to try again.", "fork"
+            )
+        return State(text, "retry")
     holds = holds_on(run)
     if holds:
         return replace(_halted(run, holds[0], now), more_holds=tuple(holds[1:]))
@@ -116,8 +116,7 @@ def explain(run: Run, now: datetime | None = None) -> State:
         doing = f"running step {step.key} (attempt {step.attempt})" if step else "replaying"
         return State(
             f"Running on worker {run.worker_id}: {doing}; run attempt {run.attempt} of "
-            f"{run.max_attempts}.",
-            step=step,
+            f"{run.max_attempts}."
         )
     if status == RunStatus.WAITING:
         return _waiting(run, now)
@@ -162,9 +161,9 @@ def _waiting(run: Run, now: datetime) -> State:
     limit = f"; gives up at {_when(step.wake_at, now)}" if step.wake_at else ""
     if step.kind == StepKind.EVENT:
         name = (step.input or {}).get("signal", step.key)
-        return State(f"Waiting for signal “{name}” since {since}{limit}.", step=step)
+        return State(f"Waiting for signal “{name}” since {since}{limit}.")
     if step.kind == StepKind.SLEEP:
-        return State(f"Sleeping until {_when(step.wake_at, now)}.", step=step)
+        return State(f"Sleeping until {_when(step.wake_at, now)}.")
     if step.kind == StepKind.APPROVAL:
         ask = run.approvals.filter(step_key=step.key).order_by("-pk").first()
         number = f" #{ask.pk}" if ask else ""
@@ -173,28 +172,23 @@ def _waiting(run: Run, now: datetime) -> State:
         return State(
             f"Waiting for approval{number}{action}, asked of approvers at {since}{expires}.",
             "approve" if ask and ask.status == "pending" else None,
-            step=step,
             approval_id=ask.pk if ask else None,
         )
     if step.kind == StepKind.CHILD:
-        open_ = run.children.exclude(status__in=[RunStatus.COMPLETED, RunStatus.FAILED,
-                                                 RunStatus.CANCELLED]).count()  # fmt: skip
-        return State(f"Waiting for {open_} child run{'s' if open_ != 1 else ''} since {since}.",
-                     step=step)  # fmt: skip
+        open_ = run.children.exclude(status__in=TERMINAL_STATUSES).count()
+        return State(f"Waiting for {open_} child run{'s' if open_ != 1 else ''} since {since}.")
     error = step.error or {}
     again = _when(step.wake_at, now)
     if error.get("throttled"):  # a rate limit's capacity returns then (runs/engine/rates.py)
         return State(f"Step {step.key} waits for the rate limit of {error['throttled']} "
-                     f"until {again}.", step=step)  # fmt: skip
+                     f"until {again}.")  # fmt: skip
     if error.get("type"):  # a durable retry: the step's last try failed
         return State(f"Step {step.key} failed ({error['type']}: {error.get('message', '')}) "
-                     f"and tries again at {again}.", step=step)  # fmt: skip
-    return State(f"Waiting on step {step.key} since {since}{limit}.", step=step)
+                     f"and tries again at {again}.")  # fmt: skip
+    return State(f"Waiting on step {step.key} since {since}{limit}.")
 
 
 def _pending(run: Run, now: datetime) -> State:
-    from runs.operations import unserved_reason
-
     if run.wake_at and run.wake_at > now:
         if run.debounce_key is not None and run.lease_epoch == 0:  # still in its quiet period
             starts = _when(run.wake_at, now)

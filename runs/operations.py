@@ -450,6 +450,11 @@ def set_budget(
     return changes
 
 
+def compensated(run: Run) -> bool:
+    """Whether the run's compensations ran: it is forked from a step then, never retried."""
+    return run.steps.filter(key__startswith="undo:").exists()
+
+
 def retry_run(run_id, user, reason: str) -> Run:
     """Run a failed run again from the top: completed steps stay memoized, the failed one runs."""
     user = require(user, "runs.retry_run", "retry runs")
@@ -458,7 +463,7 @@ def retry_run(run_id, user, reason: str) -> Run:
         run = lock_run(run_id)
         if run.status != RunStatus.FAILED:
             raise Conflict(f"run {run.pk} is {run.status}; only failed runs are retried")
-        if run.steps.filter(key__startswith="undo:").exists():
+        if compensated(run):
             raise OperationError(f"run {run.pk} was compensated; fork it from a step instead")
         Run.objects.filter(pk=run.pk).update(
             status=_requeued(),  # halted if a hold covers it: a retry lifts no halt
