@@ -16,7 +16,7 @@ from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Reso
 from runs.engine.serialization import to_json
 from runs.engine.store import run_event
 from runs.errors import Conflict, DecisionError, Forbidden, NotFound
-from runs.models import EventType, Run
+from runs.models import EventType, Run, RunShaper, Shaped
 from runs.operations import lock_run, needs_reason, require
 
 DECIDE = "approvals.decide_approvalrequest"
@@ -41,24 +41,33 @@ def _already(request: ApprovalRequest) -> Conflict:
     return Conflict(f"approval #{request.pk} was already {request.status} by {who}{when}")
 
 
+_SHAPED = {
+    Shaped.STARTED: "started run {run}",
+    Shaped.FORKED: "forked run {run}",
+    Shaped.DEBOUNCED: "gave run {run} its input",
+    Shaped.SCHEDULED: "authored or resumed the schedule that started run {run}",
+}
+
+
 def four_eyes(request: ApprovalRequest, user) -> None:
-    """The person who started a run (or any run above it) may not decide what it asks: an
-    approval is a second person's yes. STEPGUARD_FOUR_EYES=0 turns the rule off."""
+    """Nobody who shaped what an approval approves may decide it: an approval is a second
+    person's yes. Shaping a run counts for the run itself, every run below it and every fork of
+    it (RunShaper: who started, forked, debounced or scheduled it). STEPGUARD_FOUR_EYES=0
+    turns the rule off."""
     if not settings.STEPGUARD_FOUR_EYES:
         return
-    run_id = request.run_id
-    for _ in range(100):  # ancestors; a tree deeper than that is not a real one
-        run = Run.objects.filter(pk=run_id).values("started_by_id", "parent_id").first()
-        if run is None:
-            return
-        if run["started_by_id"] == user.pk:
-            raise Forbidden(
-                f"{user.get_username()} started run {run_id} and may not also decide "
-                f"approval #{request.pk}: another person must (STEPGUARD_FOUR_EYES)"
-            )
-        if run["parent_id"] is None:
-            return
-        run_id = run["parent_id"]
+    lineage, frontier = {request.run_id}, [request.run_id]
+    while frontier:  # parents and fork origins, level by level (trees are shallow)
+        up = Run.objects.filter(pk__in=frontier).values_list("parent_id", "forked_from_id")
+        frontier = [r for pair in up for r in pair if r is not None and r not in lineage]
+        lineage.update(frontier)
+    shaped = RunShaper.objects.filter(run_id__in=lineage, user=user).order_by("created_at").first()
+    if shaped is not None:
+        did = _SHAPED.get(shaped.how, "shaped run {run}").format(run=shaped.run_id)
+        raise Forbidden(
+            f"{user.get_username()} {did} and may not also decide approval #{request.pk}: "
+            "another person must (STEPGUARD_FOUR_EYES)"
+        )
 
 
 def _decide(request, user, status: str, comment: str, event: str, **fields) -> ApprovalRequest:

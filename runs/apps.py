@@ -20,6 +20,12 @@ class RunsConfig(AppConfig):
 
         post_save.connect(log_event, sender="runs.Event", dispatch_uid="stepguard-log-event")
 
+        from django.db.backends.signals import connection_created
+
+        from runs.engine.pooling import on_connect
+
+        connection_created.connect(on_connect, dispatch_uid="stepguard-pooler-probe")
+
 
 def _partials_everywhere(settings) -> None:
     """Django 6 has `{% partialdef %}` built in; on 5.2 django-template-partials' tags become

@@ -18,8 +18,15 @@ STEPGUARD_RUN_RETRY_BASE_SECONDS = env_float("STEPGUARD_RUN_RETRY_BASE_SECONDS",
 STEPGUARD_MAX_RECOVERIES = env_int("STEPGUARD_MAX_RECOVERIES", 5, minimum=1)
 STEPGUARD_MAX_OUTPUT_BYTES = env_int("STEPGUARD_MAX_OUTPUT_BYTES", 1_048_576, minimum=1024)
 STEPGUARD_DURABLE_START = env_bool("STEPGUARD_DURABLE_START", True)
+# Probe each new PostgreSQL connection for a pooler in between (runs/engine/pooling.py).
+STEPGUARD_DETECT_POOLER = env_bool("STEPGUARD_DETECT_POOLER", True)
+# A connection straight to PostgreSQL, for LISTEN, when DATABASE_URL goes through a pooler.
+STEPGUARD_DATABASE_DIRECT_URL = os.environ.get("DATABASE_DIRECT_URL", "")
 # Write each step's completion at once, instead of with the run's next write (docs/sdk.md).
 STEPGUARD_EAGER_COMPLETIONS = env_bool("STEPGUARD_EAGER_COMPLETIONS", False)
+# A completion that no next write carried is written by itself this many seconds after its
+# step returned (plus up to a tenth of it: the writer looks ten times per window).
+STEPGUARD_COMPLETION_WINDOW = env_float("STEPGUARD_COMPLETION_WINDOW", 0.1, minimum=0.01)
 # A step's retry delay (its backoff, or a provider's Retry-After) of at least this many seconds
 # is a durable timer that gives the worker thread back; shorter ones are slept in the thread.
 STEPGUARD_DURABLE_RETRY_SECONDS = env_float("STEPGUARD_DURABLE_RETRY_SECONDS", 5.0)

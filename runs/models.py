@@ -433,6 +433,34 @@ class Event(models.Model):
         return f"{self.run_id}#{self.seq} {self.type}"
 
 
+class Shaped(models.TextChoices):
+    """How a person shaped what a run does (the four-eyes rule: approvals/services.py)."""
+
+    STARTED = "started", "started the run"
+    FORKED = "forked", "forked it from another run"
+    DEBOUNCED = "debounced", "gave it its input through a debounced start"
+    SCHEDULED = "scheduled", "authored, edited or resumed the schedule that started it"
+
+
+class RunShaper(models.Model):
+    """A person who shaped what a run does, recorded as it happens: none of them may decide
+    an approval the run (or a run below it, or a fork of it) asks for."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="shapers")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    how = models.CharField(max_length=20, choices=Shaped.choices)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["run", "user"], name="runs_runshaper_once"),
+            models.CheckConstraint(condition=Q(how__in=Shaped.values), name="runs_runshaper_how"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user_id} {self.how} {self.run_id}"
+
+
 class Signal(models.Model):
     """An external event sent to a run; consumed by at most one `wait_for_event` step."""
 
@@ -607,10 +635,13 @@ class Schedule(models.Model):
     catchup = models.CharField(max_length=10, choices=Catchup.choices, default=Catchup.SKIP)
     catchup_limit = models.PositiveIntegerField(default=10)
     source = models.CharField(max_length=10, default="api", help_text="code or api")
-    # Who added it: its runs are started in their name (the four-eyes rule applies to them).
+    # Who added it: its runs are started in their name (the four-eyes rule applies to them),
+    # and it fires only while they are active.
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    # Ids of everyone who authored, replaced or resumed it: each shapes what its runs do.
+    shaped_by = models.JSONField(default=list, blank=True)
     next_fire_at = models.DateTimeField()
     last_fired_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)

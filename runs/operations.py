@@ -7,15 +7,18 @@ the same check and the same audit entry.
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import OperationalError, connection, transaction
 from django.db.models import Case, Q, Value, When
 from django.utils import timezone
 
@@ -33,9 +36,45 @@ from runs.models import (
     Run,
     RunStatus,
     Schedule,
+    Shaped,
     Step,
     StepStatus,
 )
+
+log = logging.getLogger("stepguard.operations")
+
+#: How often an operator action that lost a deadlock is tried again before the error stands.
+DEADLOCK_TRIES = 3
+
+
+def _deadlocked(exc: OperationalError) -> bool:
+    return getattr(exc.__cause__, "sqlstate", None) == "40P01"
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def retried_on_deadlock(action: Callable[P, R]) -> Callable[P, R]:
+    """An operator action chosen as a deadlock's victim is run again (its transaction rolled
+    back whole), so a person never sees a 500, nor a kill switch that stayed on, because a
+    worker happened to lock the same rows. Every path takes the documented lock order
+    (docs/architecture.md); this is the second line. Not inside a caller's transaction: that
+    one is aborted, and only its owner can try again."""
+
+    @functools.wraps(action)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        attempt = 1
+        while True:
+            try:
+                return action(*args, **kwargs)
+            except OperationalError as exc:
+                if not _deadlocked(exc) or attempt == DEADLOCK_TRIES or connection.in_atomic_block:
+                    raise
+                log.warning("%s lost a deadlock (try %s); trying again", action.__name__, attempt)
+                attempt += 1
+
+    return run
 
 
 def in_utc(when: datetime, what: str) -> datetime:
@@ -79,6 +118,7 @@ def lock_run(run_id) -> Run:
     return run
 
 
+@retried_on_deadlock
 def cancel_run(run_id, user, reason: str) -> Run:
     """Cancel a run and its unfinished descendants: each stops at its next step boundary (or
     wait), the compensations of its completed steps run newest first, and it ends `cancelled`.
@@ -238,6 +278,7 @@ def _in_scope(target: Target) -> Q:
     return Q() if target.kind == "all" else Q(workflow=target.value)
 
 
+@retried_on_deadlock
 def halt(target, user, reason: str) -> Target:
     """Place a hold on a run (and so its descendants), a workflow, or everything (the kill
     switch).
@@ -249,6 +290,11 @@ def halt(target, user, reason: str) -> Target:
     user = require(user, "runs.halt_run", "halt runs")
     reason = needs_reason(reason, "a halt")
     target, actor, now = parse_target(target), user.get_username(), timezone.now()
+    if target.kind != "run":
+        known_scope(target)
+        # Its own commit first: a worker pausing or entering a wait share-locks the row that
+        # exists, so the halt below is ordered against it (lock order, docs/architecture.md).
+        Policy.objects.get_or_create(scope=target.scope)
     with transaction.atomic():
         if target.kind == "run":
             root = find_run(target.value)
@@ -265,7 +311,7 @@ def halt(target, user, reason: str) -> Target:
             _park(run.pk, actor, reason, "run", audit=True)
             return target
         known_scope(target)
-        policy, _ = Policy.objects.select_for_update().get_or_create(scope=target.scope)
+        policy = Policy.objects.select_for_update().get(scope=target.scope)
         if policy.halted_at is not None:
             raise Conflict(f"{target.label} is already halted by {policy.halted_by}")
         Policy.objects.filter(pk=policy.pk).update(
@@ -304,6 +350,7 @@ def _park(run_id, actor: str, reason: str, scope: str, *, audit: bool = False) -
         )
 
 
+@retried_on_deadlock
 def unhalt(target, user, reason: str) -> Target:
     """Lift one hold. A person's act with a reason: no worker, retry or restart path does this.
 
@@ -369,6 +416,7 @@ def _resume(run_id) -> bool:
 KEEP: Any = object()
 
 
+@retried_on_deadlock
 def set_budget(
     target,
     user,
@@ -455,6 +503,7 @@ def compensated(run: Run) -> bool:
     return run.steps.filter(key__startswith="undo:").exists()
 
 
+@retried_on_deadlock
 def retry_run(run_id, user, reason: str) -> Run:
     """Run a failed run again from the top: completed steps stay memoized, the failed one runs."""
     user = require(user, "runs.retry_run", "retry runs")
@@ -499,6 +548,7 @@ def fork_preview(run_id, step) -> list[dict]:
     return list(run.steps.filter(seq__gte=seq).order_by("seq").values("seq", "key", "kind"))
 
 
+@retried_on_deadlock
 def fork_run(run_id, step, user, reason: str) -> Run:
     """A new run of the same workflow, version and input that reuses the recorded outputs of
     the steps before `step` (a key or a position) and runs the rest anew."""
@@ -538,10 +588,15 @@ def fork_run(run_id, step, user, reason: str) -> Run:
             max_attempts=origin.max_attempts,
             budget_micros=origin.budget_micros,
             budget_tokens=origin.budget_tokens,
+            priority=origin.priority,
+            concurrency_key=origin.concurrency_key,
             halted_at=own.at if own else None,
             halted_by=own.by if own else "",
             halt_reason=own.reason if own else "",
             status=RunStatus.HALTED if own else RunStatus.PENDING,
+            # The forker chose what the fork does again; the origin's shapers are found
+            # through `forked_from` (approvals.services.four_eyes).
+            shapers=[(user.pk, Shaped.FORKED)],
         )
         Step.objects.bulk_create([_copy_step(s, fork) for s in kept])
         at = kept[-1].key if kept else None
@@ -585,6 +640,7 @@ def _copy_step(step: Step, fork: Run) -> Step:
 # -- flow control (docs/flow-control.md) -----------------------------------------------------------
 
 
+@retried_on_deadlock
 def set_limits(workflow: str, user, reason: str, *, max_running=KEEP, max_running_per_key=KEEP):
     """An operator's concurrency limits of a workflow, over the code's; None returns to the
     code's. Applies from the next claim on; running runs finish."""
@@ -618,7 +674,7 @@ def save_schedule(user, name: str, **fields) -> Schedule:
     require(user, "runs.add_run", "start runs on a schedule")
     with transaction.atomic():
         existed = Schedule.objects.filter(name=name).exists()
-        schedule = schedules.save(name, **fields, created_by=user)
+        schedule = schedules.save(name, **fields, created_by=user, shaped_by=[user.pk])
         audit(user.get_username(), EventType.SCHEDULE_CHANGED, schedule=name,
               change="replaced" if existed else "added", cron=schedule.cron,
               workflow=schedule.workflow)  # fmt: skip
@@ -632,7 +688,7 @@ def pause_schedule(user, name: str, paused: bool) -> Schedule:
     with transaction.atomic():
         if not Schedule.objects.filter(name=name).exists():
             raise NotFound(f"no schedule named {name!r}")
-        schedule = schedules.set_paused(name, paused)
+        schedule = schedules.set_paused(name, paused, by=user)
         audit(user.get_username(), EventType.SCHEDULE_CHANGED, schedule=name,
               change="paused" if paused else "resumed")  # fmt: skip
     return schedule

@@ -90,9 +90,18 @@ def _family(roots: list, before: datetime) -> list:
             if kid not in locked:
                 blocked.add(owner[kid])
         level = [k for k, _ in kids]
-    forks = Run.objects.filter(forked_from_id__in=list(owner)).exclude(pk__in=list(owner))
-    for origin in forks.values_list("forked_from_id", flat=True):
-        blocked.add(owner[origin])
+    # A fork that stays keeps its origin, and so the origin's family; a family that stays
+    # keeps the origins of its own forks in turn (O <- F1 <- F2 with F2 live: F1 stays, so O
+    # stays), until nothing more is kept.
+    outside = Run.objects.filter(forked_from_id__in=list(owner)).exclude(pk__in=list(owner))
+    newly = {owner[origin] for origin in outside.values_list("forked_from_id", flat=True)}
+    newly |= blocked
+    blocked = set()
+    while newly := newly - blocked:
+        blocked |= newly
+        kept = [run for run, root in owner.items() if root in newly]
+        origins = Run.objects.filter(pk__in=kept, forked_from_id__in=list(owner))
+        newly = {owner[origin] for origin in origins.values_list("forked_from_id", flat=True)}
     return [run for run, root in owner.items() if root not in blocked]
 
 
@@ -175,9 +184,10 @@ def prune(
                     break
                 after = page[-1]
                 ids = _family([run for _, run in page], finished_before)
-                if ids:
-                    result.counts.update(_delete(ids, dry_run=dry_run, archive=archive))
-                    result.batches += 1
+                counts = _delete(ids, dry_run=dry_run, archive=archive) if ids else None
+            if counts is not None:  # told once committed: a batch that failed deleted nothing
+                result.counts.update(counts)
+                result.batches += 1
     finally:
         if not dry_run:
             audit(

@@ -17,6 +17,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from cronsim import CronSim, CronSimError
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from runs.engine import registry
@@ -112,8 +113,8 @@ def fire_due(workflows: set[str], now: datetime | None = None) -> int:
     started = 0
     with transaction.atomic():
         due = (
-            Schedule.objects.select_for_update(skip_locked=True)
-            .filter(paused=False, next_fire_at__lte=now, workflow__in=workflows)
+            Schedule.objects.select_for_update(skip_locked=True, of=("self",))
+            .filter(_author_active(), paused=False, next_fire_at__lte=now, workflow__in=workflows)
             .order_by("next_fire_at")[:BATCH]
         )
         for schedule in due:
@@ -126,6 +127,7 @@ def fire_due(workflows: set[str], now: datetime | None = None) -> int:
                             schedule.input,
                             key=run_key(schedule, tick),
                             started_by=schedule.created_by,
+                            shaped_by=schedule.shaped_by,
                             created={"schedule": schedule.name, "tick": tick.isoformat()},
                         )
                         started += int(run.was_created)
@@ -145,10 +147,16 @@ def fire_due(workflows: set[str], now: datetime | None = None) -> int:
     return started
 
 
+def _author_active() -> Q:
+    """A schedule fires in its author's name: not once they are deactivated (a schedule
+    declared in code has no author)."""
+    return Q(created_by__isnull=True) | Q(created_by__is_active=True)
+
+
 def next_due(workflows: set[str]) -> datetime | None:
     """When the next schedule of `workflows` fires (a worker sleeps no longer than that)."""
     return (
-        Schedule.objects.filter(paused=False, workflow__in=workflows)
+        Schedule.objects.filter(_author_active(), paused=False, workflow__in=workflows)
         .order_by("next_fire_at")
         .values_list("next_fire_at", flat=True)
         .first()
@@ -167,6 +175,7 @@ def save(
     paused: bool = False,
     source: str = "api",
     created_by=None,
+    shaped_by: list[int] | None = None,
 ) -> Schedule:
     """Create or replace schedule `name`; its next tick is computed from now."""
     if not name or len(name) > 200 or ":" in name:
@@ -194,19 +203,23 @@ def save(
             "workflow": workflow, "cron": cron, "timezone": timezone_name, "input": data,
             "catchup": catchup, "catchup_limit": catchup_limit, "paused": paused,
             "source": source, "next_fire_at": next_tick(cron, timezone_name, now),
-            "created_by": created_by,
+            "created_by": created_by, "shaped_by": shaped_by or [],
         },
     )  # fmt: skip
     return schedule
 
 
-def set_paused(name: str, paused: bool) -> Schedule:
-    """Pause or resume; a resumed schedule fires from its next tick on, not the paused ones."""
-    schedule = Schedule.objects.get(name=name)
-    schedule.paused = paused
-    if not paused:
-        schedule.next_fire_at = next_tick(schedule.cron, schedule.timezone, timezone.now())
-    schedule.save(update_fields=["paused", "next_fire_at", "updated_at"])
+def set_paused(name: str, paused: bool, by=None) -> Schedule:
+    """Pause or resume; a resumed schedule fires from its next tick on, not the paused ones.
+    Whoever resumes it (`by`) shapes what its runs do from then on (the four-eyes rule)."""
+    with transaction.atomic():
+        schedule = Schedule.objects.select_for_update().get(name=name)
+        schedule.paused = paused
+        if not paused:
+            schedule.next_fire_at = next_tick(schedule.cron, schedule.timezone, timezone.now())
+            if by is not None and by.pk not in schedule.shaped_by:
+                schedule.shaped_by = [*schedule.shaped_by, by.pk]
+        schedule.save(update_fields=["paused", "next_fire_at", "shaped_by", "updated_at"])
     return schedule
 
 

@@ -25,7 +25,7 @@ from runs.engine.agent import AgentLoopExhausted, Tool, ToolTimeout
 from runs.engine.budget import Metered, Usage, default_run_budget, to_micros, to_usd
 from runs.engine.executor import NOT_FOUND, Decision, RetryPolicy, RunContext
 from runs.engine.serialization import to_json
-from runs.engine.store import append_event, create_run, run_event
+from runs.engine.store import append_event, create_run, record_shapers, run_event
 from runs.engine.waits import Ask
 from runs.errors import (
     ApprovalExpired,
@@ -46,7 +46,7 @@ from runs.errors import (
     UnpricedModel,
     WaitTimeout,
 )
-from runs.models import EventType, Run, RunStatus, Signal
+from runs.models import EventType, Run, RunStatus, Shaped, Signal
 from runs.operations import cancel_run, lock_run
 
 __all__ = [
@@ -144,6 +144,7 @@ def start_run(
     api_key: str | None = None,
     priority: int | None = None,
     created: dict[str, Any] | None = None,
+    shaped_by: list[int] | None = None,
 ) -> Run:
     """Start a run of workflow `name` (its newest registered version unless `version` is given).
 
@@ -152,9 +153,11 @@ def start_run(
     if this process has not registered the workflow, and OutputNotSerializable for input that
     is not JSON. `started_by` (a user) and `api_key` (the prefix of the key used) are recorded
     on the `run.created` event, with the run's budget: the person who started a run may not
-    approve its actions (STEPGUARD_FOUR_EYES). `priority` (-1000 to 1000) overrides the
-    workflow's; `created` adds to what the `run.created` event records (a schedule's tick).
+    approve its actions (STEPGUARD_FOUR_EYES), nor may anyone in `shaped_by` (user ids: a
+    schedule's authors and resumers). `priority` (-1000 to 1000) overrides the workflow's;
+    `created` adds to what the `run.created` event records (a schedule's tick).
     """
+    shapers = [(user, Shaped.SCHEDULED) for user in shaped_by or ()]
     definition = registry.get(name, version)
     data = to_json(input, what=f"the input of workflow {name!r}")
     if priority is None:
@@ -179,7 +182,7 @@ def start_run(
             "given": budget_usd is not None or budget_tokens is not None,
         }
     if definition.debounce is not None and key is None:
-        return _debounced(definition, data, fields, created, started_by)
+        return _debounced(definition, data, fields, created, started_by, shapers)
     try:
         with transaction.atomic():
             run = create_run(
@@ -190,6 +193,7 @@ def start_run(
                 started_by=started_by,
                 actor=started_by.get_username() if started_by is not None else "system",
                 created=created,
+                shapers=shapers,
                 **fields,
             )
     except IntegrityError:
@@ -207,7 +211,9 @@ def start_run(
     return run
 
 
-def _debounced(definition, data: Any, fields: dict, created: dict, started_by) -> Run:
+def _debounced(
+    definition, data: Any, fields: dict, created: dict, started_by, shapers: list
+) -> Run:
     """Start a debounced run: the one still waiting out its quiet period for this key takes
     this input and waits again, or a new one is created. At most one such run per workflow and
     key is enforced by a partial unique constraint (runs_run_one_debouncing_per_key); the
@@ -241,13 +247,16 @@ def _debounced(definition, data: Any, fields: dict, created: dict, started_by) -
                             waiting.pk, seq, EventType.RUN_DEBOUNCED, "", actor,
                             until=wake.isoformat(), debounce_key=debounce_key,
                         )  # fmt: skip
+                        # Whoever gave the run its input now shaped what it will ask to do.
+                        by = [(started_by.pk, Shaped.DEBOUNCED)] if started_by is not None else []
+                        record_shapers(waiting.pk, [*by, *shapers])
                         waiting.refresh_from_db()
                         waiting.was_created = False
                         return waiting
                 run = create_run(
                     workflow=definition.name, version=definition.version, input=data, key=None,
                     started_by=started_by, actor=actor, wake_at=now + definition.debounce,
-                    debounce_key=debounce_key,
+                    debounce_key=debounce_key, shapers=shapers,
                     created={**created, "debounce_key": debounce_key}, **fields,
                 )  # fmt: skip
                 run.was_created = True

@@ -127,11 +127,12 @@ def database_url() -> str:
 
 
 class WorkerProc:
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, env: dict | None = None):
         env = {
             **os.environ,
             "DATABASE_URL": database_url(),
             "DJANGO_SETTINGS_MODULE": "tests.settings",
+            **(env or {}),
         }
         env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
         self.log_path = log
@@ -175,9 +176,11 @@ def spawn_worker(transactional_db, tmp_path):
     """Start real `runworker` processes on the test database; all are killed at teardown."""
     started: list[WorkerProc] = []
 
-    def _spawn(*args: str, lease: float = 2.0, wait: bool = True) -> WorkerProc:
+    def _spawn(
+        *args: str, lease: float = 2.0, wait: bool = True, env: dict | None = None
+    ) -> WorkerProc:
         argv = ["--lease-seconds", str(lease), "--poll-interval", "0.1", *args]
-        worker = WorkerProc(argv, tmp_path / f"worker-{len(started)}.log")
+        worker = WorkerProc(argv, tmp_path / f"worker-{len(started)}.log", env)
         started.append(worker)
         if wait:
             worker.wait_registered()
@@ -262,3 +265,58 @@ def demo_model(monkeypatch):
     monkeypatch.setenv("STEPGUARD_MODEL_BASE_URL", f"http://127.0.0.1:{server.server_port}/v1")
     yield model
     server.shutdown()
+
+
+PGBOUNCER = "/usr/sbin/pgbouncer"
+
+
+@pytest.fixture
+def pgbouncer(transactional_db):
+    """Debian's PgBouncer in transaction pooling mode, with its default settings otherwise, in
+    front of the test database on a free port: yields its DATABASE_URL."""
+    import socket
+
+    if not os.path.exists(PGBOUNCER):
+        if os.environ.get("CI") == "true":
+            pytest.fail(
+                "PgBouncer is missing: CI must run the pooler tests (apt-get install pgbouncer)"
+            )
+        pytest.skip("pgbouncer is not installed")
+    s = connection.settings_dict
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    import shutil
+    import tempfile
+
+    # Not under pytest's own temporary directory: only root may enter that, and PgBouncer
+    # drops root for the postgres user.
+    home = Path(tempfile.mkdtemp(prefix="stepguard-pgbouncer-"))
+    home.chmod(0o777)
+    server = f"host={s['HOST'] or '127.0.0.1'} port={s['PORT'] or 5432} user={s['USER']}"
+    if s["PASSWORD"]:
+        server += f" password={s['PASSWORD']}"
+    (home / "pgbouncer.ini").write_text(
+        f"[databases]\n* = {server}\n"
+        "[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        "auth_type = any\npool_mode = transaction\nmax_client_conn = 200\n"
+        "ignore_startup_parameters = extra_float_digits,options\n"
+        f"logfile = {home}/pgbouncer.log\npidfile = {home}/pgbouncer.pid\n"
+    )
+    argv = [PGBOUNCER, str(home / "pgbouncer.ini")]
+    if os.geteuid() == 0:
+        argv[1:1] = ["-u", "postgres"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+    def accepting() -> bool:
+        assert proc.poll() is None, (home / "pgbouncer.log").read_text()
+        with socket.socket() as client:
+            return client.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_until(accepting, timeout=10, what="PgBouncer to listen")
+    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
+    yield f"postgres://{auth}@127.0.0.1:{port}/{s['NAME']}"
+    proc.terminate()
+    proc.wait(10)
+    shutil.rmtree(home, ignore_errors=True)

@@ -41,8 +41,8 @@ COMPENSABLE = frozenset({"reserve", "charge", "pay", "prep", "work"})
 TRANSACTIONAL = frozenset({"ledger"})
 
 
-class Crash(BaseException):
-    """The process dying: not an Exception, so nothing in the engine records it."""
+class Crash(KeyboardInterrupt):
+    """The process dying: the one exception the engine never records (as KeyboardInterrupt)."""
 
 
 def canon(value: Any) -> Any:
@@ -111,7 +111,8 @@ def _payload(ctx: RunContext) -> Any:
 def _call(ctx: RunContext, key: str, args: Any, usage: Usage | None, fail: str | None, info):
     """The body of every step: a call to a downstream service keyed by the idempotency key."""
     idem = ctx.idempotency_key
-    probe.started(ctx, key, **info)
+    # A step in doubt that a cancel re-sends (with its key) to learn what to undo.
+    probe.started(ctx, key, **info, resolving=ctx._compensating)
     calls = probe.calls[idem] = probe.calls.get(idem, 0) + 1
     if fail == "always" or (fail == "outage" and probe.outage) or (fail == "first" and calls == 1):
         raise ValueError(f"{key}: the service refused the call")

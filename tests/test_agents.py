@@ -838,3 +838,16 @@ def test_a_conversation_resumed_under_the_same_code_goes_on_as_deltas(drive, dem
     assert drive() == ["completed"]
     turn5 = Step.objects.get(run=run, key="turn-5")
     assert turn5.input[0]["messages"]["$keep"] == 10  # system, then 4 turns of question and answer
+
+
+@pytest.mark.django_db(transaction=True)  # an async workflow writes from threads of its own
+@pytest.mark.parametrize("name", ["shared-client", "shared-client-async"])
+def test_a_module_level_async_client_pays_once_per_call_across_executions(drive, demo_model, name):
+    """Before, each execution had an event loop of its own: the kept client's next request
+    went out on a connection of a closed loop, was answered in full, and was sent again."""
+    runs = [start_run(name, {"turns": 3}) for _ in range(4)]
+    assert drive() == ["completed"] * 4
+    steps = Step.objects.filter(run__in=runs, kind="llm")
+    assert len(steps) == 12
+    assert demo_model.total == 12  # one paid answer per recorded call
+    assert all(demo_model.calls[s.idempotency_key] == 1 and s.attempt == 1 for s in steps)

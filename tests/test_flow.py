@@ -597,3 +597,14 @@ def test_in_the_hour_a_clock_turns_back_the_next_tick_is_not_in_the_past(db):
     # Lisbon, 2026-10-25: 01:00-02:00 local comes twice (00:00-01:00 and 01:00-02:00 UTC).
     after = at("2026-10-25T01:10:00")  # the second 01:10 local; the 01:30 of today was at 00:30
     assert schedules.next_tick("30 1 * * *", "Europe/Lisbon", after) == at("2026-10-26T01:30:00")
+
+
+def test_a_fork_keeps_its_origins_concurrency_key_and_priority(drive, cast):
+    """Before, a fork of an `acme` run with priority 50 had key '' and priority 0, and ran
+    beside another `acme` run under per_key=2's limit."""
+    from runs.operations import fork_run
+
+    origin = start_run("flow.tenant", {"tenant": "acme", "seconds": 0}, priority=50)
+    drive()
+    fork = fork_run(origin.pk, "work", cast["otto"], "again")
+    assert (fork.concurrency_key, fork.priority) == ("acme", 50)

@@ -22,7 +22,8 @@ After every rule it checks, against the database (letters refine one numbered in
     when they started or finished), a held step's on the day it reserved (4d)
 5   one idempotency key, one logical call: unique per run (5a), one request per key at the
     service (5b), a compensation undoes only what its own run did (5c), and a transactional
-    step's write is in the database exactly when its checkpoint is completed (5d)
+    step's write is in the database exactly when its checkpoint is completed (5d); every call
+    of a step function is an attempt its row records (5e: calls counted as a multiset)
 6   every completed step replays to the value it had live, types and key order included
     (6b: and replay never finds the history at odds with the code, which never changes here)
 7   every operator action has exactly one audit event, by the user who took it
@@ -76,7 +77,7 @@ from runs.engine.budget import forget_cached_scopes
 from runs.engine.executor import Lease, execute
 from runs.engine.worker import WorkerProcess, runnable_filter
 from runs.errors import DecisionError, OperationError
-from runs.models import BudgetLedger, Event, Policy, Run, Step
+from runs.models import BudgetLedger, Event, Policy, Run, Step, StepKind
 from runs.operations import cancel_run, fork_run, halt, retry_run, set_budget, unhalt
 from runs.sdk import send_signal, start_run
 from tests.model_workflows import COMPENSABLE, COST, TRANSACTIONAL, Crash, canon, probe
@@ -512,6 +513,15 @@ class EngineModel(RuleBasedStateMachine):
             self.violate("1", f"step {key!r} of {name} started while {why} held it")
         if info.get("compensation"):
             return  # undoing stays possible after a cancel and past budgets
+        if info.get("resolving"):
+            # A step found `started` that a cancel re-sends with its key before undoing it
+            # (docs/governance.md: a cancel undoes what may have happened): only a re-send.
+            recovered = Step.objects.filter(run_id=run_id, key=key).values_list(
+                "recovered", flat=True
+            )
+            if list(recovered) != ["resent"]:
+                self.violate("1b", f"step {key!r} of {name} ran fresh while its run was undone")
+            return
         if info.get("transaction"):  # the engine looks no shared budget up for these: do it here
             budgeted = Q(daily_budget_micros__isnull=False) | Q(daily_budget_tokens__isnull=False)
             in_scope = Q(scope__in=[run["workflow"], "*"])
@@ -920,6 +930,7 @@ class EngineModel(RuleBasedStateMachine):
         self.inv5b_one_logical_call_per_idempotency_key()
         self.inv5c_compensations_undo_only_their_own_runs_effects()
         self.inv5d_a_transactional_write_commits_with_its_checkpoint()
+        self.inv5e_every_call_is_an_attempt_the_database_knows()
         self.inv6_replay_hands_back_the_live_value()
         self.inv7_every_action_has_one_audit_event()
         self.inv8_compensations_complete()
@@ -1082,6 +1093,21 @@ class EngineModel(RuleBasedStateMachine):
             if len(calls) > 1
         ]
         assert not wrong, "invariant 5b: " + "; ".join(wrong)
+
+    def inv5e_every_call_is_an_attempt_the_database_knows(self):
+        """Calls counted as a multiset: a step function called more often than its row has
+        attempts was called again silently (a set per key hid that: a re-send looks the
+        same as the first call)."""
+        steps = Step.objects.exclude(kind=StepKind.TRANSACTION).values_list(
+            "idempotency_key", "attempt"
+        )
+        attempts = dict(steps)
+        wrong = [
+            f"{key}: called {calls} times, {attempts[key]} attempts recorded"
+            for key, calls in probe.calls.items()
+            if key in attempts and calls > attempts[key]
+        ]
+        assert not wrong, "invariant 5e: " + "; ".join(wrong)
 
     def inv5c_compensations_undo_only_their_own_runs_effects(self):
         wrong = [f"{self.label(run_id)} undid {key!r}" for run_id, key in probe.foreign_undos]

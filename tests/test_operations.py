@@ -21,7 +21,17 @@ from approvals.services import decide
 from runs import logcontext, retention
 from runs.apikeys import create_key
 from runs.engine.worker import WorkerProcess
-from runs.models import Chore, Event, NotificationDelivery, Run, RunStatus, Signal, Step, Worker
+from runs.models import (
+    Chore,
+    Event,
+    NotificationDelivery,
+    Run,
+    RunShaper,
+    RunStatus,
+    Signal,
+    Step,
+    Worker,
+)
 from runs.operations import fork_run, halt
 from runs.sdk import send_signal, start_run
 from tests.conftest import ROOT, daphne, wait_until
@@ -49,6 +59,7 @@ def rows_of(run) -> dict:
         "signals": Signal.objects.filter(run=run).count(),
         "approvals": ApprovalRequest.objects.filter(run=run).count(),
         "delivery": NotificationDelivery.objects.filter(run=run).count(),  # a notify run's
+        "shapers": RunShaper.objects.filter(run=run).count(),  # who started it (four eyes)
     }
 
 
@@ -128,6 +139,20 @@ def test_a_fork_that_stays_keeps_the_run_it_was_forked_from(finished, cast):
     age(fork)
     assert retention.prune(finished_before=timezone.now() - DAY).runs == 2
     assert not Run.objects.exists()
+
+
+def test_a_fork_of_a_fork_that_stays_keeps_the_whole_chain_and_prune_goes_on(finished, cast):
+    """Before, O <- F1 <- F2 with only F2 live wedged every prune (F1 stayed, O was deleted
+    under it: an IntegrityError at commit), and each failed prune still claimed its runs."""
+    origin = finished[0]
+    first = fork_run(origin.pk, "s1", cast["otto"], "try again")
+    Run.objects.filter(pk=first.pk).update(status=RunStatus.CANCELLED, finished_at=timezone.now())
+    second = fork_run(first.pk, "s0", cast["otto"], "and again")  # live
+    age(*finished, first)
+    result = retention.prune(finished_before=timezone.now() - DAY)  # O and F1 in one batch
+    assert result.runs == 2  # the other two; the chain stays whole
+    assert set(Run.objects.values_list("pk", flat=True)) == {origin.pk, first.pk, second.pk}
+    assert pruned_events()[-1]["runs"] == 2
 
 
 def test_dry_run_counts_what_would_go_and_deletes_nothing(finished):

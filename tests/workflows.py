@@ -7,6 +7,7 @@ so a test can count how often each step's function really ran.
 import contextlib
 import json
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -26,8 +27,9 @@ variant: dict[str, str] = {}
 hooks: dict[str, object] = {}
 
 
-class Crash(BaseException):
-    """Stands in for the process dying: not an Exception, so nothing records it."""
+class Crash(KeyboardInterrupt):
+    """Stands in for the process dying: the one exception the engine never records (any other,
+    `BaseException`s included, is the run's error)."""
 
 
 def effect(ctx: RunContext, label: str, value=None, sleep: float = 0.0):
@@ -594,3 +596,111 @@ def txn_only(ctx: RunContext, input):
         return "written"
 
     return ctx.transaction("write", write)
+
+
+@workflow("gap")
+def gap(ctx: RunContext, input):
+    """Step `a`, then `gap` seconds of work outside any step, then step `b`. With `undo`,
+    `a` has a compensation; with `step_sleep`, `a` sleeps after its effect (a kill lands in
+    the step, after its side effect)."""
+    compensate = (lambda out: effect(ctx, "undo-a")) if input.get("undo") else None
+
+    def charge():
+        # Like a service that honours the idempotency key: a re-send gets the first answer.
+        if Effect.objects.filter(idempotency_key=ctx.idempotency_key).exists():
+            return "a"
+        return effect(ctx, "a", None, input.get("step_sleep", 0))
+
+    ctx.step("a", charge, compensate=compensate)
+    deadline = time.monotonic() + input.get("gap", 0)
+    while time.monotonic() < deadline:  # parsing, a local computation, a time.sleep
+        time.sleep(0.01)
+    return ctx.step("b", effect, ctx, "b")
+
+
+@workflow("raises-odd")
+def raises_odd(ctx: RunContext, input):
+    """Errors that do not fit a database column, or are not Exceptions at all."""
+    ctx.step("before", effect, ctx, "before")
+    if input == "text":
+        raise ValueError("bad \x00 byte and a lone \ud800 surrogate")
+    if input == "exit":
+        raise SystemExit(3)
+    if input == "exit-in-step":
+        ctx.step("quits", lambda: sys.exit("the step called sys.exit"), retry=NO_RETRY)
+    if input == "broken-str":
+
+        class Unprintable(Exception):
+            def __str__(self):
+                raise RuntimeError("no")
+
+        raise Unprintable()
+    return "ok"
+
+
+@workflow("gather-fails")
+async def gather_fails(ctx, input: dict):
+    """gather(a step that fails after `fail_after` s, a slow one of `slow` s): the failure
+    leaves the workflow while the slow sibling is still in flight. `catch` catches it."""
+    import asyncio
+
+    async def fails():
+        await asyncio.sleep(input.get("fail_after", 0.2))
+        calls["fails"] = calls.get("fails", 0) + 1
+        raise ConnectionError("down")
+
+    async def slow():
+        calls["slow"] = calls.get("slow", 0) + 1
+        await asyncio.sleep(input.get("slow", 1.0))
+        return "slow"
+
+    try:
+        return await asyncio.gather(
+            ctx.step("fails", fails, retry=NO_RETRY), ctx.step("slow", slow, retry=NO_RETRY)
+        )
+    except Exception:
+        if not input.get("catch"):
+            raise
+        return "caught"
+
+
+_shared: dict[str, object] = {}
+
+
+def shared_client():
+    """A client made once per process and kept, as a module-level `AsyncOpenAI` is (made on
+    first use only because the demo model's address is known then)."""
+    from openai import AsyncOpenAI
+
+    url = os.environ["STEPGUARD_MODEL_BASE_URL"]
+    if _shared.get("url") != url:
+        _shared.update(url=url, client=AsyncOpenAI(base_url=url, api_key="k", max_retries=0))
+    return _shared["client"]
+
+
+@workflow("shared-client")
+def shared_client_sync(ctx: RunContext, input):
+    return [
+        ctx.llm(f"ask-{i}", shared_client().chat.completions.create, model="gpt-4o",
+                messages=[{"role": "user", "content": f"question {i}"}])["id"]
+        for i in range(input["turns"])
+    ]  # fmt: skip
+
+
+@workflow("shared-client-async")
+async def shared_client_async(ctx, input):
+    answers = []
+    for i in range(input["turns"]):
+        response = await ctx.llm(
+            f"ask-{i}", shared_client().chat.completions.create, model="gpt-4o",
+            messages=[{"role": "user", "content": f"question {i}"}],
+        )  # fmt: skip
+        answers.append(response["id"])
+    return answers
+
+
+@workflow("debounced-payer", debounce=60, debounce_key=lambda input: input["account"])
+def debounced_payer(ctx: RunContext, input: dict):
+    """Pays what the last start in its quiet period asked, once a person approves."""
+    decision = ctx.approval("ok", action="pay", summary=f"pay {input['amount']}", payload=input)
+    return ctx.step("charge", effect, ctx, "charge", approval=decision)

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -14,6 +14,7 @@ from uuid import UUID
 from django.db import connection
 
 from runs.engine.context import RunContext
+from runs.engine.loop import engine_loop
 from runs.engine.records import CURRENT_STEP
 from runs.errors import StepMisuse
 
@@ -106,6 +107,14 @@ class AsyncRunContext:
         self._ctx, self._loop, self._db = ctx, loop, db
         self.run_id, self.workflow, self.version = ctx.run_id, ctx.workflow, ctx.version
         self.input, self.attempt = ctx.input, ctx.attempt
+        self._in_flight: set[Future] = set()  # calls running on a database thread
+
+    async def settle(self) -> None:
+        """Wait for every call still running on a database thread (a step gathered beside one
+        that failed, one whose awaiting task was cancelled): each records how it ended, so
+        none is left `started` to be sent again, nor cut off and counted as a failure."""
+        while pending := [f for f in self._in_flight if not f.done()]:
+            await asyncio.wait([asyncio.wrap_future(f) for f in pending])
 
     @property
     def idempotency_key(self) -> str:
@@ -135,8 +144,11 @@ class AsyncRunContext:
             finally:
                 turnstile.leave()
 
+        call = self._db.submit(serve)
+        self._in_flight.add(call)
+        call.add_done_callback(self._in_flight.discard)
         try:
-            return await self._loop.run_in_executor(self._db, serve)
+            return await asyncio.wrap_future(call)
         except asyncio.CancelledError:
             turnstile.abandon(ticket)
             raise
@@ -195,16 +207,21 @@ class AsyncRunContext:
 
 
 def run_async(fn: Callable, ctx: RunContext, input: Any) -> Any:
+    """Run an async workflow on the process's event loop (runs/engine/loop.py) until it
+    returns, its checkpoints written from database threads of its own."""
     db = ThreadPoolExecutor(MAX_CONCURRENT_STEPS, thread_name_prefix="stepguard-db")
+    loop = engine_loop()
 
     async def main():
-        ctx._loop = asyncio.get_running_loop()
-        ctx._async = AsyncRunContext(ctx, ctx._loop, db)
-        return await fn(ctx._async, input)
+        ctx._async = async_ctx = AsyncRunContext(ctx, loop, db)
+        try:
+            return await fn(async_ctx, input)
+        finally:
+            await async_ctx.settle()
 
-    ctx._turnstile = Turnstile()
+    ctx._loop, ctx._turnstile = loop, Turnstile()
     try:
-        return asyncio.run(main())
+        return asyncio.run_coroutine_threadsafe(main(), loop).result()
     finally:
         ctx._loop = ctx._async = ctx._turnstile = None
         _close_connections(db)

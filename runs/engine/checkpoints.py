@@ -10,6 +10,7 @@ from django.conf import settings
 from django.db.models import F, Q
 from django.utils import timezone
 
+from runs.engine import holds
 from runs.engine.budget import NOTHING, Amount, Usage, scopes_for, settle_shared
 from runs.engine.records import brief, error_record
 from runs.engine.retry import retryable
@@ -173,7 +174,7 @@ class Checkpoints(ContextState):
         idem: str | None,
         kind: str | None,
         attempt: int,
-        exc: Exception,
+        exc: BaseException,
         held: Held | None = None,
     ) -> NoReturn:
         """Record a step's final failure and raise it. With no `step_pk` the step has no row
@@ -224,7 +225,14 @@ class Checkpoints(ContextState):
             append_event(self._lease.run_id, seq, type, key, **payload)
 
     def _wait_fence(self) -> tuple[int, datetime]:
-        return fence(self._lease, replace(self._start, progress=True)), timezone.now()
+        """The fence of a durable wait, in the lock order a pause takes (docs/architecture.md):
+        a halt placed meanwhile is either seen by the fence, which refuses the wait, or waits
+        for it and finds the run waiting, which it parks."""
+        chain = holds.chain_of(self._lease.run_id)
+        holds.lock_policies(chain)
+        event_seq = fence(self._lease, replace(self._start, progress=True))
+        holds.lock_ancestors(chain)
+        return event_seq, timezone.now()
 
     def _settle(self, record: Step, event_seq: int, now, *, output=None, error=None, **payload):
         """Finish a waiting step (inside the caller's transaction)."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from runs.engine.records import error_record
 from runs.engine.state import ContextState
+from runs.errors import StepFailed
 
 if TYPE_CHECKING:
     from runs.engine.context import RunContext
@@ -21,8 +23,19 @@ class Compensation(ContextState):
         return output
 
     def _compensate(self) -> list[str]:
-        """Run the compensations of completed steps, newest first, each one a step itself."""
+        """Run the compensations of completed steps, newest first, each one a step itself.
+
+        A step that may have happened (found `started` after a crash, its re-send refused by
+        the cancel) is first resolved as a recovery would: reconciled, or re-sent with its
+        idempotency key so the service answers with what it did; then it is undone too.
+        """
         self._compensating = True
+        if (resolve := self._in_doubt) is not None:
+            self._in_doubt = None
+            # Reconciled or re-sent with its key, and remembered if it happened; a StepFailed
+            # means it did not (recorded as failed): nothing to undo.
+            with contextlib.suppress(StepFailed):
+                resolve()
         done = []
         for key, undo, output in reversed(self._compensations):
             self._run_step(f"undo:{key}", undo, (output,), {}, internal=True)
@@ -36,5 +49,3 @@ def run_compensations(ctx: RunContext) -> tuple[list[str], dict | None]:
         return ctx._compensate(), None
     except Exception as exc:
         return [], error_record(exc)
-    finally:
-        ctx._close_loop()

@@ -48,13 +48,15 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         self._give_up: StepguardError | None = None
         self._compensations: list[tuple[str, Callable, Any]] = []
         self._compensating = False
+        # A step found `started` (it may have run) whose re-send a cancel refused: resolved
+        # and then undone with the other compensations.
+        self._in_doubt: Callable[[], Any] | None = None
         #: A run recovering from a lost worker completes each step at once: if the process
         #: keeps dying right after a step, that step must not be re-sent each time.
         self._eager = run.recoveries > 0
         self._trace = None  # the OpenTelemetry context steps descend from (runs/tracing.py)
         self._patches: dict[str, bool] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: asyncio.Runner | None = None  # a sync workflow's event loop, see _await
         self._usd_budget = run.budget_micros is not None
         self._budgeted = self._usd_budget or run.budget_tokens is not None
         self._turnstile = None  # an async workflow's: its steps may wait concurrently
@@ -65,3 +67,5 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         self._last_request: tuple[int, dict, bool | None] | None = None
         lease.workflow = run.workflow
         self._last_seq = max(history, default=-1)
+        #: The step whose failure ended the run's last attempt, if one did: run again.
+        self._failed_step = (run.error or {}).get("step") if run.error else None

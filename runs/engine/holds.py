@@ -116,28 +116,50 @@ def holds_on(run: Run) -> list[Hold]:
     return found
 
 
-def lock_holds(run: Run) -> None:
-    """Share-lock the rows whose holds cover `run` (its ancestors, their and its workflows'
-    policies, the global policy) until the caller's transaction ends.
+def lock_policies(chain: list[Run]) -> None:
+    """Share-lock the policy rows whose holds (and budgets) cover the runs of `chain` (a run
+    and its ancestors): the global one and each workflow's, in scope order.
 
-    An unhalt or a budget change locks the same rows to update them, so it is ordered wholly
-    before or after a worker's pause: the pause either sees the hold lifted, or the unhalt
-    sees the run paused and resumes it. SQLite needs nothing: its writers are serialised.
+    The first of a worker's locks in a transaction that pauses a run or enters a durable wait,
+    taken before the run row (docs/architecture.md, *lock order*): an operator's halt, unhalt
+    or budget change locks the same rows to update them first, so one of the two waits for the
+    other wholly and neither holds what the other needs. SQLite needs nothing: its writers are
+    serialised.
     """
     if connection.vendor != "postgresql":
         return
-    chain = lineage(run)
+    scopes = sorted(set([GLOBAL, *(m.workflow for m in chain)]))
+    marks = ", ".join(["%s"] * len(scopes))
     with connection.cursor() as cursor:
-        ancestors = [Run._meta.pk.get_db_prep_value(m.pk, connection) for m in chain[1:]]
-        if ancestors:
-            marks = ", ".join(["%s"] * len(ancestors))
-            cursor.execute(f"SELECT 1 FROM {RUN_TABLE} WHERE id IN ({marks}) FOR SHARE", ancestors)
-        scopes = list(dict.fromkeys([GLOBAL, *(m.workflow for m in chain)]))
-        marks = ", ".join(["%s"] * len(scopes))
+        # A scope never halted nor budgeted has no row to lock yet: made here (committed with
+        # this transaction), so the first halt of a workflow is ordered against us too.
+        cursor.execute(
+            f"INSERT INTO {POLICY_TABLE} (scope, halted_by, halt_reason, updated_at)"
+            f" SELECT s, '', '', now() FROM unnest(%s::text[]) AS s"
+            " ON CONFLICT (scope) DO NOTHING",
+            [scopes],
+        )
         cursor.execute(
             f"SELECT 1 FROM {POLICY_TABLE} WHERE scope IN ({marks}) ORDER BY scope FOR SHARE",
             scopes,
         )
+
+
+def lock_ancestors(chain: list[Run]) -> None:
+    """Share-lock the ancestors of `chain[0]` (after its own row: children before parents)."""
+    if connection.vendor != "postgresql" or len(chain) < 2:
+        return
+    ancestors = [Run._meta.pk.get_db_prep_value(m.pk, connection) for m in chain[1:]]
+    marks = ", ".join(["%s"] * len(ancestors))
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT 1 FROM {RUN_TABLE} WHERE id IN ({marks}) FOR SHARE", ancestors)
+
+
+def chain_of(run_id) -> list[Run]:
+    """The run and its ancestors, read without locks, for `lock_policies` and
+    `lock_ancestors`."""
+    fields = ("id", "parent_id", "workflow", "halted_at", "halted_by", "halt_reason")
+    return lineage(Run.objects.only(*fields).get(pk=run_id))
 
 
 def descendants(run_id) -> list:

@@ -26,7 +26,16 @@ from runs.engine.outage import is_disconnect
 from runs.engine.records import brief, error_record
 from runs.engine.replay import REPLAY_FIELDS
 from runs.engine.serialization import to_json
-from runs.engine.store import Fence, Lease, append_event, atomic, fence, fenced_write, wake_parent
+from runs.engine.store import (
+    Fence,
+    Lease,
+    append_event,
+    atomic,
+    fence,
+    fenced_write,
+    flush,
+    wake_parent,
+)
 from runs.engine.wakeup import notify_runnable
 from runs.errors import (
     Cancelled,
@@ -88,8 +97,8 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
     resumes it). Costs one query to load every checkpoint, then one statement and commit per
     new step (its completion travels with the next write: `store.complete_later`).
     """
-    lease.pending = None  # a completion left by an execution that broke off is not ours
     try:
+        _write_left_completion(lease)
         history = {}
         if not _brand_new(run):
             checkpoints = Step.objects.filter(run_id=run.id).order_by("seq").only(*REPLAY_FIELDS)
@@ -122,7 +131,11 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
         return _interrupted(run, ctx, lease, stop)
     except DatabaseError as exc:
         return _database_error(run, exc, "writing a checkpoint")
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise  # the process is being stopped: like a crash, lease recovery resumes the run
+    except BaseException as exc:
+        # `sys.exit()` in workflow code, a cancelled task, any error at all: the run's own
+        # error, under its retry policy, never a worker's log line and a lease left to lapse.
         return _fail(run, ctx, lease, exc)
     try:
         _finish(
@@ -140,6 +153,19 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
     except LeaseLost:
         return Outcome.LOST
     return Outcome.COMPLETED
+
+
+def _write_left_completion(lease: Lease) -> None:
+    """The execution before this one, under the same lease, broke off (the connection was lost)
+    with a step finished and its completion not yet written: write it before the checkpoints
+    are read, or that step would be re-sent. Unless the write that broke off committed it."""
+    pending = lease.pending
+    if pending is None:
+        return
+    if Step.objects.filter(pk=pending.step_id, status=StepStatus.STARTED).exists():
+        flush(lease)
+    else:
+        lease.pending = None
 
 
 def _brand_new(run: Run) -> bool:
@@ -169,6 +195,19 @@ def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields
             release_holds(lease.run_id, zero_run=False)  # the write below zeroes the run's
             fields |= {"reserved_micros": 0, "reserved_tokens": 0}
         fenced_write(lease, (event, "", payload), Fence(progress=True, run=tuple(fields.items())))
+        if ending:
+            # A step the run never came back to (a crash left it `started`, then the run ended
+            # another way): a finished run keeps no step that looks in flight.
+            Step.objects.filter(run_id=lease.run_id, status=StepStatus.STARTED).update(
+                status=StepStatus.FAILED,
+                error={
+                    "type": "Interrupted",
+                    "message": f"the run ended ({fields['status']}) while this step's outcome "
+                    "was unknown: it may or may not have happened",
+                    "retryable": False,
+                },
+                finished_at=fields.get("finished_at") or timezone.now(),
+            )
         if parent_id is not None and ending:
             wake_parent(lease.run_id, fields["status"], parent_id)
 
@@ -193,9 +232,12 @@ def _give_back(
     seen here or sees the paused run and resumes it: never lost.
     """
     with atomic(lease):
+        # The lock order (docs/architecture.md): policies, then this run, then its ancestors.
+        chain = holds.chain_of(lease.run_id)
+        holds.lock_policies(chain)
         event_seq = fence(lease, Fence(progress=True))
-        run = Run.objects.only("id", "parent_id", "workflow").get(pk=lease.run_id)
-        holds.lock_holds(run)
+        holds.lock_ancestors(chain)
+        run = chain[0]
 
         def moment(value: datetime | None):
             return Cast(Value(value), output_field=DateTimeField())  # a typed NULL too
@@ -268,10 +310,7 @@ def release(lease: Lease, reason: str) -> bool:
 
 
 def run_sync(fn: Callable, ctx: RunContext, input: Any) -> Any:
-    try:
-        return fn(ctx, input)
-    finally:
-        ctx._close_loop()  # the loop its async steps ran on, if any
+    return fn(ctx, input)
 
 
 def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> Outcome:
@@ -346,7 +385,7 @@ def _cancelled(run: Run, ctx: RunContext, lease: Lease) -> Outcome:
     return Outcome.CANCELLED
 
 
-def _fail(run: Run, ctx: RunContext, lease: Lease, exc: Exception) -> Outcome:
+def _fail(run: Run, ctx: RunContext, lease: Lease, exc: BaseException) -> Outcome:
     error = error_record(exc)
     retryable = getattr(exc, "retryable", True)
     try:
@@ -366,8 +405,9 @@ def _fail(run: Run, ctx: RunContext, lease: Lease, exc: Exception) -> Outcome:
             if outcome == RunStatus.HALTED:
                 return Outcome.HALTED
             log.info(
-                "run %s: attempt %s failed (%s); retrying in %.1fs", run.id, run.attempt, exc, delay
-            )
+                "run %s: attempt %s failed (%s); retrying in %.1fs",
+                run.id, run.attempt, error["message"], delay,
+            )  # fmt: skip
             return Outcome.RETRYING
         reason = "not retryable" if not retryable else f"{run.max_attempts} attempts used"
         # After a non-determinism error the recorded positions no longer match the code, so
@@ -392,7 +432,7 @@ def _fail(run: Run, ctx: RunContext, lease: Lease, exc: Exception) -> Outcome:
         )
     except (LeaseLost, Released, Cancelled, Halted, OverBudget) as stop:
         return _interrupted(run, ctx, lease, stop)
-    log.warning("run %s failed (%s): %s", run.id, reason, exc)
+    log.warning("run %s failed (%s): %s", run.id, reason, error["message"])
     return Outcome.FAILED
 
 

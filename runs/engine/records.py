@@ -49,12 +49,39 @@ class Decision:
         )
 
 
+def storable(text: str) -> str:
+    """`text` as a database can hold it: NUL and lone surrogates (which PostgreSQL's text and
+    JSON refuse, and UTF-8 cannot encode) written as their escapes, so an error message that
+    holds them is still recorded on its run instead of failing the write that records it."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def message_of(exc: BaseException) -> str:
+    """`str(exc)`, storable, and something readable even when the exception's own __str__
+    fails."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = f"<unprintable {type(exc).__name__}>"
+    return storable(text)
+
+
 def error_record(exc: BaseException) -> dict:
     if isinstance(exc, StepguardError):
-        record = exc.as_record()
+        record = {k: storable(v) if isinstance(v, str) else v for k, v in exc.as_record().items()}
     else:
-        record = {"code": "exception", "type": type(exc).__name__, "message": str(exc)}
-    record["traceback"] = "".join(traceback.format_exception(exc, limit=15))[-4000:]
+        record = {"code": "exception", "type": type(exc).__name__, "message": message_of(exc)}
+    try:
+        trace = "".join(traceback.format_exception(exc, limit=15))
+    except Exception:
+        trace = f"{type(exc).__name__}: {record['message']}"
+    record["traceback"] = storable(trace[-4000:])
     return record
 
 
@@ -74,7 +101,7 @@ def accepts(fn: Callable, name: str) -> bool:
 
 
 def brief(exc: BaseException) -> dict:
-    return {"type": type(exc).__name__, "message": str(exc)[:500]}
+    return {"type": type(exc).__name__, "message": message_of(exc)[:500]}
 
 
 def as_timedelta(value: float | timedelta, what: str) -> timedelta:

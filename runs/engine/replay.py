@@ -81,9 +81,12 @@ class Replay(ContextState):
             # A failure replays as itself, so code that caught it takes the same branch again,
             # even under a cancel: replay must reach every completed step after it, or their
             # compensations would never be known. Only the failure that ended an earlier run
-            # attempt (the last recorded step) is attempted afresh when the run is retried.
+            # attempt is attempted afresh when the run is retried.
+            # The failure that ended the attempt is the run's error: a gathered step's, not
+            # the last position, is attempted afresh too.
+            ended_it = record.key == self._failed_step or seq == self._last_seq
             if record.status == StepStatus.FAILED and (
-                record.run_attempt == self.attempt or seq != self._last_seq
+                record.run_attempt == self.attempt or not ended_it
             ):
                 self._raise_recorded(key, record.error or {})
         if self._give_up is not None and not self._compensating:

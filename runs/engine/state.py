@@ -39,17 +39,18 @@ class ContextState:
     _lease: Lease
     _seq: int
     _last_seq: int
+    _failed_step: str | None
     _occurrences: dict[str, int]
     _cancel_requested: bool
     _forked_from: Any
     _give_up: StepguardError | None
     _compensations: list[tuple[str, Callable, Any]]
     _compensating: bool
+    _in_doubt: Callable[[], Any] | None
     _eager: bool
     _trace: Any
     _patches: dict[str, bool]
     _loop: asyncio.AbstractEventLoop | None
-    _runner: asyncio.Runner | None
     _usd_budget: bool
     _budgeted: bool
     _turnstile: Turnstile | None
@@ -135,7 +136,7 @@ class ContextState:
             idem: str | None,
             kind: str | None,
             attempt: int,
-            exc: Exception,
+            exc: BaseException,
             held: Held | None = None,
         ) -> NoReturn: ...
         def _note_retry(self, key: str, tries: int, exc: Exception, delay: float) -> None: ...

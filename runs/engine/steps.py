@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
+from concurrent.futures import CancelledError
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
@@ -27,12 +28,20 @@ from runs.engine.budget import (
 )
 from runs.engine.checkpoints import Held
 from runs.engine.llm import retry_after
+from runs.engine.loop import engine_loop
 from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import describe_input, to_json
 from runs.engine.state import ContextState
 from runs.engine.store import append_event, atomic, fence, fenced_write, flush
-from runs.errors import ApprovalRevoked, ControlFlow, OperatorFailed, StepMisuse, Suspended
+from runs.errors import (
+    ApprovalRevoked,
+    Cancelled,
+    ControlFlow,
+    OperatorFailed,
+    StepMisuse,
+    Suspended,
+)
 from runs.models import EventType, Recovery, Step, StepKind, StepStatus
 
 
@@ -108,7 +117,56 @@ class Steps(ContextState):
         model: str = "",
         resource: str | None = None,
     ) -> Any:
-        key, seq, record = self._enter(key, internal=internal)
+        key, seq, record = self._position(key, internal=internal)
+        options = dict(
+            retry=retry, reconcile=reconcile, on_ambiguous=on_ambiguous, compensate=compensate,
+            approval=approval, estimate=estimate, kind=kind, described=described, model=model,
+            resource=resource,
+        )  # fmt: skip
+        in_doubt = (
+            record is not None
+            and record.key == key
+            and record.status == StepStatus.STARTED
+            and compensate is not None
+            and on_ambiguous == "resend"
+            and not self._compensating
+        )
+        if in_doubt:
+            # If a cancel refuses the re-send, the cancel resolves it (reconciles or re-sends
+            # it with its key, as a compensation) and then undoes it: it may have happened.
+            self._in_doubt = lambda: self._at(key, seq, record, fn, args, kwargs, **options)
+        try:
+            self._admit(key, seq, record)
+            output = self._at(key, seq, record, fn, args, kwargs, **options)
+        except Cancelled:
+            raise
+        except BaseException:
+            self._in_doubt = None
+            raise
+        self._in_doubt = None
+        return output
+
+    def _at(
+        self,
+        key: str,
+        seq: int,
+        record: Step | None,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        *,
+        retry: RetryPolicy | None,
+        reconcile: Callable[[str], Any] | None,
+        on_ambiguous: str,
+        compensate: Callable[[Any], Any] | None,
+        approval: Decision | None,
+        estimate: Usage | None,
+        kind: str,
+        described: Any,
+        model: str,
+        resource: str | None,
+    ) -> Any:
+        """The step at position `seq` (its `record`, if any): replayed, resolved or run."""
         if record is not None and record.status == StepStatus.COMPLETED:
             # A step copied from the run this one was forked from did its side effect there:
             # this run undoes only what it did itself.
@@ -123,6 +181,11 @@ class Steps(ContextState):
             )
             if found is not NOT_FOUND:
                 return self._remember(key, compensate, found)
+            if self._compensating:  # a cancel resolving it: it never happened, nothing to undo
+                gone = Cancelled("the run was cancelled before this step happened")
+                self._record_failure(
+                    record.pk, seq, key, idem, kind, record.attempt, gone, Held.of(record)
+                )
         tries = 0  # the tries of this retry sequence so far: a durable retry delay goes on with it
         if record is not None and record.status == StepStatus.WAITING:
             tries = (record.error or {}).get("tries", record.attempt)
@@ -308,11 +371,10 @@ class Steps(ContextState):
         return running if running is not None and running.owner == id(self) else None
 
     def _await(self, value: Any) -> Any:
-        """Run an `async def` step (or an async client's call) to completion: on the
-        workflow's event loop for an async workflow; otherwise on one loop kept for the whole
-        execution, because an async client's pooled connection belongs to the loop that opened
-        it (on a fresh loop per call, a call goes out on the old connection and its answer is
-        lost with the closed loop: sent, paid, then sent again)."""
+        """Run an `async def` step (or an async client's call) to completion on the process's
+        one event loop (runs/engine/loop.py), where an async workflow runs too: an async
+        client's pooled connections belong to the loop that opened them, so a client kept
+        across executions (module-level, or a framework's shared one) must always meet it."""
         if not inspect.isawaitable(value):
             return value
 
@@ -322,13 +384,9 @@ class Steps(ContextState):
             CURRENT_STEP.set(running)  # this task's own: concurrent steps each see theirs
             return await value
 
-        if self._loop is not None:
-            future = asyncio.run_coroutine_threadsafe(wait(), self._loop)
-            with self._released():
-                return future.result()
-        if self._runner is None:
-            self._runner = asyncio.Runner()
-        return self._runner.run(wait())
+        future = asyncio.run_coroutine_threadsafe(wait(), engine_loop())
+        with self._released():
+            return future.result()
 
     @contextmanager
     def _released(self, force: bool = False):
@@ -344,11 +402,6 @@ class Steps(ContextState):
             yield
         finally:
             turnstile.reacquire()
-
-    def _close_loop(self) -> None:
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            runner.close()
 
     def _call(
         self, step_pk, seq, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt, held,
@@ -366,9 +419,11 @@ class Steps(ContextState):
                 if isinstance(value, Metered):
                     value, usage = value.value, value.usage
                 output = to_json(value, what=f"the output of step {key!r}")
-            except ControlFlow:
+            except (ControlFlow, CancelledError):
+                # Cancelled in flight (its event loop closing): no attempt and no failure. The
+                # step stays `started`, re-sent with its key (marked `resent`) next time.
                 raise
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # sys.exit() in a step is its failure
                 if (delay := policy.next_delay(exc, tries)) is not None:
                     payload = {"attempt": attempt + 1, "delay_s": round(delay, 3)}
                     payload |= {"error": brief(exc), "worker": self.worker_id}

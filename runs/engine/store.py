@@ -6,8 +6,10 @@ claims, wake-ups and operator actions on the same run, on PostgreSQL and on SQLi
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -15,16 +17,19 @@ from typing import Any, NoReturn
 from uuid import UUID
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections, transaction
 from django.utils import timezone
 
 from runs import tracing
 from runs.engine.budget import NOTHING, Amount
 from runs.engine.holds import covered, covered_sql, holds_on
+from runs.engine.outage import is_disconnect
 from runs.engine.wakeup import doorbell, notify_runnable
 from runs.errors import Cancelled, Halted, LeaseLost, OverBudget, StepMisuse
 from runs.logcontext import event_written
-from runs.models import Event, EventType, Run, RunStatus, Step
+from runs.models import Event, EventType, Run, RunShaper, RunStatus, Shaped, Step
+
+log = logging.getLogger("stepguard.executor")
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,10 @@ class Lease:
     """A worker's hold on one run; `lost` is set by the heartbeat or a refused write.
 
     `pending` is the completion of the step that just finished, not yet written: the next
-    fenced write of this execution carries it (see `complete_later`).
+    fenced write of this execution carries it (see `complete_later`), or the completion
+    writer does after STEPGUARD_COMPLETION_WINDOW. `lock` is held by whichever thread writes
+    for the lease (the execution's for each write and engine transaction, the completion
+    writer's for its write), so a completion is taken by exactly one write.
     """
 
     run_id: UUID
@@ -52,7 +60,9 @@ class Lease:
     stopping: threading.Event = field(default_factory=threading.Event)
     lost: threading.Event = field(default_factory=threading.Event)
     pending: Completion | None = None
+    pending_at: float = 0.0  # time.monotonic() when `pending` was set
     depth: int = 0  # how many of the engine's own `atomic` blocks are open
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
 
 _TABLE = Run._meta.db_table
@@ -204,6 +214,11 @@ def fence(lease: Lease, checks: Fence = Fence()) -> int:
     write, never inside it. What else it checks and changes is `checks` (see Fence). A pending
     completion is written by the same statement (PostgreSQL) or transaction, its event first.
     """
+    with lease.lock:
+        return _fence(lease, checks)
+
+
+def _fence(lease: Lease, checks: Fence) -> int:
     _own_transaction(lease)
     pending = lease.pending
     total = _with_pending(lease, checks)
@@ -233,44 +248,138 @@ def fence(lease: Lease, checks: Fence = Fence()) -> int:
 def complete_later(lease: Lease, completion: Completion) -> None:
     """Let a finished step's checkpoint ride with the run's next write: one commit per step.
 
-    The code between two steps is deterministic and has no side effects, so a crash before
-    that write re-sends the step with its same idempotency key, exactly as a crash during the
-    step does. Every write of the execution carries it (the next step's start, a wait, the
-    run's end, a pause), so a run that goes on never leaves it behind.
+    A crash before that write re-sends the step with its same idempotency key, exactly as a
+    crash during the step does. Every write of the execution carries it (the next step's
+    start, a wait, the run's end, a pause, a release), and when the workflow works between
+    steps for longer than STEPGUARD_COMPLETION_WINDOW the completion writer writes it by
+    itself: that window is all a crash can re-send.
     """
-    flush(lease)  # never two: a completion always has a write after it (the next start)
-    lease.pending = completion
+    with lease.lock:
+        flush(lease)  # never two: a completion always has a write after it (the next start)
+        lease.pending = completion
+        lease.pending_at = time.monotonic()
+    # Inside a transaction (a test's) no other connection could see the rows to update.
+    if not connection.in_atomic_block:
+        completion_writer.watch(lease)
 
 
 def flush(lease: Lease) -> None:
     """Write the pending completion now, by itself: before a transaction step, whose
     transaction holds business writes for as long as its function runs."""
-    completion, lease.pending = lease.pending, None
-    if completion is None:
-        return
-    event = (EventType.STEP_COMPLETED, completion.key, completion.payload)
-    update = (completion.step_id, completion.fields)
-    try:
-        fenced_write(lease, event, Fence(progress=completion.progress), update_step=update)
-    except BaseException:
-        lease.pending = completion
-        raise
+    with lease.lock:
+        completion, lease.pending = lease.pending, None
+        if completion is None:
+            return
+        event = (EventType.STEP_COMPLETED, completion.key, completion.payload)
+        update = (completion.step_id, completion.fields)
+        try:
+            fenced_write(lease, event, Fence(progress=completion.progress), update_step=update)
+        except BaseException:
+            lease.pending = completion
+            raise
+
+
+class CompletionWriter:
+    """Writes the completions that no write of their execution carried in time.
+
+    One thread per process looks at the leases with a completion pending ten times a window
+    and writes those older than STEPGUARD_COMPLETION_WINDOW, each in a write of its own under
+    the lease's lock. It never waits for a lease's lock (its execution is writing, and carries
+    the completion), and waits for the run row at most STEPGUARD_COMPLETION_WINDOW: an
+    execution thread that holds the row in a transaction of its own gets it then.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._leases: dict[int, Lease] = {}
+        self._thread: threading.Thread | None = None
+
+    def watch(self, lease: Lease) -> None:
+        with self._cond:
+            if id(lease) in self._leases:
+                return
+            self._leases[id(lease)] = lease
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="stepguard-completions", daemon=True
+                )
+                self._thread.start()
+            elif len(self._leases) == 1:
+                self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            window = settings.STEPGUARD_COMPLETION_WINDOW
+            with self._cond:
+                while not self._leases:
+                    self._cond.wait()
+                self._cond.wait(window / 10)
+                leases = list(self._leases.values())
+            now = time.monotonic()
+            for lease in leases:
+                if lease.pending is None or lease.lost.is_set():
+                    with self._cond:
+                        if lease.pending is None or lease.lost.is_set():
+                            self._leases.pop(id(lease), None)
+                elif now - lease.pending_at >= window:
+                    self.write(lease)
+
+    def write(self, lease: Lease, *, wait: float = 0.0) -> None:
+        """Write `lease`'s pending completion now, if its execution is not writing (waiting
+        up to `wait` seconds for it to finish a write)."""
+        if not (lease.lock.acquire(timeout=wait) if wait else lease.lock.acquire(False)):
+            return
+        try:
+            if lease.pending is None or lease.lost.is_set():
+                return
+            with atomic(lease):
+                _bound_lock_wait(settings.STEPGUARD_COMPLETION_WINDOW)
+                flush(lease)
+        except LeaseLost:
+            pass
+        except DatabaseError as exc:
+            # Left to the execution's next write (or its carry-on after an outage): not tried
+            # again here, so a database that is down is not asked every tick.
+            with self._cond:
+                self._leases.pop(id(lease), None)
+            # A lost connection is the outage handling's to tell, once.
+            level = logging.DEBUG if is_disconnect(exc) else logging.WARNING
+            log.log(
+                level, "run %s: a completion left to the run's next write: %s", lease.run_id, exc
+            )
+            connection.close_if_unusable_or_obsolete()
+        finally:
+            lease.lock.release()
+
+
+completion_writer = CompletionWriter()
+
+
+def _bound_lock_wait(seconds: float) -> None:
+    """Wait at most `seconds` for a row or table lock in this transaction."""
+    millis = max(1, int(seconds * 1000))
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{millis}ms"])
+        elif connection.vendor == "sqlite":
+            cursor.execute(f"PRAGMA busy_timeout = {millis}")
 
 
 @contextmanager
 def atomic(lease: Lease):
     """`transaction.atomic()` for writes that may carry the pending completion: if the block
     fails, its writes roll back, the completion among them, so it is pending again."""
-    pending = lease.pending
-    lease.depth += 1
-    try:
-        with transaction.atomic():
-            yield
-    except BaseException:
-        lease.pending = pending
-        raise
-    finally:
-        lease.depth -= 1
+    with lease.lock:
+        pending = lease.pending
+        lease.depth += 1
+        try:
+            with transaction.atomic():
+                yield
+        except BaseException:
+            lease.pending = pending
+            raise
+        finally:
+            lease.depth -= 1
 
 
 def _own_transaction(lease: Lease) -> None:
@@ -397,10 +506,12 @@ def create_run(
     parent_id=None,
     actor: str = "system",
     created: dict | None = None,
+    shapers: Iterable[tuple[Any, str]] = (),
     **fields,
 ) -> Run:
-    """Insert a runnable run and its first event (by `actor`, with `created` in its payload).
-    Call inside a transaction."""
+    """Insert a runnable run and its first event (by `actor`, with `created` in its payload),
+    and the people who shaped it (`shapers`: (user id, Shaped); its starter is one). Call
+    inside a transaction."""
     fields.setdefault("max_attempts", settings.STEPGUARD_RUN_MAX_ATTEMPTS)
     fields.setdefault("trace_context", tracing.carrier_for_new_run(workflow))
     fields.setdefault("wake_at", timezone.now())  # a debounced run: when its quiet period ends
@@ -417,6 +528,9 @@ def create_run(
         run.id, 1, EventType.RUN_CREATED, "", actor, workflow=f"{workflow}@{version}", key=key,
         **(created or {}),
     )  # fmt: skip
+    starter = fields.get("started_by")
+    shaped = [*([(starter.pk, Shaped.STARTED)] if starter is not None else []), *shapers]
+    record_shapers(run.pk, shaped)
     # A run created under a hold (its workflow's, its parent's, the kill switch) is halted
     # from the start: its status says what stops it.
     Run.objects.filter(covered(), pk=run.pk, status=RunStatus.PENDING).update(
@@ -510,6 +624,7 @@ def hot_cursor():
         connection.vendor != "postgresql"
         or not settings.STEPGUARD_PREPARED_STATEMENTS
         or connection.queries_logged
+        or getattr(connection, "stepguard_pooled", False)  # behind a pooler: runs/engine/pooling.py
     ):
         with connection.cursor() as cursor:
             yield cursor
@@ -539,6 +654,17 @@ def fenced_write(
     same statements in a transaction. Returns the step's id. Raises like `fence` when the run
     is no longer ours to write.
     """
+    with lease.lock:
+        return _fenced_write(lease, event, checks, insert_step, update_step)
+
+
+def _fenced_write(
+    lease: Lease,
+    event: tuple[str, str, dict],
+    checks: Fence,
+    insert_step: dict | None,
+    update_step: tuple[int, dict] | None,
+) -> int | None:
     type_, key, payload = event
     _own_transaction(lease)
     if update_step is not None and lease.pending and lease.pending.step_id == update_step[0]:
@@ -614,6 +740,13 @@ def fenced_write(
     lease.pending = None
     transaction.on_commit(lambda: doorbell.ring(lease.run_id), robust=True)
     return step_id
+
+
+def record_shapers(run_id, shapers: Iterable[tuple[Any, str]]) -> None:
+    """Record who shaped a run (the first way each person did is kept)."""
+    rows = [RunShaper(run_id=run_id, user_id=user, how=how) for user, how in shapers if user]
+    if rows:
+        RunShaper.objects.bulk_create(rows, ignore_conflicts=True)
 
 
 def wake_parent(run_id, status: str, parent_id=None) -> None:

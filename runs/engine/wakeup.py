@@ -11,9 +11,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import psycopg
 from django.conf import settings
 from django.db import connection, connections
+
+from runs.engine.pooling import listen_connection
 
 log = logging.getLogger("stepguard.wakeup")
 
@@ -43,7 +44,10 @@ class Listener(threading.Thread):
         lost = False  # one line when the connection goes, one when it is back
         while not self.stop.is_set():
             try:
-                with psycopg.connect(**self.params, autocommit=True) as conn:
+                conn = listen_connection(self.params)
+                if conn is None:
+                    return  # behind a pooler with no direct URL: the worker polls
+                with conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     if lost:
                         log.info("listener reconnected")
@@ -227,7 +231,10 @@ class EventsListener(threading.Thread):
 
         while True:
             try:
-                with psycopg.connect(**self.params, autocommit=True) as conn:
+                conn = listen_connection(self.params)
+                if conn is None:
+                    return  # behind a pooler with no direct URL: live pages poll
+                with conn:
                     conn.execute(f"LISTEN {EVENTS_CHANNEL}")
                     conn.execute(f"LISTEN {DELTAS_CHANNEL}")
                     for note in conn.notifies():

@@ -27,7 +27,7 @@ from runs.engine import flow, holds, registry
 from runs.engine.budget import release_holds
 from runs.engine.executor import execute, release
 from runs.engine.outage import is_disconnect, outage, reconnect, wait_for_database
-from runs.engine.store import Lease, append_event, wake_parent
+from runs.engine.store import Lease, append_event, completion_writer, wake_parent
 from runs.engine.wakeup import Listener, doorbell, is_postgres
 from runs.logcontext import event_written
 from runs.models import Event, EventType, Run, RunStatus, Worker
@@ -145,6 +145,10 @@ class WorkerProcess:
         with self._lock:
             leftovers = list(self.active.values())
         for lease in leftovers:
+            # A step that returned while the workflow works between steps: written first (if
+            # its thread is not writing right now, when that write carries it), so the next
+            # owner replays it instead of re-sending it.
+            completion_writer.write(lease, wait=1.0)
             # The step outlived the grace period: give the run back now, epoch bumped, so the
             # thread still inside the step can never write; the next owner re-sends that step.
             lease.lost.set()

@@ -1,0 +1,156 @@
+"""How long a finished step waits to be recorded, and what back-to-back steps cost.
+
+    .venv/bin/python bench/completions.py
+
+A step's completion rides with the run's next write; when the workflow works between steps,
+the completion writer records it after STEPGUARD_COMPLETION_WINDOW. This measures, on the same
+database in the same run:
+
+- [1] back-to-back steps (bench/steps.py's `bench.long`): statements and commits per step
+  (the carried path: one each);
+- [2] a step followed by 0.5 s of work outside steps: the time from its function's return to
+  its row reading `completed` from another connection, with the default window and, as the
+  baseline, with STEPGUARD_EAGER_COMPLETIONS (a commit of its own at once).
+
+Uses bench/steps.py's database (DATABASE_URL, default stepguard_bench); runs twice in a row.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from django.db import connections
+from django.test.utils import override_settings
+
+from bench import steps as bench_steps
+from bench.steps import (
+    SqlProfile,
+    delete_bench_rows,
+    prepare_database,
+    progress,
+    table,
+)
+from runs.engine.executor import Lease, execute
+from runs.engine.worker import WorkerProcess
+from runs.models import Step, StepStatus
+from runs.sdk import RunContext, start_run, workflow
+
+STEPS = 200
+GAP_RUNS = 15
+GAP_SECONDS = 0.5
+RETURNED: dict[str, float] = {}  # run id -> perf_counter() when step a's function returned
+
+
+bench_steps.BENCH_WORKFLOWS += ("bench.gap",)  # pruned between rounds with the others
+
+
+@workflow("bench.gap", version="1")
+def gap(ctx: RunContext, input: dict) -> str:
+    def a() -> str:
+        RETURNED[str(ctx.run_id)] = time.perf_counter()
+        return "a"
+
+    ctx.step("a", a)
+    deadline = time.perf_counter() + input["gap"]
+    while time.perf_counter() < deadline:  # work outside any step
+        time.sleep(0.001)
+    return ctx.step("b", lambda: "b")
+
+
+def carried(claimer: WorkerProcess) -> dict[str, float]:
+    started = start_run("bench.long", {"steps": STEPS})
+    run = claimer.claim(1)[0]
+    assert run.id == started.id
+    profile = SqlProfile()
+    with profile.attached():
+        execute(run, Lease(run.id, run.lease_epoch))
+    return {
+        "statements": profile.statements / STEPS,
+        "commits": profile.count["COMMIT"] / STEPS,
+    }
+
+
+def recorded_after(claimer: WorkerProcess) -> list[float]:
+    """Seconds from step a's return to its row reading `completed`, per run."""
+    delays = []
+    for _ in range(GAP_RUNS):
+        started = start_run("bench.gap", {"gap": GAP_SECONDS})
+        run = claimer.claim(1)[0]
+        assert run.id == started.id
+        seen: dict[str, float] = {}
+
+        def watch(run_id=str(run.id), seen=seen) -> None:
+            try:
+                step = Step.objects.filter(run_id=run_id, key="a")
+                while step.values_list("status", flat=True).first() != StepStatus.COMPLETED:
+                    time.sleep(0.001)
+                seen["at"] = time.perf_counter()
+            finally:
+                connections.close_all()
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        execute(run, Lease(run.id, run.lease_epoch))
+        watcher.join()
+        delays.append(seen["at"] - RETURNED[str(run.id)])
+    return delays
+
+
+def main() -> int:
+    error = prepare_database()
+    if error:
+        print(f"cannot benchmark: {error}", file=sys.stderr)
+        return 2
+    rows = []
+    for round_ in (1, 2):  # twice in a row on the same database
+        delete_bench_rows()
+        claimer = WorkerProcess(concurrency=1)
+        claimer.register()
+        progress(f"round {round_}: {STEPS} back-to-back steps")
+        cost = carried(claimer)
+        progress(f"round {round_}: {GAP_RUNS} runs with {GAP_SECONDS} s between steps")
+        window = recorded_after(claimer)
+        with override_settings(STEPGUARD_EAGER_COMPLETIONS=True):
+            eager = recorded_after(claimer)
+        w, e = statistics.median(window), statistics.median(eager)
+        rows.append(
+            [
+                round_,
+                f"{cost['statements']:.2f}",
+                f"{cost['commits']:.2f}",
+                f"{w * 1000:.1f}",
+                f"{max(window) * 1000:.1f}",
+                f"{e * 1000:.1f}",
+                f"{w / e:.1f}x",
+            ]
+        )
+    from django.conf import settings
+
+    bound = settings.STEPGUARD_COMPLETION_WINDOW * 1.1
+    print(f"STEPGUARD_COMPLETION_WINDOW={settings.STEPGUARD_COMPLETION_WINDOW} s (bound {bound} s)")
+    print(
+        table(
+            [
+                "round",
+                "statements/step",
+                "commits/step",
+                "recorded after (ms, median)",
+                "max",
+                "eager baseline (ms)",
+                "ratio",
+            ],
+            rows,
+            right={1, 2, 3, 4, 5, 6},
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Four eyes: nobody who shaped what an approval approves may decide it.
+
+Before, the rule looked only at who started the run and its parents: a fork had no starter, a
+debounced start that replaced another person's input left the run counted as theirs, and a
+schedule's runs were started as its author, whoever resumed it, even once the author was
+deactivated.
+"""
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.contrib.auth.models import Group
+from django.utils import timezone
+
+from approvals.models import ApprovalRequest
+from approvals.services import decide
+from runs import schedules
+from runs.errors import Forbidden
+from runs.models import Run, Schedule
+from runs.operations import fork_run, pause_schedule, save_schedule
+from runs.sdk import start_run
+from tests import workflows
+
+
+@pytest.fixture
+def both(django_user_model, cast):
+    """An operator who is also an approver."""
+    user = django_user_model.objects.create_user("olga", password="x")
+    user.groups.add(Group.objects.get(name="operator"), Group.objects.get(name="approver"))
+    return user
+
+
+def pending_approval(run) -> ApprovalRequest:
+    return ApprovalRequest.objects.get(run=run, status="pending")
+
+
+def test_who_started_a_run_may_not_approve_a_fork_of_it(drive, both, cast):
+    """The issue's bypass: refused on the run, they forked it and approved the fork."""
+    run = start_run("approver", {"amount": 5}, started_by=both)
+    drive()
+    with pytest.raises(Forbidden, match="started run"):
+        decide(pending_approval(run).pk, "approve", both)
+    decide(pending_approval(run).pk, "reject", cast["ada"])
+    drive()
+    fork = fork_run(run.pk, "ok", both, "ask again")
+    drive()
+    assert Run.objects.get(pk=fork.pk).started_by is None
+    with pytest.raises(Forbidden, match=f"started run {run.pk}"):
+        decide(pending_approval(fork).pk, "approve", both)
+    decide(pending_approval(fork).pk, "approve", cast["ada"])
+    drive()
+    assert workflows.calls.get("charge") == 1
+
+
+def test_who_forks_a_run_may_not_approve_what_the_fork_asks(drive, both, cast):
+    run = start_run("approver", {"amount": 5}, started_by=cast["otto"])
+    drive()
+    decide(pending_approval(run).pk, "reject", cast["ada"])
+    drive()
+    fork = fork_run(run.pk, "ok", both, "ask again")
+    drive()
+    with pytest.raises(Forbidden, match=f"forked run {fork.pk}"):
+        decide(pending_approval(fork).pk, "approve", both)
+
+
+def test_who_replaces_a_debounced_runs_input_may_not_approve_it(drive, both, cast):
+    first = start_run("debounced-payer", {"account": "acme", "amount": 5}, started_by=cast["otto"])
+    replaced = start_run("debounced-payer", {"account": "acme", "amount": 99999}, started_by=both)
+    assert replaced.pk == first.pk and not replaced.was_created
+    Run.objects.filter(pk=first.pk).update(wake_at=timezone.now())  # the quiet period is over
+    drive()
+    with pytest.raises(Forbidden, match=r"gave run \S+ its input"):
+        decide(pending_approval(first).pk, "approve", both)
+    decide(pending_approval(first).pk, "approve", cast["ada"])
+
+
+def scheduled_run(name: str) -> Run | None:
+    """Fire the schedule's 03:00 tick (as a worker would at 03:00:30)."""
+    tick = datetime(2026, 12, 2, 3, tzinfo=UTC)
+    Schedule.objects.filter(name=name).update(next_fire_at=tick)
+    schedules.fire_due({"approver"}, now=tick + timedelta(seconds=30))
+    return Run.objects.filter(workflow="approver").order_by("-created_at").first()
+
+
+def test_who_resumes_someone_elses_schedule_may_not_approve_its_runs(drive, both, cast):
+    save_schedule(cast["otto"], "nightly", workflow="approver", cron="0 3 * * *",
+                  input={"amount": 7})  # fmt: skip
+    pause_schedule(both, "nightly", True)
+    pause_schedule(both, "nightly", False)
+    run = scheduled_run("nightly")
+    drive()
+    with pytest.raises(Forbidden, match="schedule"):
+        decide(pending_approval(run).pk, "approve", both)
+    decide(pending_approval(run).pk, "approve", cast["ada"])
+
+
+def test_a_deactivated_authors_schedule_stops_firing(cast):
+    save_schedule(cast["otto"], "nightly", workflow="approver", cron="0 3 * * *",
+                  input={"amount": 7})  # fmt: skip
+    cast["otto"].is_active = False
+    cast["otto"].save()
+    assert scheduled_run("nightly") is None
