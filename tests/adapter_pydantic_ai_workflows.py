@@ -211,3 +211,12 @@ async def pa_shop(ctx, input: dict):
 @workflow("pa-run-sync-in-async")
 async def pa_run_sync_in_async(ctx, input: dict):
     return StepguardAgent(planner, ctx).run_sync("Plan dinner.", **plan_options(ctx, input))
+
+
+#: An agent with no name: Pydantic AI would name it after a variable on its first run.
+anonymous = Agent(deps_type=Deps)
+
+
+@workflow("pa-anonymous")
+def pa_anonymous(ctx, input: dict):
+    return result_of(StepguardAgent(anonymous, ctx).run_sync("Hello."))

@@ -333,3 +333,14 @@ def test_run_sync_in_an_async_workflow_is_refused_with_a_clear_error(drive, demo
     run.refresh_from_db()
     assert run.error["code"] == "sdk_misuse" and "await agent.run(...)" in run.error["message"]
     assert demo_model.total == 0
+
+
+def test_an_agent_without_a_name_is_refused_before_anything_is_sent(drive, demo_model):
+    """Before, its step keys came from the caller's variable name once Pydantic AI had
+    inferred it, so the next execution in the process found other keys (NonDeterminismError
+    after an approval)."""
+    run = start_run("pa-anonymous", {})
+    assert drive() == ["failed"]
+    run.refresh_from_db()
+    assert "give the agent one" in run.error["message"] and "name=" in run.error["message"]
+    assert demo_model.total == 0

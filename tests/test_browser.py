@@ -428,7 +428,7 @@ def test_a_dropped_live_feed_reconnects_and_backfills_the_missed_steps_once(
 
     cast["vera"]
     steps = 12
-    run = start_run("ledger", {"steps": steps, "sleep": 0.3})
+    run = start_run("ledger", {"steps": steps, "sleep": 0.5})
     sockets = []
     page.on("websocket", lambda ws: sockets.append(ws))
     login(page, server, "vera", f"/runs/{run.pk}")
@@ -467,9 +467,11 @@ def test_a_dropped_live_feed_reconnects_and_backfills_the_missed_steps_once(
     rows_at_drop = page.locator("#timeline tr[id^=step-]").count()
     last_event = page.locator("#history li[id^=event-]").last.get_attribute("id")
     done_at_drop = Step.objects.filter(run=run, status="completed").count()
+    # Three more (or the rest: on a loaded machine the drop may land late in the run).
+    more = min(done_at_drop + 3, steps)
     wait_until(
-        lambda: Step.objects.filter(run=run, status="completed").count() >= done_at_drop + 3,
-        what="three steps to complete while the page is offline",
+        lambda: Step.objects.filter(run=run, status="completed").count() >= more,
+        what="steps to complete while the page is offline",
     )
     assert page.locator("#timeline tr[id^=step-]").count() == rows_at_drop  # nothing came
     assert page.evaluate("window.__ws.open") == 0, [ws.url for ws in sockets]  # still disconnected

@@ -391,26 +391,21 @@ def test_sixty_requests_a_minute_hold_across_three_workers_and_waiting_holds_no_
     runs = [start_run("flow.ask", {"n": n}) for n in range(66)]
     for _ in range(3):
         spawn_worker(*FLOW, "--concurrency", "4")
-    # Once the 60 have completed, the six over the limit wait for capacity released: no
-    # worker holds them (none is running) for the rest of the minute.
-    throttled = Run.objects.filter(
-        status=RunStatus.WAITING, worker__isnull=True, steps__error__throttled="demo-rate"
-    )
-    wait_until(
-        lambda: (
-            throttled.count() == 6 and Run.objects.filter(status=RunStatus.COMPLETED).count() == 60
-        ),
-        timeout=60,
-        what="60 runs completed and six waiting for the rate limit",
-    )
-    assert not Run.objects.filter(status=RunStatus.RUNNING).exists()
-    wait_all_done(runs, timeout=150)
+    wait_all_done(runs, timeout=180)
+    # The runs over the limit waited for capacity released without a worker: each gave its
+    # run back (`waiting`) at the throttle and was claimed again when capacity returned. (This
+    # reads the history, not a moment: on a loaded machine the first 60 may not all be done
+    # before the minute ends and the six move on.)
+    throttled = Event.objects.filter(type="step.throttled").values_list("run_id", "seq")
+    assert len({run for run, _ in throttled}) >= 6
+    for run_id, seq in throttled:
+        after = Event.objects.filter(run_id=run_id, seq__gt=seq).order_by("seq")
+        assert after.filter(type="run.woken").exists(), f"run {run_id} was not given back"
     arrivals = sorted(demo_model.arrivals)
     assert len(arrivals) == 66
     # No minute at the model saw more than 60 calls, and the limit was reached.
     busiest = max(sum(1 for t in arrivals if start <= t < start + 60) for start in arrivals)
     assert busiest == 60
-    assert Event.objects.filter(type="step.throttled").count() >= 6
 
 
 # -- the dashboard's Flow page ---------------------------------------------------------------------

@@ -118,7 +118,15 @@ class StepguardAgent(WrapperAgent[AgentDepsT, OutputDataT]):
     ):
         super().__init__(wrapped)
         self.ctx = ctx
-        self.key = key or wrapped.name or "agent"
+        name = key or wrapped.name
+        if not name:
+            # Pydantic AI names an unnamed agent after the caller's variable on its first
+            # run and keeps that name: keys taken from it would change between executions.
+            raise StepMisuse(
+                "a StepguardAgent keys its steps by the agent's name: give the agent one "
+                "(Agent(..., name='support')) or pass key='support'"
+            )
+        self.key = name
         if "#" in self.key:
             raise StepMisuse(f"a step key cannot contain '#': {self.key!r}")
         self.requires_approval = dict(requires_approval or {})
@@ -127,6 +135,10 @@ class StepguardAgent(WrapperAgent[AgentDepsT, OutputDataT]):
         self.tool_retry = tool_retry
         self._bridged: AsyncRunContext | None = None  # a sync workflow's, during run_sync
         self._runs = 0
+
+    def _infer_name(self, function_frame: Any) -> None:
+        """Never: a name taken from a variable would rename the wrapped agent (and its step
+        keys) for the process's next executions."""
 
     def _async_context(self) -> AsyncRunContext:
         if self._bridged is not None:

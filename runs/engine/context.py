@@ -18,7 +18,7 @@ from runs.engine.steps import Steps
 from runs.engine.store import Lease
 from runs.engine.waits import Waits
 from runs.errors import StepguardError
-from runs.models import Run, Step
+from runs.models import Run, Step, StepStatus
 
 
 class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
@@ -67,5 +67,8 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         self._last_request: tuple[int, dict, bool | None] | None = None
         lease.workflow = run.workflow
         self._last_seq = max(history, default=-1)
+        #: Whether a step may be left `started` when the run ends (found so, or cut off in
+        #: flight): the run's end then marks it (lifecycle._finish).
+        self._left_started = any(s.status == StepStatus.STARTED for s in history.values())
         #: The step whose failure ended the run's last attempt, if one did: run again.
         self._failed_step = (run.error or {}).get("step") if run.error else None

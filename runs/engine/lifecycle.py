@@ -143,6 +143,7 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
             EventType.RUN_COMPLETED,
             {},
             parent_id=run.parent_id,
+            in_doubt=ctx._left_started,
             status=RunStatus.COMPLETED,
             output=output,
             error=None,
@@ -186,16 +187,19 @@ def _database_error(run: Run, exc: DatabaseError, doing: str) -> Outcome:
     return Outcome.ABANDONED
 
 
-def _finish(lease: Lease, event: str, payload: dict, *, parent_id=None, **fields) -> None:
+def _finish(
+    lease: Lease, event: str, payload: dict, *, parent_id=None, in_doubt: bool = True, **fields
+) -> None:
     """End the run: its row and its event in one fenced write (with the last step's pending
-    completion), after giving back what unfinished steps still hold."""
+    completion), after giving back what unfinished steps still hold. `in_doubt=False`: the
+    execution knows no step is left `started` (a completed run's usual case: no statement)."""
     ending = fields.get("status") in TERMINAL_STATUSES
     with atomic(lease):
         if ending:
             release_holds(lease.run_id, zero_run=False)  # the write below zeroes the run's
             fields |= {"reserved_micros": 0, "reserved_tokens": 0}
         fenced_write(lease, (event, "", payload), Fence(progress=True, run=tuple(fields.items())))
-        if ending:
+        if ending and in_doubt:
             # A step the run never came back to (a crash left it `started`, then the run ended
             # another way): a finished run keeps no step that looks in flight.
             Step.objects.filter(run_id=lease.run_id, status=StepStatus.STARTED).update(

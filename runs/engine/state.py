@@ -40,6 +40,7 @@ class ContextState:
     _seq: int
     _last_seq: int
     _failed_step: str | None
+    _left_started: bool
     _occurrences: dict[str, int]
     _cancel_requested: bool
     _forked_from: Any

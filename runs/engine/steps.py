@@ -419,9 +419,12 @@ class Steps(ContextState):
                 if isinstance(value, Metered):
                     value, usage = value.value, value.usage
                 output = to_json(value, what=f"the output of step {key!r}")
-            except (ControlFlow, CancelledError):
-                # Cancelled in flight (its event loop closing): no attempt and no failure. The
-                # step stays `started`, re-sent with its key (marked `resent`) next time.
+            except ControlFlow:
+                raise
+            except (CancelledError, asyncio.CancelledError):
+                # Cancelled in flight: no attempt and no failure. The step stays `started`,
+                # re-sent with its key (marked `resent`) next time.
+                self._left_started = True
                 raise
             except (Exception, SystemExit) as exc:  # sys.exit() in a step is its failure
                 if (delay := policy.next_delay(exc, tries)) is not None:
