@@ -129,9 +129,10 @@ def fire_due(workflows: set[str], now: datetime | None = None) -> int:
                             started_by=schedule.created_by,
                             shaped_by=schedule.shaped_by,
                             created={"schedule": schedule.name, "tick": tick.isoformat()},
+                            engine=True,
                         )
                         started += int(run.was_created)
-            except StepguardError as exc:
+            except (StepguardError, ValueError) as exc:  # ValueError: a foreign run's key
                 # A tick whose run cannot be started (its input no longer fits the workflow)
                 # is missed, said in the log; it must not stop the other schedules or claims.
                 log.error("schedule %s: no run for its ticks up to %s: %s",

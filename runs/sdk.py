@@ -34,6 +34,7 @@ from runs.errors import (
     ChildFailed,
     Conflict,
     DecisionError,
+    InvalidInput,
     ModelRequestRejected,
     NonDeterminismError,
     OperationError,
@@ -145,6 +146,7 @@ def start_run(
     priority: int | None = None,
     created: dict[str, Any] | None = None,
     shaped_by: list[int] | None = None,
+    engine: bool = False,
 ) -> Run:
     """Start a run of workflow `name` (its newest registered version unless `version` is given).
 
@@ -155,9 +157,13 @@ def start_run(
     on the `run.created` event, with the run's budget: the person who started a run may not
     approve its actions (STEPGUARD_FOUR_EYES), nor may anyone in `shaped_by` (user ids: a
     schedule's authors and resumers). `priority` (-1000 to 1000) overrides the workflow's;
-    `created` adds to what the `run.created` event records (a schedule's tick).
+    `created` adds to what the `run.created` event records (a schedule's tick). The
+    engine's own workflows (`stepguard.*`) and run keys (`notify:`, `schedule:`) are refused
+    (InvalidInput) unless `engine` says the engine itself is starting the run.
     """
     shapers = [(user, Shaped.SCHEDULED) for user in shaped_by or ()]
+    if not engine:
+        refuse_reserved(name, key)
     definition = registry.get(name, version)
     data = to_json(input, what=f"the input of workflow {name!r}")
     if priority is None:
@@ -209,6 +215,22 @@ def start_run(
         return existing
     run.was_created = True
     return run
+
+
+#: Run keys the engine gives its own runs: a notification delivery, a schedule's tick.
+RESERVED_KEY_PREFIXES = ("notify:", "schedule:")
+
+
+def refuse_reserved(workflow: str, key: str | None) -> None:
+    """A person (the API, the dashboard, the CLI, a script) may not start the engine's own
+    workflows, nor take a key the engine keys its runs by: a planted `notify:<channel>:<event>`
+    would stop that channel's deliveries, a `schedule:<name>:<tick>` run a tick with another
+    input."""
+    if registry.builtin(workflow):
+        raise InvalidInput(f"workflow {workflow!r} is Stepguard's own: it is not started by hand")
+    if isinstance(key, str) and key.startswith(RESERVED_KEY_PREFIXES):
+        prefixes = " and ".join(f"'{p}'" for p in RESERVED_KEY_PREFIXES)
+        raise InvalidInput(f"run key {key!r}: keys starting with {prefixes} are Stepguard's own")
 
 
 def _debounced(
