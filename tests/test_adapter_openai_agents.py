@@ -336,3 +336,22 @@ def test_a_worker_killed_mid_run_completes_it_with_no_completed_call_repeated(
     assert Step.objects.get(run=run, key="tool:weather").recovered == "resent"
     assert len({e["pid"] for e in effects(tmp_path, "weather")}) == 2  # each worker ran it
     assert run.output == sdk_output(tmp_path, input)
+
+
+def test_usage_without_cache_write_tokens_is_recorded_and_valid_for_the_sdk():
+    """Before, a provider's usage that left `cache_write_tokens` out (None in the SDK's
+    usage) failed `Runner.run_streamed`: the final event's usage no longer validated."""
+    from agents.usage import Usage
+    from openai.types.responses import ResponseUsage
+    from openai.types.responses.response_usage import InputTokensDetails
+
+    from runs.adapters.openai_agents import _recorded
+
+    details = InputTokensDetails.model_construct(cached_tokens=3, cache_write_tokens=None)
+    usage = Usage(requests=1, input_tokens=10, output_tokens=5, total_tokens=15)
+    usage.input_tokens_details = details
+    recorded = _recorded([], usage, "gpt-4o", "resp_1", None)
+    fields = {k: v for k, v in recorded["usage"].items() if k != "requests"}
+    valid = ResponseUsage.model_validate(fields)
+    assert valid.input_tokens_details.cached_tokens == 3
+    assert valid.input_tokens_details.cache_write_tokens == 0

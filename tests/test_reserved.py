@@ -47,7 +47,8 @@ def test_the_cli_refuses_them_too(db):
 
 
 def test_a_sweep_that_meets_a_foreign_run_on_its_key_skips_it_and_delivers_the_rest(
-    drive, receiver  # noqa: F811
+    drive,
+    receiver,  # noqa: F811
 ):
     hook = receiver()
     channel = notifications.add_channel(None, "webhook", hook.url, ["run.failed"])

@@ -471,7 +471,10 @@ def _spec(tool: Any) -> dict:
 def _recorded(output: list, usage: Any, model: str, response_id, request_id) -> dict:
     """A model response as the step stores it: its output items as the API's JSON, and its
     usage in the responses API's shape, which Stepguard prices."""
-    details = {"input_tokens_details": {"cached_tokens": 0}}
+    # Every count the responses API's usage requires, 0 unless the provider said otherwise:
+    # a provider that omits one (cache writes, often) must not fail the run when the usage is
+    # validated again for the SDK (run_streamed's final event).
+    details = {"input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}}
     details["output_tokens_details"] = {"reasoning_tokens": 0}
     for name in details:
         if (value := getattr(usage, name, None)) is not None:
