@@ -149,9 +149,9 @@ def fire_due(workflows: set[str], now: datetime | None = None) -> int:
 
 
 def _author_active() -> Q:
-    """A schedule fires in its author's name: not once they are deactivated (a schedule
-    declared in code has no author)."""
-    return Q(created_by__isnull=True) | Q(created_by__is_active=True)
+    """A schedule fires in its author's name: not once they are deactivated or deleted (a
+    schedule declared in code has no author)."""
+    return Q(created_by__is_active=True) | Q(created_by__isnull=True, shaped_by=[])
 
 
 def next_due(workflows: set[str]) -> datetime | None:
@@ -182,6 +182,8 @@ def save(
     if not name or len(name) > 200 or ":" in name:
         raise ScheduleError("a schedule name is 1 to 200 characters, without ':'")
     registry.load_configured()
+    if registry.builtin(workflow):
+        raise ScheduleError(f"workflow {workflow!r} is Stepguard's own: it is not scheduled")
     try:
         definition = registry.get(workflow)
     except UnknownWorkflow as exc:

@@ -75,9 +75,9 @@ def test_who_replaces_a_debounced_runs_input_may_not_approve_it(drive, both, cas
 
 
 def scheduled_run(name: str) -> Run | None:
-    """Fire the schedule's 03:00 tick (as a worker would at 03:00:30)."""
+    """Fire the schedules' 03:00 tick (as a worker would at 03:00:30)."""
     tick = datetime(2026, 12, 2, 3, tzinfo=UTC)
-    Schedule.objects.filter(name=name).update(next_fire_at=tick)
+    Schedule.objects.update(next_fire_at=tick)
     schedules.fire_due({"approver"}, now=tick + timedelta(seconds=30))
     return Run.objects.filter(workflow="approver").order_by("-created_at").first()
 
@@ -100,3 +100,21 @@ def test_a_deactivated_authors_schedule_stops_firing(cast):
     cast["otto"].is_active = False
     cast["otto"].save()
     assert scheduled_run("nightly") is None
+
+
+def test_a_deleted_authors_schedule_stops_firing_and_the_others_go_on(cast):
+    """A schedule keeps the ids of who shaped it: a deleted one must neither fire in nobody's
+    name nor fail the firing of every schedule beside it."""
+    save_schedule(cast["otto"], "nightly", workflow="approver", cron="0 3 * * *",
+                  input={"amount": 7})  # fmt: skip
+    schedules.save("plain", workflow="approver", cron="0 3 * * *", input={"amount": 1})
+    cast["otto"].delete()
+    run = scheduled_run("nightly")  # fires the 03:00 tick of both
+    assert run is not None and run.input == {"amount": 1}
+    assert Run.objects.count() == 1
+
+
+def test_the_engines_own_workflows_cannot_be_scheduled(cast):
+    with pytest.raises(schedules.ScheduleError, match="Stepguard's own"):
+        save_schedule(cast["otto"], "spam", workflow="stepguard.notify", cron="* * * * *",
+                      input={"channel": 1, "event": 1})  # fmt: skip

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from runs.engine.records import error_record
 from runs.engine.state import ContextState
 from runs.errors import StepFailed
+
+log = logging.getLogger("stepguard.executor")
 
 if TYPE_CHECKING:
     from runs.engine.context import RunContext
@@ -30,12 +32,18 @@ class Compensation(ContextState):
         idempotency key so the service answers with what it did; then it is undone too.
         """
         self._compensating = True
-        if (resolve := self._in_doubt) is not None:
-            self._in_doubt = None
+        doubts, self._in_doubt = self._in_doubt, {}
+        for key, resolve in doubts.items():
             # Reconciled or re-sent with its key, and remembered if it happened; a StepFailed
-            # means it did not (recorded as failed): nothing to undo.
-            with contextlib.suppress(StepFailed):
+            # means it did not (recorded as failed): nothing to undo. Any other error leaves
+            # its outcome unknown (the run's end marks it so): the others are still undone.
+            try:
                 resolve()
+            except StepFailed:
+                pass
+            except Exception:
+                log.exception("run %s: step %r may have run and could not be resolved; "
+                              "it is not undone", self.run_id, key)  # fmt: skip
         done = []
         for key, undo, output in reversed(self._compensations):
             self._run_step(f"undo:{key}", undo, (output,), {}, internal=True)

@@ -50,7 +50,7 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         self._compensating = False
         # A step found `started` (it may have run) whose re-send a cancel refused: resolved
         # and then undone with the other compensations.
-        self._in_doubt: Callable[[], Any] | None = None
+        self._in_doubt: dict[str, Callable[[], Any]] = {}
         #: A run recovering from a lost worker completes each step at once: if the process
         #: keeps dying right after a step, that step must not be re-sent each time.
         self._eager = run.recoveries > 0

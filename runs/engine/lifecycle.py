@@ -23,7 +23,7 @@ from runs.engine.budget import next_day_start, release_holds
 from runs.engine.compensation import run_compensations
 from runs.engine.context import RunContext
 from runs.engine.outage import is_disconnect
-from runs.engine.records import brief, error_record
+from runs.engine.records import INTERRUPTED, brief, error_record
 from runs.engine.replay import REPLAY_FIELDS
 from runs.engine.serialization import to_json
 from runs.engine.store import (
@@ -105,6 +105,8 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
             history = {s.seq: s for s in checkpoints}
     except DatabaseError as exc:
         return _database_error(run, exc, "loading checkpoints")
+    except LeaseLost:
+        return Outcome.LOST
     ctx = RunContext(run, history, lease)
     ctx._trace = trace_parent
     if run.recoveries >= settings.STEPGUARD_MAX_RECOVERIES:
@@ -205,7 +207,7 @@ def _finish(
             Step.objects.filter(run_id=lease.run_id, status=StepStatus.STARTED).update(
                 status=StepStatus.FAILED,
                 error={
-                    "type": "Interrupted",
+                    "type": INTERRUPTED,
                     "message": f"the run ended ({fields['status']}) while this step's outcome "
                     "was unknown: it may or may not have happened",
                     "retryable": False,
@@ -241,7 +243,9 @@ def _give_back(
         holds.lock_policies(chain)
         event_seq = fence(lease, Fence(progress=True))
         holds.lock_ancestors(chain)
-        run = chain[0]
+        # Read again under the lock: a halt of this run may have landed since `chain_of`.
+        columns = ("id", "parent_id", "workflow", "halted_at", "halted_by", "halt_reason")
+        run = Run.objects.only(*columns).get(pk=lease.run_id)
 
         def moment(value: datetime | None):
             return Cast(Value(value), output_field=DateTimeField())  # a typed NULL too

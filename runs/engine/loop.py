@@ -12,6 +12,7 @@ thread. The price is asyncio's usual rule: async workflow code must not block.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import threading
 
@@ -24,15 +25,25 @@ def engine_loop() -> asyncio.AbstractEventLoop:
     """The running loop of this process (started on first use, again in a forked child)."""
     global _loop, _pid
     with _lock:
-        if _loop is None or _pid != os.getpid():
+        if _loop is None or _pid != os.getpid() or not _loop.is_running():
             loop = asyncio.new_event_loop()
             started = threading.Event()
-            threading.Thread(
+            thread = threading.Thread(
                 target=_serve, args=(loop, started), name="stepguard-loop", daemon=True
-            ).start()
+            )
+            thread.start()
             started.wait()
             _loop, _pid = loop, os.getpid()
+            atexit.register(_stop, loop, thread)
         return _loop
+
+
+def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """At exit: stop the loop before the interpreter finalizes (no daemon thread may wake
+    into a dying interpreter)."""
+    if loop.is_running():
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(1.0)
 
 
 def _serve(loop: asyncio.AbstractEventLoop, started: threading.Event) -> None:

@@ -61,7 +61,12 @@ def listen_connection(params: dict):
     if settings.STEPGUARD_DATABASE_DIRECT_URL:
         return psycopg.connect(settings.STEPGUARD_DATABASE_DIRECT_URL, autocommit=True)
     conn = psycopg.connect(**params, autocommit=True)
-    if settings.STEPGUARD_DETECT_POOLER and is_pooled(conn):
+    try:
+        pooled = settings.STEPGUARD_DETECT_POOLER and is_pooled(conn)
+    except Exception:
+        conn.close()
+        raise
+    if pooled:
         conn.close()
         log.warning(
             "DATABASE_URL goes through a connection pooler, which drops LISTEN: set "

@@ -49,6 +49,10 @@ class Decision:
         )
 
 
+#: The error type of a step its run ended without coming back to: it may have happened.
+INTERRUPTED = "Interrupted"
+
+
 def storable(text: str) -> str:
     """`text` as a database can hold it: NUL and lone surrogates (which PostgreSQL's text and
     JSON refuse, and UTF-8 cannot encode) written as their escapes, so an error message that

@@ -47,7 +47,7 @@ class ContextState:
     _give_up: StepguardError | None
     _compensations: list[tuple[str, Callable, Any]]
     _compensating: bool
-    _in_doubt: Callable[[], Any] | None
+    _in_doubt: dict[str, Callable[[], Any]]
     _eager: bool
     _trace: Any
     _patches: dict[str, bool]

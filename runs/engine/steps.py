@@ -29,7 +29,7 @@ from runs.engine.budget import (
 from runs.engine.checkpoints import Held
 from runs.engine.llm import retry_after
 from runs.engine.loop import engine_loop
-from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, brief
+from runs.engine.records import CURRENT_STEP, INTERRUPTED, NOT_FOUND, Decision, Running, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import describe_input, to_json
 from runs.engine.state import ContextState
@@ -43,6 +43,14 @@ from runs.errors import (
     Suspended,
 )
 from runs.models import EventType, Recovery, Step, StepKind, StepStatus
+
+
+def may_have_run(record: Step) -> bool:
+    """A step whose outcome is unknown: `started` when its worker died, or marked so when its
+    run ended before coming back to it (lifecycle._finish), and retried since."""
+    if record.status == StepStatus.STARTED:
+        return True
+    return record.status == StepStatus.FAILED and (record.error or {}).get("type") == INTERRUPTED
 
 
 class Steps(ContextState):
@@ -126,7 +134,7 @@ class Steps(ContextState):
         in_doubt = (
             record is not None
             and record.key == key
-            and record.status == StepStatus.STARTED
+            and may_have_run(record)
             and compensate is not None
             and on_ambiguous == "resend"
             and not self._compensating
@@ -134,16 +142,16 @@ class Steps(ContextState):
         if in_doubt:
             # If a cancel refuses the re-send, the cancel resolves it (reconciles or re-sends
             # it with its key, as a compensation) and then undoes it: it may have happened.
-            self._in_doubt = lambda: self._at(key, seq, record, fn, args, kwargs, **options)
+            self._in_doubt[key] = lambda: self._at(key, seq, record, fn, args, kwargs, **options)
         try:
             self._admit(key, seq, record)
             output = self._at(key, seq, record, fn, args, kwargs, **options)
         except Cancelled:
             raise
         except BaseException:
-            self._in_doubt = None
+            self._in_doubt.pop(key, None)
             raise
-        self._in_doubt = None
+        self._in_doubt.pop(key, None)
         return output
 
     def _at(
@@ -172,7 +180,7 @@ class Steps(ContextState):
             # this run undoes only what it did itself.
             return self._remember(key, None if record.inherited else compensate, record.output)
         idem = f"{self.run_id}:{key}"
-        ambiguous = record is not None and record.status == StepStatus.STARTED
+        ambiguous = record is not None and may_have_run(record)
         if record is not None and ambiguous and (reconcile is not None or on_ambiguous == "ask"):
             found = (
                 self._reconcile(record, reconcile, idem)

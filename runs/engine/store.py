@@ -6,6 +6,7 @@ claims, wake-ups and operator actions on the same run, on PostgreSQL and on SQLi
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -27,7 +28,7 @@ from runs.engine.outage import is_disconnect
 from runs.engine.wakeup import doorbell, notify_runnable
 from runs.errors import Cancelled, Halted, LeaseLost, OverBudget, StepMisuse
 from runs.logcontext import event_written
-from runs.models import Event, EventType, Run, RunShaper, RunStatus, Shaped, Step
+from runs.models import Event, EventType, Run, RunShaper, RunStatus, Shaped, Step, StepStatus
 
 log = logging.getLogger("stepguard.executor")
 
@@ -293,10 +294,11 @@ class CompletionWriter:
         self._cond = threading.Condition()
         self._leases: dict[int, Lease] = {}
         self._thread: threading.Thread | None = None
+        self._stopped = False
 
     def watch(self, lease: Lease) -> None:
         with self._cond:
-            if id(lease) in self._leases:
+            if id(lease) in self._leases or self._stopped:
                 return
             self._leases[id(lease)] = lease
             if self._thread is None or not self._thread.is_alive():
@@ -304,15 +306,27 @@ class CompletionWriter:
                     target=self._loop, name="stepguard-completions", daemon=True
                 )
                 self._thread.start()
+                atexit.register(self.stop)
             elif len(self._leases) == 1:
                 self._cond.notify()
+
+    def stop(self) -> None:
+        """At exit: end the thread before the interpreter finalizes, so no daemon thread wakes
+        into a dying interpreter (a worker aborted once with "exception not rethrown")."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(1.0)
 
     def _loop(self) -> None:
         while True:
             window = settings.STEPGUARD_COMPLETION_WINDOW
             with self._cond:
-                while not self._leases:
+                while not self._leases and not self._stopped:
                     self._cond.wait()
+                if self._stopped:
+                    return
                 self._cond.wait(window / 10)
                 leases = list(self._leases.values())
             now = time.monotonic()
@@ -330,23 +344,25 @@ class CompletionWriter:
         if not (lease.lock.acquire(timeout=wait) if wait else lease.lock.acquire(False)):
             return
         try:
-            if lease.pending is None or lease.lost.is_set():
+            if (pending := lease.pending) is None or lease.lost.is_set():
                 return
-            with atomic(lease):
-                _bound_lock_wait(settings.STEPGUARD_COMPLETION_WINDOW)
+            if not Step.objects.filter(pk=pending.step_id, status=StepStatus.STARTED).exists():
+                # A write that carried it committed though its connection broke before the
+                # answer: it is recorded (its execution's carry-on finds that too).
+                lease.pending = None
+                return
+            with atomic(lease), _bounded_lock_wait(settings.STEPGUARD_COMPLETION_WINDOW):
                 flush(lease)
         except LeaseLost:
             pass
         except DatabaseError as exc:
-            # Left to the execution's next write (or its carry-on after an outage): not tried
-            # again here, so a database that is down is not asked every tick.
-            with self._cond:
-                self._leases.pop(id(lease), None)
-            # A lost connection is the outage handling's to tell, once.
-            level = logging.DEBUG if is_disconnect(exc) else logging.WARNING
-            log.log(
-                level, "run %s: a completion left to the run's next write: %s", lease.run_id, exc
-            )
+            if is_disconnect(exc):
+                # Left to the execution's carry-on after the outage (which the outage handling
+                # tells, once): not asked again every tick while the database is down.
+                with self._cond:
+                    self._leases.pop(id(lease), None)
+            # Otherwise a lock held past the window: tried again at the next look.
+            log.debug("run %s: a completion not written yet: %s", lease.run_id, exc)
             connection.close_if_unusable_or_obsolete()
         finally:
             lease.lock.release()
@@ -355,14 +371,28 @@ class CompletionWriter:
 completion_writer = CompletionWriter()
 
 
-def _bound_lock_wait(seconds: float) -> None:
-    """Wait at most `seconds` for a row or table lock in this transaction."""
+@contextmanager
+def _bounded_lock_wait(seconds: float):
+    """Wait at most `seconds` for a row or table lock inside the block: transaction-local on
+    PostgreSQL, restored afterwards on SQLite (where it belongs to the connection)."""
     millis = max(1, int(seconds * 1000))
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
             cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{millis}ms"])
-        elif connection.vendor == "sqlite":
-            cursor.execute(f"PRAGMA busy_timeout = {millis}")
+        yield
+        return
+    if connection.vendor != "sqlite":
+        yield
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("PRAGMA busy_timeout")
+        before = int(cursor.fetchone()[0])
+        cursor.execute(f"PRAGMA busy_timeout = {millis}")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"PRAGMA busy_timeout = {before}")
 
 
 @contextmanager
@@ -744,9 +774,16 @@ def _fenced_write(
 
 def record_shapers(run_id, shapers: Iterable[tuple[Any, str]]) -> None:
     """Record who shaped a run (the first way each person did is kept)."""
-    rows = [RunShaper(run_id=run_id, user_id=user, how=how) for user, how in shapers if user]
-    if rows:
-        RunShaper.objects.bulk_create(rows, ignore_conflicts=True)
+    wanted = [(user, how) for user, how in shapers if user]
+    if not wanted:
+        return
+    # A schedule keeps the ids of who shaped it; one may have been deleted since.
+    from django.contrib.auth import get_user_model
+
+    users = get_user_model().objects.filter(pk__in={user for user, _ in wanted})
+    known = set(users.values_list("pk", flat=True))
+    rows = [RunShaper(run_id=run_id, user_id=u, how=how) for u, how in wanted if u in known]
+    RunShaper.objects.bulk_create(rows, ignore_conflicts=True)
 
 
 def wake_parent(run_id, status: str, parent_id=None) -> None:
