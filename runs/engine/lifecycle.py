@@ -33,7 +33,7 @@ from runs.engine.store import (
     atomic,
     fence,
     fenced_write,
-    flush,
+    flush_unrecorded,
     wake_parent,
 )
 from runs.engine.wakeup import notify_runnable
@@ -98,7 +98,10 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
     new step (its completion travels with the next write: `store.complete_later`).
     """
     try:
-        _write_left_completion(lease)
+        # The execution before this one, under the same lease, broke off (the connection
+        # was lost) with a step's completion not yet written: written before the checkpoints
+        # are read, or that step would be re-sent.
+        flush_unrecorded(lease)
         history = {}
         if not _brand_new(run):
             checkpoints = Step.objects.filter(run_id=run.id).order_by("seq").only(*REPLAY_FIELDS)
@@ -156,19 +159,6 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
     except LeaseLost:
         return Outcome.LOST
     return Outcome.COMPLETED
-
-
-def _write_left_completion(lease: Lease) -> None:
-    """The execution before this one, under the same lease, broke off (the connection was lost)
-    with a step finished and its completion not yet written: write it before the checkpoints
-    are read, or that step would be re-sent. Unless the write that broke off committed it."""
-    pending = lease.pending
-    if pending is None:
-        return
-    if Step.objects.filter(pk=pending.step_id, status=StepStatus.STARTED).exists():
-        flush(lease)
-    else:
-        lease.pending = None
 
 
 def _brand_new(run: Run) -> bool:

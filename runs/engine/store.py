@@ -280,6 +280,18 @@ def flush(lease: Lease) -> None:
             raise
 
 
+def flush_unrecorded(lease: Lease) -> None:
+    """`flush`, unless the write that carried the completion committed though its connection
+    broke before the answer (the step row already says so): then it is only forgotten."""
+    pending = lease.pending
+    if pending is None:
+        return
+    if Step.objects.filter(pk=pending.step_id, status=StepStatus.STARTED).exists():
+        flush(lease)
+    else:
+        lease.pending = None
+
+
 class CompletionWriter:
     """Writes the completions that no write of their execution carried in time.
 
@@ -344,15 +356,10 @@ class CompletionWriter:
         if not (lease.lock.acquire(timeout=wait) if wait else lease.lock.acquire(False)):
             return
         try:
-            if (pending := lease.pending) is None or lease.lost.is_set():
-                return
-            if not Step.objects.filter(pk=pending.step_id, status=StepStatus.STARTED).exists():
-                # A write that carried it committed though its connection broke before the
-                # answer: it is recorded (its execution's carry-on finds that too).
-                lease.pending = None
+            if lease.pending is None or lease.lost.is_set():
                 return
             with atomic(lease), _bounded_lock_wait(settings.STEPGUARD_COMPLETION_WINDOW):
-                flush(lease)
+                flush_unrecorded(lease)
         except LeaseLost:
             pass
         except DatabaseError as exc:
@@ -381,10 +388,7 @@ def _bounded_lock_wait(seconds: float):
             cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{millis}ms"])
         yield
         return
-    if connection.vendor != "sqlite":
-        yield
-        return
-    with connection.cursor() as cursor:
+    with connection.cursor() as cursor:  # SQLite
         cursor.execute("PRAGMA busy_timeout")
         before = int(cursor.fetchone()[0])
         cursor.execute(f"PRAGMA busy_timeout = {millis}")
