@@ -8,10 +8,12 @@ from uuid import UUID
 
 from django.conf import settings
 from django.db.models import Q
+from django.urls import reverse
 from ninja import Field, Query, Router, Schema
 
 from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.services import decide, resolve, revoke
+from runs import bounded
 from runs.api import ERRORS_422, TEXT, In, viewer
 from runs.errors import Forbidden, NotFound
 
@@ -71,15 +73,25 @@ def list_approvals(
     status: str | None = Query(None, max_length=20, pattern=TEXT),
     limit: int = Query(100, ge=1, le=500),
 ):
-    """Pending requests first (oldest first), then decided ones (newest first)."""
+    """Pending requests first (oldest first), then decided ones (newest first). Payloads come
+    whole while the list's stay under about STEPGUARD_API_MAX_RESPONSE bytes; past that a
+    payload is `{"cut": true, "bytes": N, "whole": "<the request's URL>"}`."""
     viewer(request)
-    requests = ApprovalRequest.objects.select_related("decided_by")
+    requests = bounded.sized(ApprovalRequest.objects.select_related("decided_by"), PAYLOAD)
     if status:
         requests = requests.filter(status=status)
     waiting = Q(status=ApprovalStatus.PENDING)
     pending = list(requests.filter(waiting).order_by("created_at")[:limit])
     rest = list(requests.exclude(waiting).order_by("-created_at")[: limit - len(pending)])
+    bounded.fill(pending + rest, PAYLOAD, settings.STEPGUARD_API_MAX_RESPONSE, whole_approval)
     return [ApprovalOut.of(r) for r in pending + rest]
+
+
+PAYLOAD = ("payload",)
+
+
+def whole_approval(approval: ApprovalRequest, field: str) -> str:
+    return reverse("stepguard:api:get_approval", kwargs={"approval_id": approval.pk})
 
 
 @router.get("/{approval_id}", response={200: ApprovalOut, **ERRORS_422})

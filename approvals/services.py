@@ -54,29 +54,67 @@ def four_eyes(request: ApprovalRequest, user) -> None:
     person's yes. Shaping a run counts for the run itself, every run below it and every fork of
     it (RunShaper: who started, forked, debounced or scheduled it). STEPGUARD_FOUR_EYES=0
     turns the rule off."""
-    if not settings.STEPGUARD_FOUR_EYES:
-        return
-    lineage, frontier = {request.run_id}, [request.run_id]
-    while frontier:  # parents and fork origins, level by level (trees are shallow)
-        up = Run.objects.filter(pk__in=frontier).values_list("parent_id", "forked_from_id")
-        frontier = [r for pair in up for r in pair if r is not None and r not in lineage]
-        lineage.update(frontier)
-    shaped = RunShaper.objects.filter(run_id__in=lineage, user=user).order_by("created_at").first()
-    if shaped is not None:
-        did = _SHAPED.get(shaped.how, "shaped run {run}").format(run=shaped.run_id)
-        raise Forbidden(
-            f"{user.get_username()} {did} and may not also decide approval #{request.pk}: "
-            "another person must (STEPGUARD_FOUR_EYES)"
-        )
+    refusal = four_eyes_refusals([request], user).get(request.pk)
+    if refusal is not None:
+        raise Forbidden(refusal)
+
+
+def four_eyes_refusals(requests: list[ApprovalRequest], user) -> dict[int, str]:
+    """Why `user` may not decide each of `requests` they may not decide, by request id. A
+    query per level of the runs' family trees and one for the shapers, for any number of
+    requests (the inbox shows a page of them)."""
+    if not settings.STEPGUARD_FOUR_EYES or not requests:
+        return {}
+    ups: dict = {}  # run id -> its parent and fork origin
+    frontier = {request.run_id for request in requests}
+    while frontier:  # level by level (trees are shallow)
+        rows = Run.objects.filter(pk__in=frontier).values_list("id", "parent_id", "forked_from_id")
+        for run_id, *above in rows:
+            ups[run_id] = [r for r in above if r is not None]
+        frontier = {r for above in ups.values() for r in above if r not in ups}
+    first: dict = {}  # run id -> (when, how) of this user's first shaping of it
+    shapers = RunShaper.objects.filter(run_id__in=ups, user=user).order_by("created_at")
+    for run_id, how, when in shapers.values_list("run_id", "how", "created_at"):
+        first.setdefault(run_id, (when, how, run_id))
+    refusals = {}
+    for request in requests:
+        lineage, todo = set(), [request.run_id]
+        while todo:
+            run_id = todo.pop()
+            if run_id not in lineage:
+                lineage.add(run_id)
+                todo += ups.get(run_id, [])
+        shaped = min((first[r] for r in lineage if r in first), default=None)
+        if shaped is not None:
+            _, how, run_id = shaped
+            did = _SHAPED.get(how, "shaped run {run}").format(run=run_id)
+            refusals[request.pk] = (
+                f"{user.get_username()} {did} and may not also decide approval #{request.pk}: "
+                "another person must (STEPGUARD_FOUR_EYES)"
+            )
+    return refusals
+
+
+def mark_four_eyes(requests: list[ApprovalRequest], user) -> list[ApprovalRequest]:
+    """Set `four_eyes` on each request `user` may not decide (why, as the refusal says), so a
+    page offers them no Approve/Reject but says another person must decide."""
+    refusals = four_eyes_refusals(requests, user)
+    for request in requests:
+        request.four_eyes = refusals.get(request.pk, "")  # type: ignore[attr-defined]
+    return requests
 
 
 def _decide(request, user, status: str, comment: str, event: str, **fields) -> ApprovalRequest:
     four_eyes(request, user)
     now = timezone.now()
     with transaction.atomic():
-        lock_run(request.run_id)
+        run = lock_run(request.run_id)
         open_ = ApprovalRequest.objects.filter(pk=request.pk, status=ApprovalStatus.PENDING)
         open_ = open_.exclude(expires_at__lte=now)
+        if run.is_terminal and open_.exists():  # it would act on nothing (or on a retry)
+            raise Conflict(
+                f"approval #{request.pk} cannot be decided: its run {run.pk} is {run.status}"
+            )
         if not open_.update(
             status=status, decided_by=user, decided_at=now, comment=comment, **fields
         ):

@@ -5,7 +5,11 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 from django.conf import settings
 from django.core.asgi import get_asgi_application
 
-http_app = get_asgi_application()
+from controlplane.webdb import ConnectionBound
+
+# No persistent connections under ASGI, and at most DB_WEB_CONNECTIONS requests in Django at
+# once: a web process's connections are bounded and closed (controlplane/webdb.py).
+http_app = ConnectionBound(get_asgi_application(), settings.DB_WEB_CONNECTIONS)
 if settings.SERVE_STATIC:
     from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 
@@ -20,19 +24,25 @@ if "daphne.server" in sys.modules:
     limit_daphne()  # and before daphne does
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
-from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.routing import ProtocolTypeRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from controlplane.wsorigin import SameOrigin  # noqa: E402
-from runs.routing import websocket_urlpatterns  # noqa: E402
-
-websockets = URLRouter(websocket_urlpatterns)
+from runs.routing import stepguard_websockets  # noqa: E402
 
 # Websockets need a logged-in session and an Origin that is this very site (scheme, host among
 # ALLOWED_HOSTS, and port) or one of CSRF_TRUSTED_ORIGINS.
 application = ProtocolTypeRouter(
     {
         "http": http_app,
-        "websocket": AllowedHostsOriginValidator(SameOrigin(AuthMiddlewareStack(websockets))),
+        "websocket": AllowedHostsOriginValidator(
+            SameOrigin(AuthMiddlewareStack(stepguard_websockets))
+        ),
     }
 )
+
+# Behind reverse proxies, the client's address from X-Forwarded-For, believed only from them.
+if settings.STEPGUARD_TRUSTED_PROXIES:
+    from controlplane.proxy import ForwardedFor
+
+    application = ForwardedFor(application, settings.STEPGUARD_TRUSTED_PROXIES)

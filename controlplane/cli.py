@@ -15,6 +15,11 @@ def main(argv: list[str] | None = None) -> None:
     from django.core.exceptions import ImproperlyConfigured
     from django.core.management import execute_from_command_line
 
+    # `python manage.py` has its directory on the path; `stepguard` has the one it runs in, so
+    # `--import myapp.agents` finds the code next to you. Last, so a file there named like an
+    # installed module never shadows it.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     argv = sys.argv if argv is None else argv
     name = os.path.basename(argv[0]) or "stepguard"
     try:

@@ -80,3 +80,16 @@ def env_networks(name: str) -> list[str]:
         except ValueError:
             raise ImproperlyConfigured(f"{name}: {item!r} is not an address or network") from None
     return items
+
+
+def env_allow(name: str) -> list[str]:
+    """Comma-separated addresses, networks or host names (`10.0.0.0/8`, `::1`,
+    `hooks.internal`), checked at start-up (runs.egress.parse_allow)."""
+    from runs.egress import parse_allow
+
+    items = env_list(name)
+    try:
+        parse_allow(items, name)
+    except ValueError as exc:
+        raise ImproperlyConfigured(str(exc)) from None
+    return items

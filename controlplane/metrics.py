@@ -6,7 +6,8 @@ gauges of what is stored now (prune makes them drop): graph them with `delta()`/
 `rate()`. Cost per scrape: about thirteen aggregate queries; the steps ones scan the steps of the
 last hour or those with spend, the rest use indexes. Scrape every 15 to 60 s.
 
-Readable with an API key (`Authorization: Bearer sg_...`), a logged-in session, or from an
+Readable with an API key (`Authorization: Bearer sg_...`) or a logged-in session of a person
+who may read runs (`runs.view_run`, as on every read-only page; 403 without it), or from an
 address in STEPGUARD_METRICS_ALLOW (e.g. the Prometheus server), without either.
 """
 
@@ -38,10 +39,12 @@ from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
 from approvals.models import ApprovalRequest, ApprovalStatus
 from controlplane import security
 from controlplane.health import LIVE_LEASES
+from runs import replica
 from runs.apikeys import check_key
 from runs.engine.worker import WAKEABLE
 from runs.models import (
     GLOBAL,
+    ApiKeyScope,
     Event,
     EventType,
     NotificationDelivery,
@@ -74,6 +77,21 @@ class DatabaseCollector:
         yield from self._spend()
         yield from self._approvals_and_halts(now)
         yield from self._notifications()
+        yield from self._replica()
+
+    def _replica(self):
+        if not replica.configured():
+            return
+        lag = replica.lag()
+        yield GaugeMetricFamily(
+            "stepguard_replica_up", "Whether the read replica answered.", value=int(lag.usable)
+        )
+        if lag.usable:
+            yield GaugeMetricFamily(
+                "stepguard_replica_lag_seconds",
+                "How far the read replica's replay is behind the primary (0: caught up).",
+                value=lag.seconds,
+            )
 
     def _runs(self, now):
         runs = GaugeMetricFamily("stepguard_runs", "Runs stored, by workflow and status.",
@@ -234,26 +252,49 @@ def _allowed_address(request: HttpRequest) -> bool:
                for net in settings.STEPGUARD_METRICS_ALLOW)  # fmt: skip
 
 
-def _authorised(request: HttpRequest) -> bool:
-    if request.user.is_authenticated or _allowed_address(request):
+READ_PERMISSION = "runs.view_run"  # what every read-only dashboard page requires
+
+
+def _reader(request: HttpRequest):
+    """True from an allowed address; else the person the session or API key names, or None
+    (False: a key whose scope reads nothing)."""
+    if _allowed_address(request):
         return True
+    if request.user.is_authenticated:
+        return request.user
     header = request.headers.get("Authorization", "")
     if not header.startswith("Bearer "):
-        return False
+        return None
     if not security.api_key_allowed(request):
-        return False
-    if check_key(header.removeprefix("Bearer ")) is None:
+        return None
+    key = check_key(header.removeprefix("Bearer "))
+    if key is None:
         security.bad_api_key(request)
-        return False
-    return True
+        return None
+    return False if key.scope == ApiKeyScope.START else key.user  # start keys read nothing
 
 
 def metrics(request: HttpRequest) -> HttpResponse:
     """GET /metrics."""
-    if not _authorised(request):
+    reader = _reader(request)
+    if reader is None:
         return JsonResponse(
             {"error": {"code": "not_authenticated",
                        "message": "send an API key (Authorization: Bearer sg_...) or log in"}},
             status=401,
+        )  # fmt: skip
+    if reader is False:
+        return JsonResponse(
+            {"error": {"code": "forbidden",
+                       "message": "this API key is scoped start: it may only start runs and "
+                                  "send signals, not read metrics"}},
+            status=403,
+        )  # fmt: skip
+    if reader is not True and not reader.has_perm(READ_PERMISSION):
+        return JsonResponse(
+            {"error": {"code": "permission_denied",
+                       "message": f"{reader.get_username()} may not read metrics: "
+                                  f"{READ_PERMISSION} is missing"}},
+            status=403,
         )  # fmt: skip
     return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

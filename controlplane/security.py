@@ -13,10 +13,11 @@ from django.conf import settings
 from django.contrib.auth import logout
 from django.contrib.auth.signals import user_logged_in, user_login_failed
 from django.dispatch import receiver
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, JsonResponse
 from django.shortcuts import redirect
+from django.urls import Resolver404, resolve
 
-from runs.models import EventType
+from runs.models import ApiKey, EventType
 
 log = logging.getLogger("stepguard.security")
 
@@ -32,6 +33,17 @@ def session_expired(data, now: float | None = None) -> bool:
     if login_at is not None and now - login_at > settings.STEPGUARD_SESSION_MAX_SECONDS:
         return True
     return seen_at is not None and now - seen_at > settings.STEPGUARD_SESSION_IDLE_SECONDS
+
+
+def api_request(request: HttpRequest) -> bool:
+    """Whether the path is under the REST API's mount (/api/ here, agents/api/ in a project
+    that includes runs.urls at agents/), as the URLconf says: every path under it resolves
+    into the API (runs.rest.api_urls), so its refusals answer in the API's JSON shape."""
+    try:
+        match = resolve(request.path_info, getattr(request, "urlconf", None))
+    except Resolver404:
+        return False
+    return match.app_names[-2:] == ["stepguard", "ninja"]
 
 
 @receiver(user_logged_in)
@@ -55,7 +67,7 @@ class SessionTimeouts:
             now = time.time()
             if session_expired(session, now):
                 logout(request)
-                if request.path.startswith("/api/"):
+                if api_request(request):
                     return JsonResponse(
                         {"error": {"code": "session_expired", "message": "log in again"}},
                         status=401,
@@ -64,6 +76,39 @@ class SessionTimeouts:
             if now - session.get(SEEN_AT, 0) > TOUCH_SECONDS:
                 session[SEEN_AT] = now
                 session.setdefault(LOGIN_AT, now)
+        return self.get_response(request)
+
+
+class RefuseNul:
+    """400 for a NUL character in a query parameter or a form field (name or value), whatever
+    the route: PostgreSQL cannot store or compare text holding one, so every lookup or filter
+    made of it raised a DataError (a 500) there, and nothing legitimate sends one. Form bodies
+    are read as CsrfViewMiddleware reads them on the dashboard; under the API's mount only
+    urlencoded ones, so an API view still gets its raw body."""
+
+    MESSAGE = "a parameter holds a NUL character"
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        params = [request.GET]
+        form = request.content_type in ("application/x-www-form-urlencoded", "multipart/form-data")
+        if (
+            request.method == "POST"
+            and form
+            and (
+                not api_request(request)
+                or request.content_type == "application/x-www-form-urlencoded"
+            )
+        ):
+            params.append(request.POST)
+        if any("\x00" in key or any("\x00" in value for value in query.getlist(key))
+               for query in params for key in query):  # fmt: skip
+            if api_request(request):
+                return JsonResponse({"error": {"code": "bad_request", "message": self.MESSAGE}},
+                                    status=400)  # fmt: skip
+            return HttpResponseBadRequest(self.MESSAGE, content_type="text/plain")
         return self.get_response(request)
 
 
@@ -84,24 +129,50 @@ class PermissionsPolicy:
 API_KEY_CREDENTIALS = {"username": "api-key"}
 
 
+def _key_credentials(request: HttpRequest) -> dict[str, str]:
+    """What a bad key counts against, with the address (AXES_LOCKOUT_PARAMETERS): the key it
+    claims (`api-key:<prefix>`) when its prefix is a real key's, else every key that matches
+    none (`api-key`). Counting all bad keys per address alone let a guesser behind a NAT, a
+    proxy or a shared CI runner lock out the valid keys and Prometheus of everyone there;
+    this way guessing a secret stays throttled per key, guessing keys per address, and
+    another key from that address keeps working. Prefixes are not secret (lists, logs)."""
+    cached = getattr(request, "_stepguard_key_credentials", None)
+    if cached is not None:
+        return cached
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    parts = token.strip().split("_", 2)
+    credentials = API_KEY_CREDENTIALS
+    if (
+        scheme.lower() == "bearer"
+        and len(parts) == 3
+        and parts[0] == "sg"
+        and ApiKey.objects.filter(prefix=parts[1]).exists()
+    ):
+        credentials = {"username": f"api-key:{parts[1]}"}
+    request._stepguard_key_credentials = credentials  # type: ignore[attr-defined]
+    return credentials
+
+
 def api_key_allowed(request: HttpRequest) -> bool:
-    """False once this address has sent too many bad API keys (AXES_FAILURE_LIMIT), until
-    AXES_COOLOFF_TIME passes: a key cannot be guessed at API speed."""
-    return AxesProxyHandler.is_allowed(request, API_KEY_CREDENTIALS)
+    """False once this address has sent too many bad keys claiming the same key, or too many
+    matching no key (AXES_FAILURE_LIMIT), until AXES_COOLOFF_TIME passes: a key cannot be
+    guessed at API speed, and one guesser does not lock out the other keys from its address."""
+    return AxesProxyHandler.is_allowed(request, _key_credentials(request))
 
 
 def bad_api_key(request: HttpRequest) -> None:
-    user_login_failed.send(sender=__name__, credentials=API_KEY_CREDENTIALS, request=request)
+    credentials = _key_credentials(request)
+    user_login_failed.send(sender=__name__, credentials=credentials, request=request)
 
 
 def locked_out(request, credentials, *args, **kwargs) -> HttpResponse:
-    """AXES_LOCKOUT_CALLABLE: a clear answer, in the API's shape under /api/."""
+    """AXES_LOCKOUT_CALLABLE: a clear answer, in the API's shape under the API's mount."""
     minutes = int(settings.AXES_COOLOFF_TIME.total_seconds() // 60)
     message = (
         f"too many failed attempts from this address: try again in {minutes} minutes "
         "or ask an administrator to unlock it (manage.py axes_reset)"
     )
-    if request.path.startswith("/api/"):
+    if api_request(request):
         return JsonResponse({"error": {"code": "locked_out", "message": message}}, status=429)
     return HttpResponse(message, status=429, content_type="text/plain; charset=utf-8")
 

@@ -1,7 +1,9 @@
 """Settings, all read from the environment (see docs/deploy.md for the full list)."""
 
 import os
+import re
 import secrets
+import urllib.parse
 from datetime import timedelta
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import dj_database_url
 import django
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.env import env_bool, env_float, env_int, env_list
+from controlplane.env import env_bool, env_float, env_int, env_list, env_networks
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 # The embedded database, the development key and logs: under the directory Stepguard is run
@@ -62,7 +64,11 @@ else:
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Outside all that read the database: a request that fails on a lost or timed-out
+    # connection, wherever inside, answers 503 rather than 500 (controlplane/dbdown.py).
+    "controlplane.dbdown.DatabaseUnavailable",
     "controlplane.api.BodyLimitMiddleware",
+    "controlplane.security.RefuseNul",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -99,7 +105,8 @@ else:
     CONTENT_SECURITY_POLICY = {"DIRECTIVES": _CSP}
 
 # Login throttling (django-axes): a username from one address is locked out after
-# AXES_FAILURE_LIMIT failures for AXES_COOLOFF_TIME; bad API keys count per address.
+# AXES_FAILURE_LIMIT failures for AXES_COOLOFF_TIME; a bad API key counts per address and
+# the key it claims (controlplane.security._key_credentials).
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
@@ -110,8 +117,16 @@ AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "controlplane.security.locked_out"
 AXES_VERBOSE = False
-# Behind a proxy, the client address is the proxy's unless it is told where to look.
-AXES_IPWARE_META_PRECEDENCE_ORDER = env_list("AXES_IP_HEADERS", ["REMOTE_ADDR"])
+# The client's address is REMOTE_ADDR, always. Behind reverse proxies, the ASGI application
+# sets it from X-Forwarded-For, believed only from the proxies in STEPGUARD_TRUSTED_PROXIES
+# (controlplane/proxy.py): any other header is the client's to write.
+STEPGUARD_TRUSTED_PROXIES = env_networks("STEPGUARD_TRUSTED_PROXIES")
+AXES_IPWARE_META_PRECEDENCE_ORDER = ["REMOTE_ADDR"]
+if env_list("AXES_IP_HEADERS", ["REMOTE_ADDR"]) != ["REMOTE_ADDR"]:
+    raise ImproperlyConfigured(
+        "AXES_IP_HEADERS is no longer read: a client writes any header it likes. Set "
+        "STEPGUARD_TRUSTED_PROXIES to your proxies' addresses instead (docs/deploy.md)"
+    )
 
 # Sessions end after STEPGUARD_SESSION_IDLE_SECONDS without a request (8 hours) or
 # STEPGUARD_SESSION_MAX_SECONDS after login (14 days), whichever comes first.
@@ -126,7 +141,9 @@ WSGI_APPLICATION = "controlplane.wsgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [],
+        # The layout, login pages and assets the whole project shares (the top-level
+        # templates/ and static/); an installed wheel has them in the runs app (setup.py).
+        "DIRS": [d for d in [BASE_DIR / "templates"] if d.is_dir()],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -141,7 +158,33 @@ TEMPLATES = [
 
 # One DATABASE_URL; the embedded default is an SQLite file under var/.
 _default_sqlite = f"sqlite:///{VAR_DIR / 'stepguard.sqlite3'}"
-DATABASES = {"default": dj_database_url.parse(os.environ.get("DATABASE_URL") or _default_sqlite)}
+
+
+def parse_database_url(url: str) -> dict:
+    """dj_database_url's parse, and libpq's multi-host form that it refuses:
+    `postgres://user@db1:5432,db2:5432/name?target_session_attrs=read-write` (HOST and PORT
+    become libpq's comma-separated lists; a host without a port gets 5432), for a standby that
+    takes over: docs/deploy.md."""
+    parts = urllib.parse.urlsplit(url)
+    auth, at, hosts = parts.netloc.rpartition("@")
+    if not parts.scheme.startswith("postgres") or "," not in hosts:
+        return dj_database_url.parse(url)
+    names, ports = [], []
+    for entry in hosts.split(","):
+        match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^:\[\]/]+)(?::(\d{1,5}))?", entry)
+        if match is None:
+            raise ImproperlyConfigured(
+                f"DATABASE_URL: cannot read host {entry!r} in {hosts!r}: write"
+                " host:port,host:port (an IPv6 address in brackets, [::1]:5432)"
+            )
+        names.append(match[1].strip("[]"))
+        ports.append(match[2] or "5432")
+    parsed = dj_database_url.parse(urllib.parse.urlunsplit(parts._replace(netloc=f"{auth}{at}h")))
+    parsed.update(HOST=",".join(names), PORT=",".join(ports))
+    return parsed
+
+
+DATABASES = {"default": parse_database_url(os.environ.get("DATABASE_URL") or _default_sqlite)}
 _db = DATABASES["default"]
 if _db["ENGINE"] == "django.db.backends.sqlite3":
     VAR_DIR.mkdir(parents=True, exist_ok=True)
@@ -158,14 +201,39 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     _db["TEST"] = {"NAME": str(VAR_DIR / "test-stepguard.sqlite3")}
 elif _db["ENGINE"] in ("django.db.backends.postgresql",):
     _db.setdefault("OPTIONS", {})
+    # Workers' connections; the web process (ASGI) closes each at the end of its request.
     _db["CONN_MAX_AGE"] = env_int("DB_CONN_MAX_AGE", 60)
     _db["CONN_HEALTH_CHECKS"] = True
+    # A server that stops answering (stopped, partitioned) fails a new connection after this
+    # long instead of hanging it: the web process connects per request, so its requests and
+    # /api/health fail in seconds; a worker's reconnect says "database unreachable" once.
+    _db["OPTIONS"].setdefault("connect_timeout", env_int("DB_CONNECT_TIMEOUT", 5, minimum=1))
     # The engine's checkpoint statements are prepared (planned once per connection); Django's
     # own queries bind on the client and never are. Off for a pooler that cannot keep prepared
     # statements across transactions (PgBouncer before 1.21 in transaction mode).
     if env_bool("DB_PREPARED_STATEMENTS", True):
         _db["OPTIONS"].setdefault("prepare_threshold", 5)
 STEPGUARD_PREPARED_STATEMENTS = _db.get("OPTIONS", {}).get("prepare_threshold") is not None
+# A streaming standby for the pages' and the API's reads (runs/replica.py, docs/deploy.md).
+if _replica_url := os.environ.get("DATABASE_REPLICA_URL", ""):
+    if _db["ENGINE"] != "django.db.backends.postgresql":
+        raise ImproperlyConfigured(
+            "DATABASE_REPLICA_URL needs a PostgreSQL DATABASE_URL: a replica is a streaming "
+            "standby of the primary"
+        )
+    _replica = parse_database_url(_replica_url)
+    _replica["OPTIONS"] = {**_replica.get("OPTIONS", {}), **_db["OPTIONS"]}
+    _replica.update(CONN_MAX_AGE=_db["CONN_MAX_AGE"], CONN_HEALTH_CHECKS=True)
+    _replica["TEST"] = {"MIRROR": "default"}  # tests: the same database, no second one made
+    DATABASES["replica"] = _replica
+    DATABASE_ROUTERS = ["runs.replica.ReplicaRouter"]
+    MIDDLEWARE.insert(
+        MIDDLEWARE.index("django.contrib.auth.middleware.AuthenticationMiddleware") + 1,
+        "runs.replica.ReadsOnReplica",
+    )
+# Requests a web process lets into Django at once, each holding at most one connection per
+# database; the rest wait their turn (controlplane/webdb.py).
+DB_WEB_CONNECTIONS = env_int("DB_WEB_CONNECTIONS", 10, minimum=1)
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -194,6 +262,7 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
+STATICFILES_DIRS = [d for d in [BASE_DIR / "static"] if d.is_dir()]  # as TEMPLATES' DIRS
 STATIC_ROOT = Path(os.environ.get("STATIC_ROOT", VAR_DIR / "staticfiles"))
 # daphne serves no static files; tests and `make run` ask the ASGI app to do it.
 SERVE_STATIC = env_bool("SERVE_STATIC", DEBUG)

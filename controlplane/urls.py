@@ -3,7 +3,6 @@ from django.contrib.auth import views as auth_views
 from django.contrib.auth.views import LoginView
 from django.urls import include, path
 
-from controlplane.api import api
 from controlplane.health import health
 from controlplane.metrics import metrics
 
@@ -14,5 +13,4 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("health", health),
     path("metrics", metrics),
-    path("api/", api.urls),
 ]

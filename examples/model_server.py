@@ -43,7 +43,10 @@ def _text_of(content) -> str:
 
 
 def write(prompt: str) -> str:
-    """A deterministic 'completion' for a prompt: same prompt, same words."""
+    """A deterministic 'completion' for a prompt: same prompt, same words; a prompt ending in
+    `ANSWER JSON: {...}` is answered with that JSON (structured output a test can parse)."""
+    if fixed := re.search(r"ANSWER JSON:\s*(\{.*\})\s*$", prompt, re.S):
+        return fixed.group(1)
     digest = hashlib.sha256(prompt.encode()).hexdigest()[:8]
     words = re.findall(r"[\w'-]+", prompt)[-24:]
     return f"[demo model] {' '.join(words[:18])} (note {digest})"
@@ -74,8 +77,11 @@ def plan(messages: list[dict], tools: list[dict]) -> list[tuple[str, object]]:
         args = re.search(rf"ARGS {re.escape(name)}:\s*([{{\[].*[}}\]])", system)
         arguments = json.loads(args.group(1)) if args else {}
         if last is not None and isinstance(arguments, dict):
+            # A tool result's content is text, or a list of text parts (the Agents SDK's shape
+            # for an MCP tool's answer).
             with contextlib.suppress(ValueError, AttributeError):
-                arguments |= json.loads(last.get("content") or "{}").get("next", {}).get(name, {})
+                said = _text_of(last.get("content")) or "{}"
+                arguments |= json.loads(said).get("next", {}).get(name, {})
         planned.append((name, arguments))
     return planned
 
@@ -368,7 +374,7 @@ def stream_events(route: str, body: dict, response: dict) -> list[tuple[str | No
            "delta": {"type": "text_delta", "text": piece}} for piece in _pieces(text)),
         {"type": "content_block_stop", "index": 0},
         {"type": "message_delta", "delta": {"stop_reason": response["stop_reason"],
-         "stop_sequence": None}, "usage": {"output_tokens": usage["output_tokens"]}},
+         "stop_sequence": None}, "usage": usage},  # cumulative, as the API sends it now
         {"type": "message_stop"},
     ]  # fmt: skip
     return [(e["type"], e) for e in events]

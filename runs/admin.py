@@ -1,11 +1,13 @@
-from django.contrib import admin
+from django import forms
+from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied
 from django.template.response import TemplateResponse
 from django.utils import timezone
 
-from runs.apikeys import create_key
-from runs.models import ApiKey, BudgetLedger, Event, Policy, Run, Signal, Step, Worker
+from runs.apikeys import OTHERS, create_key, revoke_key
+from runs.errors import StepguardError
+from runs.models import ApiKey, ApiKeyScope, BudgetLedger, Event, Policy, Run, Signal, Step, Worker
 
 
 class HistoryAdmin:
@@ -103,16 +105,51 @@ class BudgetLedgerAdmin(HistoryAdmin, admin.ModelAdmin):
     list_display = ("scope", "day", "spent_micros", "reserved_micros", "spent_tokens", "warned")
 
 
+class ApiKeyForm(forms.ModelForm):
+    class Meta:
+        model = ApiKey
+        fields = ("user", "name", "scope", "expires_at")
+        help_texts = {"expires_at": "blank: never; after it the key is refused (401)"}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["scope"].required = False  # left out: full, as before scopes
+
+    def clean_scope(self):
+        return self.cleaned_data.get("scope") or ApiKeyScope.FULL
+
+    def clean_expires_at(self):
+        expires_at = self.cleaned_data.get("expires_at")
+        if expires_at is not None and expires_at <= timezone.now():
+            raise forms.ValidationError("The expiry is in the past: pick a later date.")
+        return expires_at
+
+
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    """Create a key here (it is shown once, in the confirmation), revoke it with the action."""
+    """Create a key here (it is shown once, in the confirmation), revoke it with the action.
+    Each person sees and revokes their own keys; other people's take
+    runs.revoke_others_apikey (runs.apikeys.revoke_key, which audits each revocation).
+    Creating one is audited too (runs.apikeys.create_key)."""
 
-    list_display = ("prefix", "name", "user", "created_at", "last_used_at", "revoked_at")
-    fields = ("user", "name")
+    form = ApiKeyForm
+    list_display = (
+        "prefix", "name", "user", "scope", "expires_at", "created_at", "last_used_at",
+        "revoked_at",
+    )  # fmt: skip
+    list_filter = ("scope",)
+    fields = ("user", "name", "scope", "expires_at")
     actions = ["revoke"]
+
+    def get_queryset(self, request):
+        keys = super().get_queryset(request).select_related("user")
+        return keys if request.user.has_perm(OTHERS) else keys.filter(user=request.user)
 
     def has_change_permission(self, request, obj=None):
         return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False  # a key is revoked (audited, its use still on record), never deleted
 
     def formfield_for_foreignkey(self, db_field, request, **kwargs):
         # Only a superuser mints keys for someone else: a key acts with its user's permissions.
@@ -124,7 +161,10 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         if obj.user_id != request.user.pk and not request.user.is_superuser:
             raise PermissionDenied("only a superuser may create API keys for another user")
-        key, text = create_key(obj.user, obj.name)
+        key, text = create_key(
+            obj.user, obj.name, scope=obj.scope, expires_at=obj.expires_at,
+            actor=request.user.get_username(),
+        )  # fmt: skip
         obj.pk = key.pk
         request._new_api_key = (key, text)
 
@@ -141,5 +181,12 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     @admin.action(description="Revoke the selected API keys")
     def revoke(self, request, queryset):
-
-        queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
+        revoked = 0
+        for key in queryset.filter(revoked_at__isnull=True):
+            try:
+                revoke_key(key.prefix, request.user)
+            except StepguardError as exc:
+                self.message_user(request, str(exc), messages.ERROR)
+            else:
+                revoked += 1
+        self.message_user(request, f"{revoked} API key(s) revoked")

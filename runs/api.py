@@ -6,20 +6,21 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import Annotated, Any
 from uuid import UUID
 
 from django.conf import settings
 from django.http import HttpRequest
+from django.urls import reverse
 from django.utils import timezone
 from ninja import Field, Path, Query, Router, Schema, Status
 from pydantic import ConfigDict
 
-from runs import notifications, operations, queries
+from runs import bounded, notifications, operations, queries
 from runs.engine import flow, rates, registry
 from runs.engine.budget import to_usd
 from runs.engine.deltas import Conversations
-from runs.errors import Forbidden, OperationError
+from runs.errors import Forbidden, NotFound, OperationError
 from runs.models import GLOBAL, Event, NotificationChannel, Policy, RateLimit, Run, Schedule, Worker
 from runs.operations import KEEP, Target
 from runs.sdk import send_signal, start_run
@@ -138,6 +139,9 @@ class StepOut(Schema):
     tokens_in: int
     tokens_out: int
     usage: Any = Field(description="a model call's model, and its tokens and USD per kind")
+    possibly_spent_micros: int = Field(
+        description="micro-USD of this call's attempts cut off in flight: maybe paid"
+    )
     started_at: datetime
     finished_at: datetime | None
     wake_at: datetime | None
@@ -157,7 +161,19 @@ class ReasonIn(In):
 
 
 class ForkIn(ReasonIn):
-    step: str | int = Field(description="the key of the first step to run again, or its position")
+    # Text as every text field is (no NUL: PostgreSQL refused it with a 500, schemathesis).
+    step: (
+        Annotated[str, Field(min_length=1, max_length=255, pattern=TEXT)]
+        | Annotated[int, Field(ge=0, le=2**31 - 1)]
+    ) = Field(description="the key of the first step to run again, or its position")
+    input: Any = Field(
+        None, description="a replacement run input (absent: the origin's; null is a value)"
+    )
+    outputs: dict[str, Any] | None = Field(
+        None,
+        description="{step key: replacement output} for steps before the fork point: the fork"
+        " replays them as if the steps had returned them",
+    )
 
 
 class StepPreview(Schema):
@@ -227,6 +243,11 @@ class Filters(Schema):
     created_after: datetime | None = None
     created_before: datetime | None = None
     q: str | None = Field(None, max_length=255, pattern=TEXT, description="id or key contains")
+    engine: bool = Field(
+        False,
+        description="include the engine's own runs (notification deliveries, workflows "
+        "stepguard.*); filtering by such a workflow or searching with q includes them too",
+    )
     cursor: str | None = Field(None, max_length=200, pattern=TEXT)
     limit: int = Field(50, ge=1, le=200)
 
@@ -266,7 +287,9 @@ def create_run(request, body: StartIn):
 
 @router.get("/runs", response={200: RunPage, **ERRORS_422})
 def list_runs(request, filters: Query[Filters]):
-    """Runs, newest first, with cursor pagination."""
+    """Runs, newest first, with cursor pagination. Their inputs, outputs and errors come whole
+    while the page's stay under about STEPGUARD_API_MAX_RESPONSE bytes; past that a value is
+    `{"cut": true, "bytes": N, "whole": "<the run's URL>"}` (GET the run for the whole of it)."""
     viewer(request)
     runs = queries.runs_matching(
         {
@@ -276,10 +299,19 @@ def list_runs(request, filters: Query[Filters]):
             "since": filters.created_after,
             "until": filters.created_before,
             "q": filters.q,
+            "engine": filters.engine,
         }
     )
-    page, cursor = queries.page(runs, filters.limit, filters.cursor)
+    page, cursor = queries.page(bounded.sized(runs, RUN_VALUES), filters.limit, filters.cursor)
+    bounded.fill(page, RUN_VALUES, settings.STEPGUARD_API_MAX_RESPONSE, whole_run)
     return {"items": [RunOut.of(r) for r in page], "next_cursor": cursor}
+
+
+RUN_VALUES = ("input", "output", "error")
+
+
+def whole_run(run: Run, field: str) -> str:
+    return reverse("stepguard:api:get_run", kwargs={"run_id": run.pk})
 
 
 @router.get("/runs/{run_id}", response={200: RunOut, **ERRORS_422})
@@ -301,8 +333,18 @@ class ModelUsage(Schema):
     kinds: dict[str, KindUsage]
 
 
+class PossiblySpent(Schema):
+    tokens: int
+    usd: Decimal
+    steps: list[str] = Field(description="keys of the model calls re-sent after being cut off")
+
+
 class UsageOut(Schema):
     spend: Spend
+    possibly_spent: PossiblySpent = Field(
+        description="estimates of model calls a crash cut off in flight, then sent again: maybe "
+        "paid, never recorded; held against the run's budget, apart from what was recorded"
+    )
     models: dict[str, ModelUsage]
     unpriced: list[str] = Field(description="models called with no price: their USD is 0")
 
@@ -350,10 +392,20 @@ def list_events(
     after: int = Query(0, ge=0, le=2**62),
     limit: int = Query(500, ge=1, le=1000),
 ):
-    """The run's history after `after` (a seq), in order: poll with the last seq to tail it."""
+    """The run's history after `after` (a seq), in order: poll with the last seq to tail it.
+    Payloads come whole while the page's stay under about STEPGUARD_API_MAX_RESPONSE bytes;
+    past that a payload is `{"cut": true, "bytes": N, "whole": "<URL of that one event>"}`."""
     viewer(request)
     run = run_or_404(run_id)
-    return list(Event.objects.filter(run=run, seq__gt=after).order_by("seq")[:limit])
+    events = Event.objects.filter(run=run, seq__gt=after).order_by("seq")
+    page = list(bounded.sized(events, ("payload",))[:limit])
+    bounded.fill(page, ("payload",), settings.STEPGUARD_API_MAX_RESPONSE, whole_event)
+    return page
+
+
+def whole_event(event: Event, field: str) -> str:
+    url = reverse("stepguard:api:list_events", kwargs={"run_id": event.run_id})
+    return f"{url}?after={event.seq - 1}&limit=1"  # a page of one always carries its payload
 
 
 def _action(request, run_id: UUID, action, *args):
@@ -401,10 +453,14 @@ def fork_preview(request, run_id: UUID, step: str = Query(..., max_length=255, p
 
 @router.post("/runs/{run_id}/fork", response={201: RunOut, **ERRORS_422})
 def fork_run(request, run_id: UUID, body: ForkIn):
-    """A new run reusing the recorded outputs before `step`; the rest runs again."""
+    """A new run reusing the recorded outputs before `step`; the rest runs again. `input` and
+    `outputs` edit what the fork starts from (recorded in its `run.created` event)."""
     run_or_404(run_id)
     step = int(body.step) if isinstance(body.step, str) and body.step.isdigit() else body.step
-    fork = operations.fork_run(str(run_id), step, request.user, body.reason)
+    edits = {"input": body.input} if "input" in body.model_fields_set else {}
+    fork = operations.fork_run(
+        str(run_id), step, request.user, body.reason, outputs=body.outputs, **edits
+    )
     return Status(201, RunOut.of(fork))
 
 
@@ -578,7 +634,7 @@ def list_channels(request):
     """The channels in use (removed ones are kept for their deliveries, not listed)."""
     _may(request, "runs.view_notificationchannel", "view notification channels")
     channels = NotificationChannel.objects.filter(removed_at__isnull=True)
-    return [notifications.describe(c) for c in channels]
+    return [notifications.describe(c, request.user) for c in channels]
 
 
 @router.post(
@@ -591,22 +647,23 @@ def add_channel(request, body: ChannelIn):
         request.user, body.kind, body.target, body.events, workflow=body.workflow,
         secret=body.secret,
     )  # fmt: skip
-    return Status(201, notifications.describe(channel))
+    return Status(201, notifications.describe(channel, request.user))
 
 
 @router.delete(
     "/notifications/channels/{channel_id}",
-    response={200: ChannelOut, **ERRORS},
+    response={200: ChannelOut, **ERRORS_422},
     tags=["notifications"],
 )
 def remove_channel(request, channel_id: int = Path(..., ge=1, le=2**62)):
     """Stop a channel: no new deliveries; its past ones stay listed."""
-    return notifications.describe(notifications.remove_channel(request.user, channel_id))
+    channel = notifications.remove_channel(request.user, channel_id)
+    return notifications.describe(channel, request.user)
 
 
 @router.get(
     "/notifications/deliveries",
-    response={200: list[DeliveryOut], **ERRORS},
+    response={200: list[DeliveryOut], **ERRORS_422},
     tags=["notifications"],
 )
 def list_deliveries(
@@ -689,8 +746,27 @@ def set_workflow_limits(request, name: str, body: LimitsIn):
 
 @router.get("/flow/schedules", response={200: list[ScheduleOut], **ERRORS}, tags=["flow"])
 def list_schedules(request):
+    """Every schedule, by name. Inputs come whole while the list's stay under about
+    STEPGUARD_API_MAX_RESPONSE bytes; past that an input is `{"cut": true, "bytes": N,
+    "whole": "<the schedule's URL>"}`."""
     _may(request, "runs.view_schedule", "view schedules")
-    return list(Schedule.objects.order_by("name"))
+    schedules = list(bounded.sized(Schedule.objects.order_by("name"), ("input",)))
+    bounded.fill(schedules, ("input",), settings.STEPGUARD_API_MAX_RESPONSE, whole_schedule)
+    return schedules
+
+
+def whole_schedule(schedule: Schedule, field: str) -> str:
+    return reverse("stepguard:api:get_schedule", kwargs={"name": schedule.name})
+
+
+@router.get("/flow/schedules/{name}", response={200: ScheduleOut, **ERRORS_422}, tags=["flow"])
+def get_schedule(request, name: str = Path(..., max_length=200, pattern=TEXT)):
+    """One schedule, its input whole."""
+    _may(request, "runs.view_schedule", "view schedules")
+    schedule = Schedule.objects.filter(name=name).first()
+    if schedule is None:
+        raise NotFound(f"no schedule named {name!r}")
+    return schedule
 
 
 @router.put("/flow/schedules/{name}", response={200: ScheduleOut, **ERRORS_422}, tags=["flow"])

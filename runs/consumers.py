@@ -18,6 +18,7 @@ from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from channels.layers import InMemoryChannelLayer, channel_layers
 from django.conf import settings
 from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
 from django.db import connection
@@ -26,6 +27,7 @@ from django.template.loader import render_to_string
 from django.utils.crypto import constant_time_compare
 from django.utils.html import escape
 
+from controlplane.security import session_expired
 from runs.engine.wakeup import LIVE_GROUP, EventsListener
 from runs.models import GLOBAL, TERMINAL_STATUSES, Event, Policy, Run, Step, Worker
 from runs.queries import step_filter, step_matches
@@ -48,16 +50,25 @@ def _number(raw: str | None, default: int) -> int:
         return default
 
 
+#: The middleware that ends sessions on pages; a host project embedding Stepguard may not use it.
+TIMEOUTS = "controlplane.security.SessionTimeouts"
+
+
 def still_allowed(session_key: str | None, user_id) -> bool:
     """The session is still there and still this user's, active and allowed to view runs.
 
     Read afresh from the session store and the user table: a logout deletes the session, an
     expiry or a password change invalidates it, a deactivation or a lost permission shows in
-    the user row. The live feed asks again every few seconds while it is open."""
+    the user row. The live feed asks again every few seconds while it is open. Where pages
+    end sessions on their idle and absolute timeouts (SessionTimeouts), so does the feed:
+    else one left open outlived the session it was opened with. A feed is no request, so it
+    never keeps a session alive."""
     if not session_key:
         return False
     data = import_module(settings.SESSION_ENGINE).SessionStore(session_key=session_key).load()
     if str(data.get(SESSION_KEY)) != str(user_id):
+        return False
+    if TIMEOUTS in settings.MIDDLEWARE and session_expired(data):
         return False
     user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
     if user is None:
@@ -78,6 +89,21 @@ def live_status(status: str | None) -> str:
     return '<span id="ws-status" data-state="open" hx-swap-oob="true">live</span>'
 
 
+#: The live feeds' layer in a project that configures no CHANNEL_LAYERS (one embedding Stepguard
+#: may have none): in-process only, it carries what this very process relays (the PostgreSQL
+#: NOTIFY doorbell, EventsListener), never a message between processes; on SQLite, feeds poll.
+LOCAL_LAYER = "stepguard-local"
+
+
+def layer_alias() -> str:
+    """The project's default channel layer if it has one, else this process's own."""
+    if "default" in channel_layers:
+        return "default"
+    if LOCAL_LAYER not in channel_layers.backends:  # also after a CHANNEL_LAYERS change
+        channel_layers.set(LOCAL_LAYER, InMemoryChannelLayer())
+    return LOCAL_LAYER
+
+
 #: Open live feeds per user, in this process (a page keeps one; a user rarely needs many).
 _open: Counter = Counter()
 
@@ -88,6 +114,10 @@ class Feed(AsyncWebsocketConsumer):
 
     counted = False
     group = ""
+
+    @property  # read once per connection, when Channels builds the consumer's layer
+    def channel_layer_alias(self) -> str:  # type: ignore[override]
+        return layer_alias()
 
     async def admit(self) -> bool:
         user = self.scope.get("user")

@@ -12,13 +12,13 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from django.utils import timezone
-from django.utils.timesince import timesince
 
+from runs.engine import flow
 from runs.engine.budget import to_usd
 from runs.engine.holds import Hold, holds_on
 from runs.models import TERMINAL_STATUSES, Event, EventType, Run, RunStatus, StepKind, StepStatus
 from runs.operations import compensated, unserved_reason
-from runs.templatetags.timeline import span_text
+from runs.templatetags.timeline import how_far, span_text
 
 #: The one action that moves a run on: (label, permission a person needs to take it).
 ACTIONS = {
@@ -31,6 +31,8 @@ ACTIONS = {
     "approve": ("Decide the approval", "approvals.decide_approvalrequest"),
     "retry": ("Retry the run", "runs.retry_run"),
     "fork": ("Fork from a step", "runs.fork_run"),
+    "open-flow": ("Open the Flow page", "runs.view_run"),
+    "open-rate-limits": ("Open the rate limits", "runs.view_run"),
 }
 
 
@@ -44,10 +46,6 @@ class State:
     more_holds: tuple[Hold, ...] = ()  # the others covering it: lifting one lifts no other
     approval_id: int | None = None
 
-    @property
-    def action_label(self) -> str:
-        return ACTIONS[self.action][0] if self.action else ""
-
     def may_act(self, user) -> bool:
         return self.action is not None and user.has_perm(ACTIONS[self.action][1])
 
@@ -56,15 +54,7 @@ def _when(at: datetime | None, now: datetime) -> str:
     """'04:28:24 UTC (3 minutes ago)' or '… (in 3 minutes)': the time, and how far it is."""
     if at is None:
         return "an unknown time"
-    stamp = at.astimezone(UTC).strftime("%H:%M:%S UTC")
-    seconds = (now - at).total_seconds()
-    if abs(seconds) < 60:
-        far = f"{seconds:.0f} s ago" if seconds >= 0 else f"in {-seconds:.0f} s"
-    elif seconds > 0:
-        far = f"{timesince(at, now).split(',')[0]} ago"
-    else:
-        far = f"in {timesince(now, at).split(',')[0]}"
-    return f"{stamp} ({far.replace(chr(0xA0), ' ')})"
+    return f"{at.astimezone(UTC).strftime('%H:%M:%S UTC')} ({how_far(at, now)})"
 
 
 def _amount(unit: str, value: int) -> str:
@@ -101,6 +91,12 @@ def explain(run: Run, now: datetime | None = None) -> State:
         if compensated(run):  # a retry refuses these
             return State(
                 f"{text}. Its compensations ran: fork it from a step to try again.", "fork"
+            )
+        if cause.get("retryable") is False:  # the step's policy: an answer, not an outage
+            return State(
+                f"{text}. A retry would get the same answer ({what} is final for step "
+                f"{error.get('step')}): fork it from a step, with the input or an output edited.",
+                "fork",
             )
         return State(text, "retry")
     holds = holds_on(run)
@@ -181,7 +177,8 @@ def _waiting(run: Run, now: datetime) -> State:
     again = _when(step.wake_at, now)
     if error.get("throttled"):  # a rate limit's capacity returns then (runs/engine/rates.py)
         return State(f"Step {step.key} waits for the rate limit of {error['throttled']} "
-                     f"until {again}.")  # fmt: skip
+                     f"until {again}; raising or lifting the limit lets it go on at once.",
+                     "open-rate-limits")  # fmt: skip
     if error.get("type"):  # a durable retry: the step's last try failed
         return State(f"Step {step.key} failed ({error['type']}: {error.get('message', '')}) "
                      f"and tries again at {again}.")  # fmt: skip
@@ -204,5 +201,32 @@ def _pending(run: Run, now: datetime) -> State:
     unserved = unserved_reason(run)
     if unserved:
         return State(f"Not moving: {unserved}.")
+    limited = _limited(run)
+    if limited:
+        return State(limited, "open-flow")
     since = _when(run.wake_at or run.created_at, now)
     return State(f"Ready since {since}, for the next free worker.")
+
+
+def _limited(run: Run) -> str | None:
+    """Why a ready run waits on its workflow's concurrency limit (the code's or an operator's),
+    if it does: idle workers are no help then, the limit is."""
+    _, limits = flow.policies({run.workflow})
+    limit = limits.get(run.workflow)
+    if limit is None:
+        return None
+    counts = flow.running(run.workflow)
+    total = sum(counts.values())
+    if limit.total is not None and total >= limit.total:
+        return (
+            f"Ready, but workflow {run.workflow} allows {limit.total} running at once "
+            f"({total} running now): it starts when one ends, or when the limit is raised."
+        )
+    mine = counts.get(run.concurrency_key, 0)
+    if limit.per_key is not None and run.concurrency_key and mine >= limit.per_key:
+        return (
+            f"Ready, but workflow {run.workflow} allows {limit.per_key} running at once for "
+            f"key {run.concurrency_key!r} ({mine} running now): it starts when one ends, or "
+            "when the limit is raised."
+        )
+    return None

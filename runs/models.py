@@ -7,10 +7,12 @@ starts one run, and statuses are checked. Writes that change ownership are compa
 """
 
 import uuid
+from datetime import datetime
 
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+from django.utils import timezone
 
 from runs.fields import ExactJSONField
 
@@ -124,6 +126,11 @@ class Run(models.Model):
     budget_tokens = models.BigIntegerField(null=True, blank=True)
     reserved_micros = models.BigIntegerField(default=0, help_text="estimates of steps in flight")
     reserved_tokens = models.BigIntegerField(default=0)
+    possibly_spent_micros = models.BigIntegerField(
+        default=0,
+        help_text="estimates of model calls a crash interrupted: maybe paid, never recorded",
+    )
+    possibly_spent_tokens = models.BigIntegerField(default=0)
     budget_warned = models.BooleanField(default=False)
 
     # The authority flag: written by a person through runs.operations.halt, cleared only by
@@ -182,6 +189,10 @@ class Run(models.Model):
                 name="runs_run_reserved_not_negative",
             ),
             models.CheckConstraint(
+                condition=Q(possibly_spent_micros__gte=0) & Q(possibly_spent_tokens__gte=0),
+                name="runs_run_possibly_spent_not_negative",
+            ),
+            models.CheckConstraint(
                 condition=~Q(status="halted") | Q(worker__isnull=True, lease_until__isnull=True),
                 name="runs_run_halted_holds_no_worker",
             ),
@@ -224,6 +235,12 @@ class Run(models.Model):
                 fields=["lease_until"],
                 condition=Q(status="running"),
                 name="runs_run_running_lease_idx",
+            ),
+            # The held-runs sweep (claims.Claims._park_held): whether any run has a hold of its own.
+            models.Index(
+                fields=["halted_at"],
+                condition=Q(halted_at__isnull=False),
+                name="runs_run_halted_idx",
             ),
             # Runs list in the admin and the dashboard, newest first, filtered by status.
             models.Index(fields=["status", "-created_at"], name="runs_run_status_created_idx"),
@@ -269,6 +286,10 @@ class Step(models.Model):
         null=True, blank=True, help_text="a model call's tokens and USD per kind, and its model"
     )
     reserved_micros = models.BigIntegerField(default=0, help_text="estimate held while running")
+    possibly_spent_micros = models.BigIntegerField(
+        default=0, help_text="estimates of this step's interrupted calls: maybe paid"
+    )
+    possibly_spent_tokens = models.BigIntegerField(default=0)
     reserved_tokens = models.BigIntegerField(default=0)
     reserved_on = models.DateField(null=True, blank=True, help_text="ledger day of the hold")
     reserved_scopes = models.JSONField(
@@ -364,6 +385,8 @@ class EventType(models.TextChoices):
     STEP_THROTTLED = "step.throttled", "a step waits for a rate limit's capacity"
     RUN_DEBOUNCED = "run.debounced", "a debounced run took a newer input and waits again"
     SCHEDULE_CHANGED = "schedule.changed", "a schedule was added, changed, paused or removed"
+    API_KEY_REVOKED = "apikey.revoked", "an API key was revoked"
+    API_KEY_CREATED = "apikey.created", "an API key was created"
 
 
 #: What a notification channel may be told of (runs/notifications.py).
@@ -681,11 +704,21 @@ class Chore(models.Model):
         return f"{self.name} (due {self.due_at:%Y-%m-%d %H:%M})"
 
 
+class ApiKeyScope(models.TextChoices):
+    """What a key may do, within its user's permissions (runs.rest enforces it on every route)."""
+
+    FULL = "full", "full: whatever its user may do"
+    READ = "read", "read-only: GET routes only"
+    START = "start", "start runs and send signals, nothing else"
+
+
 class ApiKey(models.Model):
     """A key for the REST API, bound to a user so Django permissions apply to it.
 
     Only a SHA-256 of the secret is stored; the key (`sg_<prefix>_<secret>`) is shown once, at
-    creation. The prefix identifies it in lists and logs.
+    creation. The prefix identifies it in lists and logs. `scope` narrows what the user's
+    permissions allow (a CI job that starts runs needs no more); past `expires_at` the key is
+    refused with a 401 that says so.
     """
 
     user = models.ForeignKey(
@@ -697,13 +730,25 @@ class ApiKey(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    scope = models.CharField(max_length=10, choices=ApiKeyScope, default=ApiKeyScope.FULL)
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="blank: never")
 
     class Meta:
         ordering = ["-created_at"]
         verbose_name = "API key"
+        # Everyone sees and revokes their own keys; other people's take this (superusers).
+        permissions = [("revoke_others_apikey", "Can see and revoke other people's API keys")]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(scope__in=ApiKeyScope.values), name="runs_apikey_scope_valid"
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"sg_{self.prefix}… ({self.user})"
+
+    def expired(self, now: datetime | None = None) -> bool:
+        return self.expires_at is not None and self.expires_at <= (now or timezone.now())
 
 
 class ChannelKind(models.TextChoices):

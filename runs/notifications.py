@@ -17,20 +17,22 @@ import hashlib
 import hmac
 import json
 import logging
-import threading
 import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
-from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.mail import EmailMessage
 from django.core.validators import validate_email
-from django.db import IntegrityError, close_old_connections, connection, transaction
+from django.db import IntegrityError, close_old_connections, transaction
+from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
+from runs import egress
+from runs.engine.chores import Chore as WorkerChore
+from runs.engine.chores import ChoreContext
 from runs.engine.outage import is_disconnect, reconnect
 from runs.engine.retry import RetryPolicy
 from runs.errors import NotFound, OperationError, StepguardError
@@ -46,7 +48,7 @@ from runs.models import (
     RunStatus,
     Step,
 )
-from runs.operations import audit, require
+from runs.operations import Target, audit, known_scope, require
 from runs.sdk import RunContext, start_run, workflow
 
 log = logging.getLogger("stepguard.notifications")
@@ -111,12 +113,10 @@ def event_types(names: list[str] | str) -> list[str]:
 def _target(kind: str, target: str) -> str:
     target = target.strip()
     if kind == ChannelKind.WEBHOOK:
-        parts = urlsplit(target)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise OperationError(f"a webhook needs an http:// or https:// URL, not {target!r}")
-        if parts.username or parts.password:
-            raise OperationError("put a webhook's credentials in --secret, not in its URL")
-        return target
+        try:
+            return egress.check_url(target)
+        except ValueError as exc:
+            raise OperationError(str(exc)) from None
     if kind == ChannelKind.EMAIL:
         addresses = [a.strip() for a in target.split(",") if a.strip()]
         for address in addresses:
@@ -142,6 +142,8 @@ def add_channel(
         raise OperationError("a target is at most 2,000 characters, a workflow and a secret 200")
     if secret and kind != ChannelKind.WEBHOOK:
         raise OperationError("only webhooks are signed: an email channel takes no secret")
+    if workflow.strip():
+        _known_workflow(workflow.strip())
     now = timezone.now()
     with transaction.atomic():
         channel = NotificationChannel.objects.create(
@@ -150,6 +152,20 @@ def add_channel(
         )  # fmt: skip
         audit(actor, EventType.NOTIFICATIONS_CHANGED, added=describe(channel))
     return channel
+
+
+def _known_workflow(name: str) -> None:
+    """A channel filtered to a workflow that does not exist (a typo) would never say a word,
+    and nobody would know: refused, as a halt or a budget of one is."""
+    if name == WORKFLOW:
+        raise OperationError(f"{WORKFLOW} is the deliveries' own workflow: it is never notified")
+    try:
+        known_scope(Target("workflow", name))
+    except NotFound:
+        raise OperationError(
+            f"no workflow named {name!r}: it is not registered and has no runs, so the channel"
+            " would never notify"
+        ) from None
 
 
 def remove_channel(user, channel_id: int) -> NotificationChannel:
@@ -171,12 +187,24 @@ def _actor(user, permission: str, action: str) -> str:
     return require(user, permission, action).get_username()
 
 
-def describe(channel: NotificationChannel) -> dict:
-    """A channel as the API, the CLI and the audit show it: the secret only as whether set."""
+def shown_target(channel: NotificationChannel, user=None, *, full: bool = False) -> str:
+    """A channel's target as `user` may read it: a webhook's scheme and host only (a Slack
+    webhook's URL is its secret), unless `full` or `user` may add channels (who could point
+    one anywhere anyway). Email addresses are shown as they are."""
+    if channel.kind != ChannelKind.WEBHOOK or full:
+        return channel.target
+    if user is not None and user.has_perm("runs.add_notificationchannel"):
+        return channel.target
+    return egress.redact(channel.target)
+
+
+def describe(channel: NotificationChannel, user=None) -> dict:
+    """A channel as the API and the audit show it: the secret only as whether set, a webhook's
+    URL redacted for `user` (and in the audit, which viewers read) as `shown_target` says."""
     return {
         "id": channel.pk,
         "kind": channel.kind,
-        "target": channel.target,
+        "target": shown_target(channel, user),
         "events": channel.events,
         "workflow": channel.workflow or None,
         "signed": bool(channel.secret),
@@ -254,21 +282,25 @@ def sweep_if_due(worker: str) -> int:
     return sweep(now)
 
 
-def loop(stopped: threading.Event, worker: str) -> None:
-    """A worker's notification thread: sweep when due, until the worker stops."""
-    while True:
-        try:
-            sweep_if_due(worker)
-        except Exception as exc:
-            if is_disconnect(exc):  # a database restart: said once, by whichever thread sees it
-                with contextlib.suppress(Exception):
-                    reconnect("sweeping notifications")
-            else:
-                log.exception("notifications: the sweep failed; trying again")
-                close_old_connections()
-        if stopped.wait(settings.STEPGUARD_NOTIFY_SWEEP_SECONDS):
-            connection.close()
-            return
+def sweep_round(context: ChoreContext) -> None:
+    """One look of a worker's notification chore: sweep when due."""
+    try:
+        sweep_if_due(context.worker)
+    except Exception as exc:
+        if is_disconnect(exc):  # a database restart: said once, by whichever thread sees it
+            with contextlib.suppress(Exception):
+                reconnect("sweeping notifications")
+        else:
+            log.exception("notifications: the sweep failed; trying again")
+            close_old_connections()
+
+
+def chore() -> WorkerChore:
+    """The notification sweep, on a thread of every worker's own, every
+    STEPGUARD_NOTIFY_SWEEP_SECONDS (one worker at a time sweeps: `sweep_if_due`)."""
+    return WorkerChore(
+        "sweeping notifications", settings.STEPGUARD_NOTIFY_SWEEP_SECONDS, sweep_round
+    )
 
 
 # -- delivery: the built-in workflow ---------------------------------------------------------------
@@ -284,8 +316,14 @@ def deliver(ctx: RunContext, input: dict) -> dict:
     )
 
 
-def message(event: Event) -> dict:
-    """The notification's JSON: `text` for Slack-compatible receivers, `event` for programs."""
+def slack_escape(text: str) -> str:
+    """`text` with the three characters Slack reads as markup escaped, as Slack requires: a
+    reason cannot ping `<!channel>`, disguise a link or break the message's own link."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def summary(event: Event) -> str:
+    """What happened, in plain text (workflow names and reasons as people wrote them)."""
     run = event.run
     what = EventType(event.type).label if event.type in EventType.values else event.type
     if run is not None:
@@ -293,10 +331,16 @@ def message(event: Event) -> dict:
         reason = event.payload.get("reason") or event.payload.get("error", {})
         if isinstance(reason, dict):
             reason = reason.get("message", "")
-        text = f"Stepguard: {subject}: {what}" + (f": {reason}" if reason else "")
-    else:
-        target, reason = event.payload.get("target", ""), event.payload.get("reason", "")
-        text = f"Stepguard: {what}: {target} {reason}"
+        return f"Stepguard: {subject}: {what}" + (f": {reason}" if reason else "")
+    target, reason = event.payload.get("target", ""), event.payload.get("reason", "")
+    return f"Stepguard: {what}: {target} {reason}"
+
+
+def message(event: Event) -> dict:
+    """The notification's JSON: `text` for Slack-compatible receivers (markup in names and
+    reasons escaped), `event` for programs."""
+    run = event.run
+    text = slack_escape(summary(event))
     base = settings.STEPGUARD_PUBLIC_URL
     link = f"{base.rstrip('/')}/runs/{run.pk}" if base and run is not None else None
     if link:
@@ -336,14 +380,6 @@ def send(channel_id: int, event_id: int, key: str) -> dict:
     return _post(channel, event, body, key)
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args, **kwargs):
-        return None  # a POST is not followed elsewhere: the 3xx is the answer
-
-
-_opener = urllib.request.build_opener(_NoRedirects)
-
-
 def _post(channel: NotificationChannel, event: Event, body: dict, key: str) -> dict:
     data = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
     timestamp = str(int(time.time()))
@@ -356,20 +392,28 @@ def _post(channel: NotificationChannel, event: Event, body: dict, key: str) -> d
     }
     if channel.secret:
         headers["X-Stepguard-Signature"] = signature(channel.secret, timestamp, data)
+    # Errors name the scheme and host only: viewers read them, and a Slack URL is a secret.
+    shown = egress.redact(channel.target)
+    try:  # a channel saved before URLs were checked this strictly is checked now
+        egress.check_url(channel.target)
+    except ValueError as exc:
+        raise DeliveryFailed(f"{shown}: {exc}", retryable=False) from None
     request = urllib.request.Request(channel.target, data=data, headers=headers, method="POST")
     try:
-        with _opener.open(request, timeout=TIMEOUT_SECONDS) as answer:
+        # Connects only where egress allows, to the address it checked (no DNS rebinding).
+        with egress.opener.open(request, timeout=TIMEOUT_SECONDS) as answer:
             return {"status": answer.status}
     except urllib.error.HTTPError as exc:
         status = exc.code
         retry = status in RETRYABLE_STATUS or status >= 500
         raise DeliveryFailed(
-            f"{channel.target} answered {status} {exc.reason}", retryable=retry,
-            headers=exc.headers,
-        ) from None  # fmt: skip
+            f"{shown} answered {status} {exc.reason}", retryable=retry, headers=exc.headers
+        ) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise DeliveryFailed(f"{channel.target}: {reason}", retryable=True) from None
+        # Refused at the connection: asking again will not change that.
+        retry = not isinstance(reason, egress.Refused) and not isinstance(exc, egress.Refused)
+        raise DeliveryFailed(f"{shown}: {reason}", retryable=retry) from None
 
 
 def _email(channel: NotificationChannel, event: Event, body: dict, key: str) -> dict:
@@ -377,7 +421,9 @@ def _email(channel: NotificationChannel, event: Event, body: dict, key: str) -> 
     # a crash) can tell, and threads show one message.
     message_id = "<" + hashlib.sha256(key.encode()).hexdigest()[:32] + "@stepguard>"
     mail = EmailMessage(
-        subject=body["text"][:200],
+        # A header holds one line: a reason's newlines (which Django refuses there) become
+        # spaces. Plain text, not the Slack-escaped `text`.
+        subject=" ".join(summary(event).split())[:200],
         body=json.dumps(body, indent=2, sort_keys=True),
         to=[a.strip() for a in channel.target.split(",")],
         headers={"Message-ID": message_id, "X-Stepguard-Event": event.type},
@@ -390,13 +436,20 @@ def _email(channel: NotificationChannel, event: Event, body: dict, key: str) -> 
 
 
 def deliveries(
-    channel: int | None = None, *, failed: bool = False, limit: int = 200
+    channel: int | None = None, *, failed: bool = False, failing: bool = False, limit: int = 200
 ) -> list[NotificationDelivery]:
-    """Recent deliveries, newest first, with their runs and their send steps."""
+    """Recent deliveries, newest first, with their runs and their send steps. `failed`: those
+    that failed after their retries; `failing`: those too, and those whose receiver refused
+    an attempt and that are being retried (a dead webhook is seen before its retries end)."""
     query = NotificationDelivery.objects.select_related("run", "channel")
     if channel is not None:
         query = query.filter(channel_id=channel)
-    if failed:
+    if failing:
+        refused = Step.objects.filter(run_id=OuterRef("run_id"), error__isnull=False)
+        query = query.filter(
+            Q(run__status=RunStatus.FAILED) | ~Q(run__status=RunStatus.COMPLETED) & Exists(refused)
+        )
+    elif failed:
         query = query.filter(run__status=RunStatus.FAILED)
     rows = list(query.order_by("-created_at", "-id")[:limit])
     steps = {s.run_id: s for s in Step.objects.filter(run__in=[d.run for d in rows], seq=0)}

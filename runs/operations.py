@@ -8,13 +8,17 @@ the same check and the same audit entry.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from itertools import chain
 from typing import Any, ParamSpec, TypeVar
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
@@ -22,7 +26,8 @@ from django.db import OperationalError, connection, transaction
 from django.db.models import Case, Q, Value, When
 from django.utils import timezone
 
-from runs.engine import holds
+from runs import schedules
+from runs.engine import holds, registry
 from runs.engine.budget import forget_cached_scopes, to_micros
 from runs.engine.store import append_event, create_run, run_event, wake_parent
 from runs.engine.wakeup import notify_runnable
@@ -39,6 +44,7 @@ from runs.models import (
     Shaped,
     Step,
     StepStatus,
+    Worker,
 )
 
 log = logging.getLogger("stepguard.operations")
@@ -181,13 +187,6 @@ def _requeued() -> Case:
 
 def unserved_reason(run: Run) -> str | None:
     """Why a runnable run is not moving, when the cause is that no live worker has its code."""
-    from datetime import timedelta
-    from itertools import chain
-
-    from django.conf import settings
-
-    from runs.models import Worker
-
     if run.status not in (RunStatus.PENDING, RunStatus.WAITING):
         return None
     cutoff = timezone.now() - timedelta(seconds=3 * settings.STEPGUARD_LEASE_SECONDS)
@@ -263,8 +262,6 @@ def known_scope(target: Target) -> None:
     fill the table with made-up names."""
     if target.kind != "workflow":
         return
-    from runs.engine import registry
-
     registry.load_configured()
     name = target.value
     if any(d.name == name for d in registry.all_workflows()):
@@ -300,7 +297,8 @@ def halt(target, user, reason: str) -> Target:
             root = find_run(target.value)
             # Descendants before the run itself: the order a finishing child locks (itself,
             # then its parent), so a halt and a child's end never deadlock.
-            for member in holds.descendants(root.pk):
+            family = holds.descendants(root.pk)
+            for member in family:
                 _park(member, actor, reason, f"parent run {root.pk}")
             run = lock_run(root.pk)
             if run.is_terminal:
@@ -309,6 +307,7 @@ def halt(target, user, reason: str) -> Target:
                 raise Conflict(f"run {run.pk} is already halted by {run.halted_by}")
             Run.objects.filter(pk=run.pk).update(halted_at=now, halted_by=actor, halt_reason=reason)
             _park(run.pk, actor, reason, "run", audit=True)
+            _park_late_children(root.pk, family, actor, reason)
             return target
         known_scope(target)
         policy = Policy.objects.select_for_update().get(scope=target.scope)
@@ -323,6 +322,20 @@ def halt(target, user, reason: str) -> Target:
         for run_id in parkable.values_list("id", flat=True):
             _park(run_id, actor, reason, target.label)
     return target
+
+
+def _park_late_children(root_id, family: list, actor: str, reason: str) -> None:
+    """Park the children the run's execution started while the halt waited for the run's lock
+    (found by the model machine: they stayed `pending` under a halted parent). That execution
+    held the run's row, so they are visible now. Those another transaction has locked are
+    skipped, never waited for while this holds their parent (a finishing child locks itself,
+    then its parent): they are being claimed or are ending, and stop at their next step."""
+    late = set(holds.descendants(root_id)) - set(family)
+    if not late:
+        return
+    free = Run.objects.filter(pk__in=late, status__in=PARKABLE).select_for_update(skip_locked=True)
+    for member in free.values_list("id", flat=True):
+        _park(member, actor, reason, f"parent run {root_id}")
 
 
 def find_run(run_id) -> Run:
@@ -548,57 +561,103 @@ def fork_preview(run_id, step) -> list[dict]:
     return list(run.steps.filter(seq__gte=seq).order_by("seq").values("seq", "key", "kind"))
 
 
+#: An edited value whose old and new JSON together are longer is recorded by digest.
+EDIT_INLINE_CHARS = 4096
+
+
+def _json_text(value: Any, what: str) -> str:
+    try:
+        return json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise OperationError(f"{what} is not a JSON value: {exc}") from None
+
+
+def _edit(old: Any, new: Any, what: str) -> dict | None:
+    """What an edit replaced, for the fork's `run.created` event: both values, or (when they
+    are large) their SHA-256 digests and sizes; None when nothing changed."""
+    new_text = _json_text(new, what)
+    old_text = json.dumps(old, sort_keys=True, ensure_ascii=False, default=str)
+    if new_text == old_text:
+        return None
+    if len(old_text) + len(new_text) <= EDIT_INLINE_CHARS:
+        return {"old": old, "new": new}
+    digest = lambda text: hashlib.sha256(text.encode()).hexdigest()  # noqa: E731
+    return {
+        "old_sha256": digest(old_text), "old_chars": len(old_text),
+        "new_sha256": digest(new_text), "new_chars": len(new_text),
+    }  # fmt: skip
+
+
+def fork_edits(origin: Run, seq: int, kept: list[Step], input: Any, outputs: dict | None):
+    """Check a fork's edits against the origin before anything is written: `input` (KEEP: the
+    origin's) and `outputs` ({step key: replacement output} for steps before the fork point).
+    Returns what the fork's run.created event records (empty: nothing edited)."""
+    edited: dict[str, Any] = {}
+    if input is not KEEP:
+        change = _edit(origin.input, input, "input")
+        if change is not None:
+            edited["input"] = change
+    if outputs is None:
+        return edited
+    if not isinstance(outputs, dict):
+        raise OperationError("outputs is an object: {step key: replacement output}")
+    by_key = {s.key: s for s in kept}
+    for key, value in outputs.items():
+        if key not in by_key:
+            allowed = ", ".join(repr(k) for k in by_key) or "none: the fork point is the first"
+            raise OperationError(
+                f"outputs names step {key!r}, which is not a step before the fork point at"
+                f" position {seq} (steps whose output can be edited: {allowed})"
+            )
+        change = _edit(by_key[key].output, value, f"the output of step {key!r}")
+        if change is not None:
+            edited.setdefault("outputs", {})[key] = change
+    return edited
+
+
+def fork_summary(edited: dict) -> list[str]:
+    """What a fork edited, as the run page says it: "the input", "the output of step K"."""
+    said = ["the input"] if "input" in edited else []
+    return said + [f"the output of step {key}" for key in edited.get("outputs", {})]
+
+
 @retried_on_deadlock
-def fork_run(run_id, step, user, reason: str) -> Run:
+def fork_run(
+    run_id, step, user, reason: str, *, input: Any = KEEP, outputs: dict | None = None
+) -> Run:
     """A new run of the same workflow, version and input that reuses the recorded outputs of
-    the steps before `step` (a key or a position) and runs the rest anew."""
+    the steps before `step` (a key or a position) and runs the rest anew.
+
+    `input` replaces the run's input and `outputs` ({step key: output}) the recorded outputs
+    of steps before the fork point: the fork replays them as if the steps had returned them
+    (edit what a model said, and go on from there). The edits are checked before anything is
+    written and recorded, old and new, in the fork's `run.created` event."""
     user = require(user, "runs.fork_run", "fork runs")
     reason = needs_reason(reason, "a fork")
     actor = user.get_username()
     with transaction.atomic():
         origin = lock_run(run_id)
         seq = _fork_point(origin, step)
-        kept = list(origin.steps.filter(seq__lt=seq).order_by("seq"))
-        unfinished = [s.key for s in kept if s.status != StepStatus.COMPLETED]
-        if unfinished:
-            raise OperationError(f"steps before the fork point are not completed: {unfinished}")
-        # Forking is no way around a halt: a hold on the origin or its ancestors holds the
-        # fork too (workflow and global holds cover it anyway).
-        # A fork has no parent, so a hold that covers the origin through its ancestors (their
-        # own, or their workflow's) would not cover the fork: it becomes the fork's own hold.
-        # Its own workflow's hold and the kill switch cover it anyway (create_run parks it).
-        inherited = ("run", "ancestor")
-        own = next(
-            (
-                h
-                for h in holds.holds_on(origin)
-                if h.kind in inherited
-                or (h.kind == "workflow" and h.scope != f"workflow {origin.workflow}")
-            ),
-            None,
-        )
+        kept = _completed_before(origin, seq)
+        edited = fork_edits(origin, seq, kept, input, outputs)
         fork = create_run(
             workflow=origin.workflow,
             version=origin.version,
-            input=origin.input,
+            input=input if "input" in edited else origin.input,
             key=None,
+            created={"edited": edited} if edited else None,
             forked_from=origin,
             forked_at_seq=seq,
-            # Every option a user set on the origin, with the budgets it had.
-            max_attempts=origin.max_attempts,
-            budget_micros=origin.budget_micros,
-            budget_tokens=origin.budget_tokens,
-            priority=origin.priority,
-            concurrency_key=origin.concurrency_key,
-            halted_at=own.at if own else None,
-            halted_by=own.by if own else "",
-            halt_reason=own.reason if own else "",
-            status=RunStatus.HALTED if own else RunStatus.PENDING,
+            **_origin_options(origin),
+            **_held_as(_inherited_hold(origin)),
             # The forker chose what the fork does again; the origin's shapers are found
             # through `forked_from` (approvals.services.four_eyes).
             shapers=[(user.pk, Shaped.FORKED)],
         )
-        Step.objects.bulk_create([_copy_step(s, fork) for s in kept])
+        replaced = outputs or {}
+        # A replaced output is the step's recorded output on every replay of the fork; the
+        # copy is inherited, so it registers no compensation (the fork did not perform it).
+        Step.objects.bulk_create([_copy_step(s, fork, replaced.get(s.key, s.output)) for s in kept])
         at = kept[-1].key if kept else None
         run_event(
             fork.pk,
@@ -607,6 +666,7 @@ def fork_run(run_id, step, user, reason: str) -> Run:
             origin=str(origin.pk),
             at_seq=seq,
             reason=reason,
+            **({"edited": fork_summary(edited)} if edited else {}),
         )
         run_event(
             origin.pk,
@@ -620,7 +680,58 @@ def fork_run(run_id, step, user, reason: str) -> Run:
     return fork
 
 
-def _copy_step(step: Step, fork: Run) -> Step:
+def _completed_before(origin: Run, seq: int) -> list[Step]:
+    """The origin's steps before the fork point, which the fork keeps: all of them completed,
+    else OperationError naming the others."""
+    kept = list(origin.steps.filter(seq__lt=seq).order_by("seq"))
+    unfinished = [s.key for s in kept if s.status != StepStatus.COMPLETED]
+    if unfinished:
+        raise OperationError(f"steps before the fork point are not completed: {unfinished}")
+    return kept
+
+
+def _origin_options(origin: Run) -> dict[str, Any]:
+    """Every option a user set on the origin, with the budgets it had: the fork's too."""
+    return {
+        "max_attempts": origin.max_attempts,
+        "budget_micros": origin.budget_micros,
+        "budget_tokens": origin.budget_tokens,
+        "priority": origin.priority,
+        "concurrency_key": origin.concurrency_key,
+    }
+
+
+def _inherited_hold(origin: Run) -> holds.Hold | None:
+    """The hold a fork of `origin` takes as its own, if any.
+
+    Forking is no way around a halt: a hold on the origin or its ancestors holds the fork too
+    (workflow and global holds cover it anyway). A fork has no parent, so a hold that covers
+    the origin through its ancestors (their own, or their workflow's) would not cover the
+    fork: it becomes the fork's own hold. Its own workflow's hold and the kill switch cover it
+    anyway (create_run parks it)."""
+    inherited = ("run", "ancestor")
+    return next(
+        (
+            h
+            for h in holds.holds_on(origin)
+            if h.kind in inherited
+            or (h.kind == "workflow" and h.scope != f"workflow {origin.workflow}")
+        ),
+        None,
+    )
+
+
+def _held_as(own: holds.Hold | None) -> dict[str, Any]:
+    """A new run's fields for the hold `own` of its own (halted from the start), or none."""
+    return {
+        "halted_at": own.at if own else None,
+        "halted_by": own.by if own else "",
+        "halt_reason": own.reason if own else "",
+        "status": RunStatus.HALTED if own else RunStatus.PENDING,
+    }
+
+
+def _copy_step(step: Step, fork: Run, output: Any) -> Step:
     return Step(
         run=fork,
         seq=step.seq,
@@ -628,7 +739,7 @@ def _copy_step(step: Step, fork: Run) -> Step:
         kind=step.kind,
         status=StepStatus.COMPLETED,
         input=step.input,
-        output=step.output,
+        output=output,
         idempotency_key=f"{fork.pk}:{step.key}",
         attempt=step.attempt,
         inherited=True,
@@ -668,8 +779,6 @@ def set_limits(workflow: str, user, reason: str, *, max_running=KEEP, max_runnin
 
 def save_schedule(user, name: str, **fields) -> Schedule:
     """Create or replace schedule `name` (runs.schedules.save's fields); audited."""
-    from runs import schedules
-
     user = require(user, "runs.set_flow", "manage schedules")
     require(user, "runs.add_run", "start runs on a schedule")
     with transaction.atomic():
@@ -682,8 +791,6 @@ def save_schedule(user, name: str, **fields) -> Schedule:
 
 
 def pause_schedule(user, name: str, paused: bool) -> Schedule:
-    from runs import schedules
-
     user = require(user, "runs.set_flow", "pause or resume schedules")
     with transaction.atomic():
         if not Schedule.objects.filter(name=name).exists():
@@ -740,4 +847,21 @@ def set_rate_limit(
                                             "window_seconds": window_seconds}  # fmt: skip
         audit(user.get_username(), EventType.RATE_LIMIT_SET, resource=resource, reason=reason,
               before=was, after=after)  # fmt: skip
+    _wake_throttled(resource)
     return limit
+
+
+def _wake_throttled(resource: str) -> None:
+    """The runs waiting for `resource`'s capacity look again now, under the limit as it is
+    (a raised or removed one lets them through; they waited out the old window before). One
+    that still finds none waits again, until its new time. After the limit's own transaction:
+    no run row is locked while the limit's is."""
+    now = timezone.now()
+    with transaction.atomic():
+        throttled = Step.objects.filter(status=StepStatus.WAITING, error__throttled=resource)
+        runs = list(throttled.values_list("run_id", flat=True).distinct())
+        if not runs:
+            return
+        throttled.update(wake_at=now)
+        Run.objects.filter(pk__in=runs, status=RunStatus.WAITING).update(wake_at=now)
+        transaction.on_commit(notify_runnable)

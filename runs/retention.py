@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -24,6 +23,8 @@ from django.db import close_old_connections, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from runs.engine.chores import Chore as WorkerChore
+from runs.engine.chores import ChoreContext
 from runs.models import TERMINAL_STATUSES, Chore, EventType, Run
 from runs.operations import audit
 
@@ -220,14 +221,18 @@ def prune_if_due(worker: str) -> PruneResult | None:
     return result
 
 
-def daily(stopped: threading.Event, worker: str) -> None:
-    """A worker's retention thread: look at start, then every CHECK_SECONDS, until stopped."""
-    while True:
-        try:
-            prune_if_due(worker)
-        except Exception:
-            log.exception("retention: the daily prune failed; next look in %ss", CHECK_SECONDS)
-            close_old_connections()
-        if stopped.wait(CHECK_SECONDS):
-            connection.close()
-            return
+def daily_round(context: ChoreContext) -> None:
+    """One look of a worker's retention chore: prune if due and ours to do."""
+    try:
+        prune_if_due(context.worker)
+    except Exception:
+        log.exception("retention: the daily prune failed; next look in %ss", CHECK_SECONDS)
+        close_old_connections()
+
+
+def chore() -> WorkerChore | None:
+    """The daily prune when STEPGUARD_RETENTION_DAYS is set: a worker looks at start, then
+    every CHECK_SECONDS, on a thread of its own (one worker of all prunes each day)."""
+    if not settings.STEPGUARD_RETENTION_DAYS:
+        return None
+    return WorkerChore("pruning", CHECK_SECONDS, daily_round)

@@ -12,47 +12,43 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from cronsim import CronSim, CronSimError
+from cronsim import CronSim
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from runs.cron import NAME, ScheduleError, check_cron, check_name, zone
 from runs.engine import registry
-from runs.errors import InvalidInput, StepguardError, UnknownWorkflow
-from runs.models import Catchup, Schedule
+from runs.engine.chores import Chore
+from runs.engine.serialization import to_json
+from runs.engine.starts import start_run
+from runs.errors import StepguardError, UnknownWorkflow
+from runs.models import Catchup, Schedule, Shaped
+
+__all__ = [
+    "NAME",
+    "ScheduleError",
+    "check_cron",
+    "check_name",
+    "chore",
+    "fire_due",
+    "next_due",
+    "next_tick",
+    "save",
+    "set_paused",
+    "sync_code_schedules",
+    "zone",
+]
 
 log = logging.getLogger("stepguard.schedules")
 
 #: How many due schedules one firing takes at a time; the rest wait for the next tick.
 BATCH = 50
-
-
-class ScheduleError(InvalidInput):
-    """A schedule that cannot be stored as given (its message names what is wrong)."""
-
-    code = "invalid_schedule"
-
-
-def zone(name: str) -> ZoneInfo:
-    try:
-        return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError):
-        raise ScheduleError(
-            f"unknown time zone {name!r} (an IANA name like 'Europe/Lisbon')"
-        ) from None
-
-
-def check_cron(cron: str) -> str:
-    """The expression, normalised, or ScheduleError saying why cronsim refused it."""
-    cron = " ".join(cron.split())
-    try:
-        CronSim(cron, datetime(2000, 1, 1, tzinfo=UTC))
-    except CronSimError as exc:
-        raise ScheduleError(f"bad cron expression {cron!r}: {exc}") from None
-    return cron
+#: How often at most a worker fires due schedules (between its claims; every poll interval if
+#: that is shorter).
+FIRE_SECONDS = 0.5
 
 
 def next_tick(cron: str, tz: str, after: datetime) -> datetime:
@@ -107,8 +103,6 @@ def fire_due(workflows: set[str], now: datetime | None = None) -> int:
     can start); returns how many runs it started. One transaction: the ticks' runs and the
     schedule's next fire time commit together, so a worker killed mid-way fires nothing
     twice and loses no tick (the next firing finds the same ticks due)."""
-    from runs.sdk import start_run  # the SDK imports the engine, which imports this module
-
     now = now or timezone.now()
     started = 0
     with transaction.atomic():
@@ -127,9 +121,8 @@ def fire_due(workflows: set[str], now: datetime | None = None) -> int:
                             schedule.input,
                             key=run_key(schedule, tick),
                             started_by=schedule.created_by,
-                            shaped_by=schedule.shaped_by,
+                            shapers=[(user, Shaped.SCHEDULED) for user in schedule.shaped_by],
                             created={"schedule": schedule.name, "tick": tick.isoformat()},
-                            engine=True,
                         )
                         started += int(run.was_created)
             except (StepguardError, ValueError) as exc:  # ValueError: a foreign run's key
@@ -164,6 +157,20 @@ def next_due(workflows: set[str]) -> datetime | None:
     )
 
 
+def chore() -> Chore:
+    """Firing schedules, by every worker between its claims: the code's schedules stored at
+    start, then due ticks fired at most every FIRE_SECONDS; an idle worker wakes for the next
+    tick of the schedules of its workflows."""
+    return Chore(
+        "firing schedules",
+        FIRE_SECONDS,
+        lambda context: fire_due(set(context.workflows)),
+        between_claims=True,
+        next_due=lambda context: next_due(set(context.workflows)),
+        start=lambda context: sync_code_schedules(),
+    )
+
+
 def save(
     name: str,
     *,
@@ -179,8 +186,7 @@ def save(
     shaped_by: list[int] | None = None,
 ) -> Schedule:
     """Create or replace schedule `name`; its next tick is computed from now."""
-    if not name or len(name) > 200 or ":" in name:
-        raise ScheduleError("a schedule name is 1 to 200 characters, without ':'")
+    check_name(name)
     registry.load_configured()
     if registry.builtin(workflow):
         raise ScheduleError(f"workflow {workflow!r} is Stepguard's own: it is not scheduled")
@@ -194,8 +200,6 @@ def save(
         raise ScheduleError(f"catch-up must be one of {', '.join(Catchup.values)}, not {catchup!r}")
     if not 1 <= catchup_limit <= 1000:
         raise ScheduleError("catchup_limit must be between 1 and 1000")
-    from runs.engine.serialization import to_json
-
     data = to_json(input, what=f"the input of schedule {name!r}")
     definition.key_for(data)  # its runs must be startable: a key function that fails is said now
     definition.key_for(data, "debounce")

@@ -17,15 +17,17 @@ from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.utils import timezone
 
-from runs.engine import registry
+from runs.cron import check_cron, check_name, zone
+from runs.engine import registry, starts
 from runs.engine.agent import AgentLoopExhausted, Tool, ToolTimeout
-from runs.engine.budget import Metered, Usage, default_run_budget, to_micros, to_usd
+from runs.engine.budget import Metered, Usage
 from runs.engine.executor import NOT_FOUND, Decision, RetryPolicy, RunContext
+from runs.engine.records import CURRENT_STEP
 from runs.engine.serialization import to_json
-from runs.engine.store import append_event, create_run, record_shapers, run_event
+from runs.engine.store import run_event
 from runs.engine.waits import Ask
 from runs.errors import (
     ApprovalExpired,
@@ -47,7 +49,7 @@ from runs.errors import (
     UnpricedModel,
     WaitTimeout,
 )
-from runs.models import EventType, Run, RunStatus, Shaped, Signal
+from runs.models import EventType, Run, Shaped, Signal
 from runs.operations import cancel_run, lock_run
 
 __all__ = [
@@ -79,6 +81,7 @@ __all__ = [
     "WaitTimeout",
     "cancel_run",
     "get_run",
+    "idempotency_key",
     "send_signal",
     "start_run",
     "wait_for_run",
@@ -116,8 +119,7 @@ def workflow(
     """
 
     if schedule is not None:
-        from runs.schedules import check_cron, zone
-
+        check_name(name)  # the schedule is named after the workflow
         schedule = check_cron(schedule)
         zone(timezone)
 
@@ -164,57 +166,11 @@ def start_run(
     shapers = [(user, Shaped.SCHEDULED) for user in shaped_by or ()]
     if not engine:
         refuse_reserved(name, key)
-    definition = registry.get(name, version)
-    data = to_json(input, what=f"the input of workflow {name!r}")
-    if priority is None:
-        priority = definition.priority
-    if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
-        raise ValueError("priority must be an integer between -1000 and 1000")
-    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= 255):
-        raise ValueError("a run key must be a string of 1 to 255 characters")
-    if max_attempts is not None and not 1 <= max_attempts <= 100:
-        raise ValueError("max_attempts must be between 1 and 100")
-    fields: dict[str, Any] = {"max_attempts": max_attempts} if max_attempts else {}
-    fields |= _run_budget(definition.name, budget_usd, budget_tokens)
-    fields |= {"priority": priority, "concurrency_key": definition.key_for(data)}
-    created = dict(created or {})
-    if api_key:
-        created["api_key"] = api_key
-    micros, tokens = fields.get("budget_micros"), fields.get("budget_tokens")
-    if micros is not None or tokens is not None:
-        created["budget"] = {
-            "usd": None if micros is None else str(to_usd(micros)),
-            "tokens": tokens,
-            "given": budget_usd is not None or budget_tokens is not None,
-        }
-    if definition.debounce is not None and key is None:
-        return _debounced(definition, data, fields, created, started_by, shapers)
-    try:
-        with transaction.atomic():
-            run = create_run(
-                workflow=definition.name,
-                version=definition.version,
-                input=data,
-                key=key,
-                started_by=started_by,
-                actor=started_by.get_username() if started_by is not None else "system",
-                created=created,
-                shapers=shapers,
-                **fields,
-            )
-    except IntegrityError:
-        existing = Run.objects.filter(key=key).first() if key is not None else None
-        if existing is None:
-            raise
-        if existing.workflow != definition.name:
-            raise ValueError(
-                f"run key {key!r} already belongs to run {existing.id} of workflow "
-                f"{existing.workflow!r}, not {definition.name!r}"
-            ) from None
-        existing.was_created = False
-        return existing
-    run.was_created = True
-    return run
+    return starts.start_run(
+        name, input, key=key, version=version, max_attempts=max_attempts,
+        budget_usd=budget_usd, budget_tokens=budget_tokens, started_by=started_by,
+        api_key=api_key, priority=priority, created=created, shapers=shapers,
+    )  # fmt: skip
 
 
 #: Run keys the engine gives its own runs: a notification delivery, a schedule's tick.
@@ -231,68 +187,6 @@ def refuse_reserved(workflow: str, key: str | None) -> None:
     if isinstance(key, str) and key.startswith(RESERVED_KEY_PREFIXES):
         prefixes = " and ".join(f"'{p}'" for p in RESERVED_KEY_PREFIXES)
         raise InvalidInput(f"run key {key!r}: keys starting with {prefixes} are Stepguard's own")
-
-
-def _debounced(
-    definition, data: Any, fields: dict, created: dict, started_by, shapers: list
-) -> Run:
-    """Start a debounced run: the one still waiting out its quiet period for this key takes
-    this input and waits again, or a new one is created. At most one such run per workflow and
-    key is enforced by a partial unique constraint (runs_run_one_debouncing_per_key); the
-    update is a compare-and-swap on the run's event sequence, so a claim racing it wins and
-    this start makes a new run instead."""
-    debounce_key = definition.key_for(data, "debounce")
-    actor = started_by.get_username() if started_by is not None else "system"
-    for _ in range(3):  # a concurrent start created the waiting run first: update that one
-        try:
-            with transaction.atomic():
-                now = timezone.now()
-                quiet = [RunStatus.PENDING, RunStatus.HALTED]  # a halt does not end the quiet
-                waiting = (
-                    Run.objects.select_for_update()
-                    .filter(workflow=definition.name, debounce_key=debounce_key)
-                    .filter(status__in=quiet, lease_epoch=0)
-                    .first()
-                )
-                if waiting is not None:
-                    wake = now + definition.debounce
-                    if definition.debounce_max is not None:
-                        wake = min(wake, waiting.created_at + definition.debounce_max)
-                    seq = waiting.event_seq + 1
-                    moved = Run.objects.filter(
-                        pk=waiting.pk, status__in=quiet, lease_epoch=0,
-                        event_seq=waiting.event_seq,
-                    ).update(input=data, wake_at=wake, event_seq=seq,
-                             concurrency_key=fields["concurrency_key"])  # fmt: skip
-                    if moved:
-                        append_event(
-                            waiting.pk, seq, EventType.RUN_DEBOUNCED, "", actor,
-                            until=wake.isoformat(), debounce_key=debounce_key,
-                        )  # fmt: skip
-                        # Whoever gave the run its input now shaped what it will ask to do.
-                        by = [(started_by.pk, Shaped.DEBOUNCED)] if started_by is not None else []
-                        record_shapers(waiting.pk, [*by, *shapers])
-                        waiting.refresh_from_db()
-                        waiting.was_created = False
-                        return waiting
-                run = create_run(
-                    workflow=definition.name, version=definition.version, input=data, key=None,
-                    started_by=started_by, actor=actor, wake_at=now + definition.debounce,
-                    debounce_key=debounce_key, shapers=shapers,
-                    created={**created, "debounce_key": debounce_key}, **fields,
-                )  # fmt: skip
-                run.was_created = True
-                return run
-        except IntegrityError:
-            continue
-    raise OperationError(f"could not start a debounced run of {definition.name!r}; try again")
-
-
-def _run_budget(workflow: str, usd, tokens) -> dict:
-    """The run's own budget: as given, else the workflow's default, else the global one."""
-    if tokens is not None and (not isinstance(tokens, int) or tokens < 0):
-        raise ValueError("budget_tokens is a non-negative integer")
-    return default_run_budget(workflow, None if usd is None else to_micros(usd), tokens)
 
 
 def send_signal(run_id: str | UUID, name: str, payload: Any = None, *, sent_by: str = "system"):
@@ -320,6 +214,17 @@ def send_signal(run_id: str | UUID, name: str, payload: Any = None, *, sent_by: 
             signal_id=signal.pk,
         )
     return signal
+
+
+def idempotency_key() -> str:
+    """The idempotency key of the step running now (`<run id>:<step key>`), the same when the
+    step is re-sent after a crash: hand it to the service a tool calls. For code that has no
+    run context at hand, such as a tool an agent framework calls through an adapter (OpenAI
+    Agents, Pydantic AI, LangGraph); with a context, `ctx.idempotency_key` is the same."""
+    running = CURRENT_STEP.get()
+    if running is None:
+        raise StepMisuse("idempotency_key() is only defined inside a running step")
+    return running.idempotency_key
 
 
 def get_run(run_id: str | UUID) -> Run:

@@ -67,15 +67,21 @@ def outcome(parent: Context | None, value: str, error: dict | None = None) -> No
 
 @contextmanager
 def step(parent: Context | None, key: str, kind: str, attempt: int, model: str = ""):
-    """The span of a step that runs: `step <key>`, or `chat <model>` for a model call."""
-    name = f"chat {model}" if kind == "llm" and model else f"step {key}"
+    """The span of a step that runs: `step <key>`, `chat <model>` for a model call, or
+    `execute_tool <tool>` for a tool call (`model` is then the tool's name), the last two
+    following OpenTelemetry's GenAI semantic conventions."""
+    name = f"step {key}"
     attributes: dict[str, Any] = {
         "stepguard.step.key": key,
         "stepguard.step.kind": kind,
         "stepguard.step.attempt": attempt,
     }
     if kind == "llm":
+        name = f"chat {model}" if model else name
         attributes |= {"gen_ai.operation.name": "chat", "gen_ai.request.model": model}
+    elif kind == "tool":
+        name = f"execute_tool {model or key}"
+        attributes |= {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": model or key}
     with tracer.start_as_current_span(
         name, context=parent, kind=SpanKind.CLIENT if kind == "llm" else SpanKind.INTERNAL,
         attributes=attributes, record_exception=True, set_status_on_exception=True,
@@ -92,7 +98,7 @@ def model_call(data: dict, usage) -> None:
     provider = "anthropic" if data.get("type") == "message" else "openai"
     span.set_attributes(
         {
-            "gen_ai.system": provider,
+            "gen_ai.provider.name": provider,  # was gen_ai.system, deprecated
             "gen_ai.response.model": str(data.get("model", "")),
             "gen_ai.usage.input_tokens": usage.tokens_in,
             "gen_ai.usage.output_tokens": usage.tokens_out,

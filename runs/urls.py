@@ -1,9 +1,14 @@
-"""The dashboard's pages, approvals inbox included: `path("", include("runs.urls"))` in a project
-that embeds Stepguard (docs/install.md), as controlplane.urls does."""
+"""Stepguard's pages, the approvals inbox and the REST API (at `api/`), under one URL namespace,
+`stepguard` (`{% url 'stepguard:run' run.pk %}`): `path("agents/", include("runs.urls"))` in a
+project that embeds Stepguard (docs/install.md), `path("", ...)` in controlplane.urls. The
+websockets follow the same mount point (runs.routing)."""
 
 from django.urls import include, path
 
 from runs import views
+from runs.rest import api_urls
+
+app_name = "stepguard"
 
 urlpatterns = [
     path("", views.runs_list, name="runs"),
@@ -46,5 +51,6 @@ urlpatterns = [
     path("halts", views.halts_page, name="halts"),
     path("halts/budget", views.budget_scope, name="budget-scope"),
     path("halts/<str:action>", views.halt_scope, name="halt-scope"),
-    path("", include("approvals.urls")),
+    path("", include("approvals.urls")),  # no namespace of its own: stepguard:approvals
+    path("api/", api_urls()),  # every path under it answers the API's JSON, a 404 included
 ]

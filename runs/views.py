@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Callable
 from datetime import timedelta
 from decimal import Decimal
+from typing import Any
 from urllib.parse import urlencode
 from uuid import UUID
 
@@ -22,18 +25,20 @@ from django.db.models.fields.json import KT
 from django.http import Http404, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render
 from django.template.defaultfilters import pluralize
+from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
 from approvals.models import ApprovalStatus
-from runs import notifications, operations, queries
+from approvals.services import mark_four_eyes
+from runs import bounded, notifications, operations, queries
 from runs.conversation import conversation, last_answer
 from runs.engine import flow, rates, registry
 from runs.engine.budget import to_micros, to_usd
 from runs.engine.deltas import Conversations
-from runs.errors import Forbidden, OperationError, StepguardError
+from runs.errors import Forbidden, OperationError, StepguardError, UnknownWorkflow
 from runs.explain import explain
 from runs.models import (
     GLOBAL,
@@ -74,10 +79,31 @@ def budget_percent(run: Run) -> int | None:
     return None
 
 
+def run_id_from(text: str) -> UUID | None:
+    """The run a whole id or the start of one (the 8 characters pages show) names; None if no
+    run's id starts so. BadFilter when several do."""
+    try:
+        return UUID(text)
+    except ValueError:
+        pass
+    found = list(Run.objects.filter(queries.id_prefix(text)).values_list("pk", flat=True)[:2])
+    if len(found) > 1:
+        raise BadFilter(f"more than one run's id starts with {text!r}: give more of it")
+    return found[0] if found else None
+
+
 def filtered_runs(params) -> tuple[QuerySet, dict]:
-    """Runs matching the list's URL filters (the same for the page and for bulk actions)."""
+    """Runs matching the list's URL filters (the same for the page and for bulk actions;
+    the engine's own runs only if asked for: `queries.runs_matching`)."""
     chosen = {k: params.get(k, "").strip() for k in RUN_FILTERS}
-    return queries.runs_matching(chosen), chosen
+    chosen["engine"] = "1" if params.get("engine", "").strip() == "1" else ""
+    matching = dict(chosen)
+    if chosen["parent"]:  # the short id the pages show is taken
+        parent = run_id_from(chosen["parent"])
+        if parent is None:
+            raise BadFilter(f"parent: no run's id starts with {chosen['parent']!r}")
+        matching["parent"] = str(parent)
+    return queries.runs_matching(matching), chosen
 
 
 @viewer_required
@@ -87,12 +113,18 @@ def runs_list(request):
         runs, filters = filtered_runs(request.GET)
     except BadFilter as exc:
         messages.error(request, str(exc))
-        runs, filters = Run.objects.none(), {k: request.GET.get(k, "") for k in RUN_FILTERS}
+        runs = Run.objects.none()
+        filters = {k: request.GET.get(k, "") for k in (*RUN_FILTERS, "engine")}
     try:
-        page, marker = queries.page(runs, PAGE, request.GET.get("before"))
+        # The list shows no input, output or error: never read them (50 runs with 0.9 MB
+        # inputs and outputs: 0.42 s for 51 KB of HTML, 0.07 s without reading them).
+        page, marker = queries.page(runs.defer(*LIST_DEFERRED), PAGE, request.GET.get("before"))
     except BadFilter as exc:
         raise Http404(str(exc)) from None
-    counts = dict(Run.objects.values_list("status").annotate(n=Count("id")))
+    counted = Run.objects.all()
+    if not filters.get("engine"):  # the engine's own runs count where they are shown
+        counted = counted.exclude(workflow__startswith=queries.ENGINE_PREFIX)
+    counts = dict(counted.values_list("status").annotate(n=Count("id")))
     rows = list_rows(page)
     query = {k: v for k, v in filters.items() if v}
     older = urlencode({**query, "before": marker}) if marker else None
@@ -112,10 +144,14 @@ def runs_list(request):
             "can_operate": request.user.has_perm("runs.halt_run"),
             "bulk_actions": BULK_ACTIONS,
             "can_start": request.user.has_perm("runs.add_run"),
-            "registered": registered_workflows() if request.user.has_perm("runs.add_run") else [],
+            "registered": start_choices() if request.user.has_perm("runs.add_run") else [],
+            # What a refused Start form held, typed again for the person (start_view).
+            "start_form": request.session.pop(START_FORM, None),
         },
     )
 
+
+LIST_DEFERRED = ("input", "output", "error")
 
 WAIT_WORDS = {
     StepKind.EVENT: "signal",
@@ -165,6 +201,27 @@ def registered_workflows() -> list[str]:
     return sorted({d.name for d in registry.all_workflows() if not registry.builtin(d.name)})
 
 
+def start_choices() -> list[tuple[str, str]]:
+    """The Start form's workflows: (value, label) for each name, which starts the version a
+    start by name gets (the one registered last, as start_run), then each other version by
+    itself (`name@version`)."""
+    registry.load_configured()
+    versions: dict[str, list[str]] = {}
+    for d in registry.all_workflows():
+        if not registry.builtin(d.name):
+            versions.setdefault(d.name, []).append(d.version)
+    choices = []
+    for name in sorted(versions):
+        default = registry.get(name).version
+        choices.append((name, f"{name} (default, @{default})" if len(versions[name]) > 1 else name))
+        choices += [(f"{name}@{v}", f"{name}@{v}") for v in sorted(versions[name]) if v != default]
+    return choices
+
+
+#: The session key under which a refused Start form keeps what was typed, for the list to show.
+START_FORM = "stepguard-start-form"
+
+
 @login_required
 @require_POST
 def start_view(request):
@@ -175,15 +232,21 @@ def start_view(request):
 
     def start():
         operations.require(request.user, "runs.add_run", "start runs")
-        workflow = post.get("workflow", "")
+        workflow, _, version = post.get("workflow", "").partition("@")
         if workflow not in registered_workflows():
             raise OperationError(f"no workflow named {workflow!r} is registered")
+        if version:
+            try:
+                registry.get(workflow, version)
+            except UnknownWorkflow:
+                raise OperationError(f"{workflow} has no version {version!r} here") from None
         text = post.get("input", "").strip()
         try:
             data = json.loads(text) if text else None
         except json.JSONDecodeError as exc:
             raise OperationError(f"the input is not JSON: {exc}") from None
         usd = post.get("budget_usd", "").strip()
+        plain_usd(usd, "the budget")
         try:  # checked as every amount is: ASCII digits, finite, in range; and more than 0
             if usd and to_micros(usd) <= 0:
                 raise ValueError
@@ -192,12 +255,18 @@ def start_view(request):
         budget = Decimal(usd) if usd else None
         created["run"] = start_run(
             workflow, data, key=post.get("key", "").strip() or None, budget_usd=budget,
-            started_by=request.user,
+            version=version or None, started_by=request.user,
         )  # fmt: skip
 
-    response = _act(request, start, reverse("runs"))
+    response = _act(
+        request, start, reverse("stepguard:runs"),
+        lambda _: f"Started {created['run'].workflow} run {str(created['run'].pk)[:8]}.",
+    )  # fmt: skip
     if "run" in created:
-        return HttpResponseRedirect(reverse("run", args=[created["run"].pk]))
+        return HttpResponseRedirect(reverse("stepguard:run", args=[created["run"].pk]))
+    # Refused: the form opens again with what was typed, beside the message saying why.
+    fields = ("workflow", "input", "key", "budget_usd")
+    request.session[START_FORM] = {name: post.get(name, "")[:100_000] for name in fields}
     return response
 
 
@@ -231,7 +300,7 @@ CONFIRM_ABOVE, BULK_MAX = 10, 1000
 def bulk_view(request):
     """Halt, cancel or retry the selected runs, or every run matching the list's filter."""
     action, reason = request.POST.get("action", ""), request.POST.get("reason", "").strip()
-    back = reverse("runs")
+    back = reverse("stepguard:runs")
     if action not in BULK_ACTIONS:
         messages.error(request, f"no bulk action {action!r} (halt, cancel or retry)")
         return HttpResponseRedirect(back)
@@ -380,7 +449,12 @@ def with_context(asks: list) -> list:
             )
         }
     for ask in asks:
-        ask.shown = shown("payload", ask.payload, reverse("approval-payload", args=[ask.pk]))
+        url = reverse("stepguard:approval-payload", args=[ask.pk])
+        left_out = getattr(ask, "cut_fields", {}).get("payload")  # runs.bounded.fill
+        if left_out is not None:
+            ask.shown = {"name": "payload", "value": None, "cut": "", "size": left_out, "url": url}
+        else:
+            ask.shown = shown("payload", ask.payload, url)
         output = said.get(before.get(ask.pk))
         ask.model_said = last_answer(output)[:2000] if output else ""
     return asks
@@ -401,16 +475,21 @@ def header_context(request, run: Run) -> dict:
         "hold_parent": hold.scope.removeprefix("parent run ") if hold else "",
         "step_count": run.steps.count(),
         "children": list(run.children.order_by("created_at")[:100]),
+        **fork_context(run),
         "children_usd": to_usd(children_cost),
         "total_usd": to_usd(run.cost_micros + children_cost),
         "percent": budget_percent(run),
         "usd": to_usd(run.cost_micros),
         "budget_usd": to_usd(run.budget_micros),
-        "input": shown("input", run.input, reverse("run-json", args=[run.pk, "input"])),
-        "output": shown("output", run.output, reverse("run-json", args=[run.pk, "output"]))
+        "input": shown("input", run.input, reverse("stepguard:run-json", args=[run.pk, "input"])),
+        "output": shown(
+            "output", run.output, reverse("stepguard:run-json", args=[run.pk, "output"])
+        )
         if run.status == RunStatus.COMPLETED
         else None,
-        "approvals": pending_approvals(run),
+        "approvals": mark_four_eyes(pending_approvals(run), user)
+        if user.has_perm("approvals.decide_approvalrequest")
+        else pending_approvals(run),
         "held": hold is not None,
         "can_operate": user.has_perm("runs.halt_run"),
         "can_cancel": user.has_perm("runs.cancel_run"),
@@ -418,6 +497,25 @@ def header_context(request, run: Run) -> dict:
         "can_retry": user.has_perm("runs.retry_run"),
         "can_decide": user.has_perm("approvals.decide_approvalrequest"),
     }
+
+
+def fork_context(run: Run) -> dict:
+    """The run's forks, and for a fork where it came from: the origin's step it was forked
+    at and what was edited ("the input", "the output of step K")."""
+    context: dict = {"forks": list(run.forks.order_by("created_at")[:100])}
+    if run.forked_from_id is not None:
+        context["fork_step"] = (
+            Step.objects.filter(run_id=run.forked_from_id, seq=run.forked_at_seq)
+            .values_list("key", flat=True)
+            .first()
+        )
+        payload = (
+            Event.objects.filter(run=run, type=EventType.RUN_FORKED_FROM)
+            .values_list("payload", flat=True)
+            .first()
+        )
+        context["fork_edited"] = (payload or {}).get("edited", [])
+    return context
 
 
 @viewer_required
@@ -474,7 +572,10 @@ def _span(run: Run) -> dict:
 def run_header(request, run_id: UUID):
     """The header again, for the live feed: the page asks for it when the run's events move."""
     run = _run_or_404(run_id)
-    return render(request, "runs/detail.html#run-header", header_context(request, run))
+    context = {**header_context(request, run), "span": _span(run)}
+    # The run's span too: it ends with the run ("-> now" went on ticking after it finished).
+    header = render_to_string("runs/detail.html#run-header", context, request)
+    return HttpResponse(header + render_to_string("runs/detail.html#run-span", context, request))
 
 
 @viewer_required
@@ -526,7 +627,9 @@ def step_body(request, run_id: UUID, seq: int):
         raise Http404(f"run {run_id} has no step {seq}")
     step.input = Conversations(run_id).expanded(seq, step.input)
     parts = [
-        shown(name, getattr(step, name), reverse("run-step-json", args=[run_id, seq, name]))
+        shown(
+            name, getattr(step, name), reverse("stepguard:run-step-json", args=[run_id, seq, name])
+        )
         for name in STEP_PARTS
         if getattr(step, name) is not None or name == "input"
     ]
@@ -624,14 +727,25 @@ def json_download(value, filename: str) -> HttpResponse:
     return response
 
 
-def _act(request, action, back: str):
+def _act(request, action, back: str, done: str | Callable[[Any], str] = ""):
+    """Do `action`; say what went wrong, or (`done`, or `done` of what the action returned)
+    what it did: no action goes unconfirmed."""
     try:
-        action()
-    except Forbidden as exc:
-        raise PermissionDenied(str(exc)) from None
+        result = action()
+    except Forbidden as exc:  # a 403 that says why, on a page with the way back (not a bare one)
+        return render(
+            request, "stepguard/refused.html", {"message": str(exc), "back": back}, status=403
+        )
     except StepguardError as exc:
         messages.error(request, str(exc))
+    else:
+        said = done(result) if callable(done) else done
+        if said:
+            messages.success(request, said)
     return HttpResponseRedirect(back)
+
+
+DONE = {"halt": "halted", "unhalt": "unhalted", "cancel": "asked to cancel", "retry": "retried"}
 
 
 @login_required
@@ -647,8 +761,9 @@ def run_action(request, run_id: UUID, action: str):
     }
     if action not in actions:
         raise Http404(f"no action {action!r}")
-    back = reverse("run", args=[run_id])
-    return _act(request, lambda: actions[action](str(run_id), request.user, reason), back)
+    back = reverse("stepguard:run", args=[run_id])
+    done = f"Run {str(run_id)[:8]} {DONE[action]}."
+    return _act(request, lambda: actions[action](str(run_id), request.user, reason), back, done)
 
 
 @viewer_required
@@ -679,15 +794,31 @@ def audit_page(request):
         events = events.filter(type=RENAMED_EVENTS.get(action, action))
     if run:
         try:
-            events = events.filter(run_id=UUID(run))
-        except ValueError:
-            events = events.none()
+            run_id = run_id_from(run)  # the short id the pages show is taken
+        except BadFilter as exc:
+            messages.error(request, str(exc))
+            run_id = None
+        events = events.filter(run_id=run_id) if run_id else events.none()
+    # A page shows a few small fields of each payload: payloads past STEPGUARD_UI_MAX_PAGE in
+    # all (a signal's data) are not read; the runs' values never are.
+    page = list(bounded.sized(events.defer(*RUN_VALUES), ("payload",))[:300])
+    bounded.fill(
+        page,
+        ("payload",),
+        settings.STEPGUARD_UI_MAX_PAGE,
+        lambda e, f: "",
+        first_always=False,
+        marker=lambda size, url: {},
+    )
     return render(
         request,
         "runs/audit.html",
-        {"events": list(events[:300]),
+        {"events": page,
          "filters": {"actor": actor, "action": action, "run": run, "system": system}},
     )  # fmt: skip
+
+
+RUN_VALUES = ("run__input", "run__output", "run__error")
 
 
 def scope_rows() -> list[dict]:
@@ -771,11 +902,31 @@ def budget_scope(request):
     # Amounts are checked by set_budget (to_micros), which names a bad one.
     amounts = {f: request.POST.get(f, "").strip() or None for f in ("usd", "run_usd")}
     reason = request.POST.get("reason", "")
-    return _act(
-        request,
-        lambda: operations.set_budget(target, request.user, reason, **amounts),
-        reverse("budgets"),
-    )
+
+    def set_it():
+        for name, value in amounts.items():
+            plain_usd(value, "the daily budget" if name == "usd" else "the run budget")
+        operations.set_budget(target, request.user, reason, **amounts)
+
+    return _act(request, set_it, reverse("stepguard:budgets"), "Budgets set.")
+
+
+#: An amount of USD as people type one: digits, and at most 6 decimals (micro-dollars).
+PLAIN_USD = re.compile(r"[0-9]{1,15}(\.[0-9]{1,6})?")
+
+
+def plain_usd(text: str | None, what: str) -> None:
+    """Refuse what is no plain decimal amount: `1e3` became $1,000 and a 7th decimal was
+    rounded without a word. What is no amount at all is left to to_micros, which names it."""
+    try:
+        to_micros(text or "0")
+    except ValueError:
+        return
+    if text and not PLAIN_USD.fullmatch(text):
+        raise OperationError(
+            f"{what} {text!r} is not a plain amount of USD: digits with at most 6 decimals,"
+            " e.g. 2.50"
+        )
 
 
 @login_required
@@ -792,11 +943,13 @@ def halt_scope(request, action: str):
         messages.error(
             request, f"the kill switch halts every run: type “{KILL_SWITCH_CONFIRM}” to confirm"
         )
-        return HttpResponseRedirect(reverse("halts"))
-    back = request.POST.get("next") or reverse("halts")
+        return HttpResponseRedirect(reverse("stepguard:halts"))
+    back = request.POST.get("next") or reverse("stepguard:halts")
     if not url_has_allowed_host_and_scheme(back, {request.get_host()}, request.is_secure()):
-        back = reverse("halts")
-    return _act(request, lambda: act(target, request.user, reason), back)
+        back = reverse("stepguard:halts")
+    label = "Everything" if target == "all" else f"Workflow {request.POST['workflow']}"
+    done = f"{label} {'halted' if action == 'halt' else 'unhalted'}."
+    return _act(request, lambda: act(target, request.user, reason), back, done)
 
 
 #: What an operator types to turn the kill switch on from the dashboard.
@@ -806,13 +959,37 @@ KILL_SWITCH_CONFIRM = "halt everything"
 @login_required
 @require_POST
 def budget_view(request, run_id: UUID):
-    """Set a run's budget in USD (empty removes it)."""
+    """Set a run's budget in USD (empty removes it). Lowering one asks first, saying what the
+    lower amount will do (it stops a run that has spent it at its next step)."""
     usd = request.POST.get("usd", "").strip() or None  # checked by set_budget
-    back = reverse("run", args=[run_id])
+    back = reverse("stepguard:run", args=[run_id])
     reason = request.POST.get("reason", "")
-    return _act(
-        request, lambda: operations.set_budget(str(run_id), request.user, reason, usd=usd), back
-    )
+    if usd and request.POST.get("lower") != "1":
+        lowered = _lowered_budget(run_id, usd)
+        if lowered is not None:
+            return render(request, "runs/budget_confirm.html", {**lowered, "reason": reason})
+
+    def set_it():
+        plain_usd(usd, "the budget")
+        operations.set_budget(str(run_id), request.user, reason, usd=usd)
+
+    done = f"Budget of run {str(run_id)[:8]} set to {f'${usd}' if usd else 'none'}."
+    return _act(request, set_it, back, done)
+
+
+def _lowered_budget(run_id: UUID, usd: str) -> dict | None:
+    """What the confirmation of a lower budget shows, or None if `usd` lowers nothing (no
+    budget yet, as much or more, or not an amount: set_budget says why)."""
+    run = Run.objects.filter(pk=run_id).only("status", "budget_micros", "cost_micros").first()
+    try:
+        new = to_micros(usd)
+    except ValueError:
+        return None
+    if run is None or run.budget_micros is None or new >= run.budget_micros:
+        return None
+    return {
+        "run": run, "usd": usd, "new": new, "stops": new <= run.cost_micros,
+    }  # fmt: skip
 
 
 # Kinds that act on the world (or spend) when they run again; waits only wait.
@@ -831,9 +1008,109 @@ def fork_preview_view(request, run_id: UUID):
         ).count()
         effects = [s for s in context["again"] if s["kind"] in SIDE_EFFECTS]
         context["effects"], context["more_effects"] = effects[:100], max(len(effects) - 100, 0)
+        run = Run.objects.only("input").get(pk=run_id)
+        context["edit_input"] = _editable(run.input)
+        kept = Step.objects.filter(run_id=run_id, seq__lt=context["again"][0]["seq"])
+        latest = list(kept.order_by("-seq")[:FORK_EDITABLE])[::-1]
+        context["edit_steps"] = [_edit_row(s) for s in latest]
+        context["edit_hidden"] = context["reused"] - len(latest)
     except StepguardError as exc:
         context["problem"] = str(exc)
     return render(request, "runs/detail.html#fork-preview", context)
+
+
+#: The copied steps whose outputs the fork form offers to edit: the latest before the fork
+#: point (a run is forked near where it went wrong); the API edits any.
+FORK_EDITABLE = 20
+#: A value longer than this (as indented JSON) is not offered for editing in the browser.
+EDITABLE_CHARS = 20_000
+
+
+def _editable(value) -> str | None:
+    text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
+    return text if len(text) <= EDITABLE_CHARS else None
+
+
+def _edit_row(step: Step) -> dict:
+    """A copied step as the fork form offers it: a model call's answer as its text, any
+    other output as JSON."""
+    text = answer_text(step.output) if step.kind == StepKind.LLM else None
+    return {"key": step.key, "kind": step.kind, "seq": step.seq, "text": text,
+            "json": None if text is not None else _editable(step.output)}  # fmt: skip
+
+
+TEXTS = ("output_text",)
+
+
+def _answer_blocks(output) -> list[dict] | None:
+    """The one text block holding what the model said, in whichever protocol's response the
+    step recorded (chat completions, Anthropic messages, OpenAI responses), as a one-item
+    list of (container, field); None when there is not exactly one."""
+    if not isinstance(output, dict):
+        return None
+    choices = output.get("choices")
+    if isinstance(choices, list):
+        message = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
+        if isinstance(message, dict) and isinstance(message.get("content"), str):
+            return [message]
+        return None
+    blocks: list = []
+    if output.get("type") == "message" and isinstance(output.get("content"), list):
+        blocks = [b for b in output["content"] if isinstance(b, dict) and b.get("type") == "text"]
+    elif isinstance(output.get("output"), list):
+        for item in output["output"]:
+            if isinstance(item, dict) and item.get("type") == "message":
+                said = item.get("content") or []
+                blocks += [b for b in said if isinstance(b, dict) and b.get("type") in TEXTS]
+    return blocks if len(blocks) == 1 and isinstance(blocks[0].get("text"), str) else None
+
+
+def answer_text(output) -> str | None:
+    """What a model call said, as the text an operator edits (None: edit its JSON)."""
+    found = _answer_blocks(output)
+    if found is None:
+        return None
+    return found[0]["content"] if "content" in found[0] else found[0]["text"]
+
+
+def with_answer(output, text: str):
+    """`output` (a model call's recorded response) saying `text` instead."""
+    copy = json.loads(json.dumps(output))
+    (block,) = _answer_blocks(copy) or [None]
+    if block is None:
+        raise OperationError("this model call's answer cannot be edited as text: edit its JSON")
+    block["content" if "content" in block else "text"] = text
+    return copy
+
+
+def _json_field(text: str, what: str):
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise OperationError(f"{what} is not JSON: {exc}") from None
+
+
+def fork_form_edits(post, run_id) -> dict:
+    """The fork form's edits as fork_run's `input` and `outputs`: each field as typed (a
+    field left as shown is no edit; fork_run records only what changed)."""
+    edits: dict = {}
+    if "input" in post:
+        edits["input"] = _json_field(post["input"], "The input")
+    outputs = {}
+    for name, value in post.items():
+        kind, _, key = name.partition(":")
+        if kind == "output" and key:
+            outputs[key] = _json_field(value, f"The output of step {key}")
+        elif kind == "text" and key:
+            step = Step.objects.filter(run_id=run_id, key=key).only("output").first()
+            if step is None:
+                raise OperationError(f"run {run_id} has no step {key!r}")
+            said = value.replace("\r\n", "\n")  # a textarea sends CRLF line ends
+            if said != answer_text(step.output):
+                outputs[key] = with_answer(step.output, said)
+    if outputs:
+        edits["outputs"] = outputs
+    return edits
 
 
 @login_required
@@ -845,12 +1122,30 @@ def fork_view(request, run_id: UUID):
     created = {}
 
     def fork():
-        created["run"] = operations.fork_run(str(run_id), step, request.user, reason)
+        edits = fork_form_edits(request.POST, run_id)
+        created["run"] = operations.fork_run(str(run_id), step, request.user, reason, **edits)
 
-    response = _act(request, fork, reverse("run", args=[run_id]))
+    response = _act(request, fork, reverse("stepguard:run", args=[run_id]))
     if "run" in created:
-        return HttpResponseRedirect(reverse("run", args=[created["run"].pk]))
+        messages.success(request, f"Forked run {str(run_id)[:8]} from step {step}.")
+    if "run" in created:
+        return HttpResponseRedirect(reverse("stepguard:run", args=[created["run"].pk]))
     return response
+
+
+def _channel_row(channel: NotificationChannel, user) -> dict:
+    """What the page reads of a channel, its target as this person may see it (a viewer reads
+    a webhook's scheme and host: a Slack webhook's URL is its secret)."""
+    return {
+        "pk": channel.pk,
+        "kind": channel.kind,
+        "target": notifications.shown_target(channel, user),
+        "events": channel.events,
+        "workflow": channel.workflow,
+        "secret": bool(channel.secret),
+        "created_by": channel.created_by,
+        "created_at": channel.created_at,
+    }
 
 
 @login_required
@@ -862,8 +1157,11 @@ def notifications_page(request):
         request,
         "runs/notifications.html",
         {
-            "channels": NotificationChannel.objects.filter(removed_at__isnull=True),
-            "deliveries": notifications.deliveries(failed=failed, limit=100),
+            "channels": [
+                _channel_row(c, request.user)
+                for c in NotificationChannel.objects.filter(removed_at__isnull=True)
+            ],
+            "deliveries": notifications.deliveries(failing=failed, limit=100),
             "failed_only": failed,
             "event_types": [t.value for t in NOTIFIABLE],
             "can_add": request.user.has_perm("runs.add_notificationchannel"),
@@ -887,7 +1185,10 @@ def notifications_add(request):
             workflow=post.get("workflow", ""),
             secret=post.get("secret", ""),
         ),
-        reverse("notifications"),
+        reverse("stepguard:notifications"),
+        lambda channel: (
+            f"Channel {channel.pk} added: {channel.kind} of {', '.join(channel.events)}."
+        ),
     )
 
 
@@ -897,7 +1198,8 @@ def notifications_remove(request, channel_id: int):
     return _act(
         request,
         lambda: notifications.remove_channel(request.user, channel_id),
-        reverse("notifications"),
+        reverse("stepguard:notifications"),
+        f"Channel {channel_id} removed.",
     )
 
 
@@ -922,13 +1224,28 @@ def flow_page(request):
         request,
         "runs/flow.html",
         {
-            "workflows": flow.overview(),
+            "workflows": every_workflow(flow.overview()),
             "rate_limits": rate_limits,
             "schedules": found,
             "registered": registered_workflows(),
             "can_set": request.user.has_perm("runs.set_flow"),
         },
     )
+
+
+def every_workflow(shown: list[dict]) -> list[dict]:
+    """The Flow page's workflows: those with runs in flight or a limit (flow.overview), and
+    every other registered one with nothing in flight, so a limit can be set before the
+    first run (the page listed only the first kind)."""
+    listed = {w["workflow"] for w in shown}
+    idle = {"max_running": None, "max_running_per_key": None}
+    for name in registered_workflows():
+        if name not in listed:
+            found = registry.get(name)
+            code = {"max_running": found.concurrency, "max_running_per_key": found.per_key}
+            shown.append({"workflow": name, "running": 0, "queued": 0, "waiting": 0,
+                          "code_limits": code, "operator_limits": idle, "keys": []})  # fmt: skip
+    return sorted(shown, key=lambda w: w["workflow"])
 
 
 def _positive(value: str, what: str) -> int | None:
@@ -954,7 +1271,8 @@ def flow_limits(request):
             max_running=_positive(post.get("max_running", ""), "at most running"),
             max_running_per_key=_positive(post.get("max_running_per_key", ""), "per key"),
         ),
-        reverse("flow") + "#workflows",
+        reverse("stepguard:flow") + "#workflows",
+        f"Limits of {post.get('workflow', '')} saved.",
     )
 
 
@@ -977,7 +1295,15 @@ def flow_rate(request):
             window_seconds=_positive(post.get("window_seconds", ""), "the window") or 60,
         )  # fmt: skip
 
-    return _act(request, act, reverse("flow") + "#rate-limits")
+    def done(limit) -> str:
+        resource = post.get("resource", "").strip()
+        if limit is None:
+            return f"Rate limit of {resource} removed."
+        parts = [f"{n} {what}" for n, what in ((limit.requests, "calls"), (limit.tokens, "tokens"))
+                 if n is not None]  # fmt: skip
+        return f"Rate limit of {resource} set: {' and '.join(parts)} per {limit.window_seconds} s."
+
+    return _act(request, act, reverse("stepguard:flow") + "#rate-limits", done)
 
 
 @login_required
@@ -998,7 +1324,11 @@ def flow_schedule(request):
             input=data, catchup=post.get("catchup", "skip"),
         )  # fmt: skip
 
-    return _act(request, act, reverse("flow") + "#schedules")
+    return _act(
+        request, act, reverse("stepguard:flow") + "#schedules",
+        lambda schedule: f"Schedule {schedule.name} saved: {schedule.workflow} at "
+        f"{schedule.cron} ({schedule.timezone}).",
+    )  # fmt: skip
 
 
 @login_required
@@ -1011,4 +1341,8 @@ def flow_schedule_action(request, name: str, action: str):
     }
     if action not in actions:
         raise Http404(f"no action {action!r}")
-    return _act(request, actions[action], reverse("flow") + "#schedules")
+    done = {"pause": "paused", "resume": "resumed", "remove": "removed"}[action]
+    return _act(
+        request, actions[action], reverse("stepguard:flow") + "#schedules",
+        f"Schedule {name} {done}.",
+    )  # fmt: skip

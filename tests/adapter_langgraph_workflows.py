@@ -294,7 +294,8 @@ REVIEW = review_graph()
 
 @workflow("lg-review")
 def lg_review(ctx: RunContext, input: dict):
-    return durable(REVIEW, ctx, interrupts=input.get("interrupts", "signal")).invoke(input)
+    options = {"interrupts": input["interrupts"]} if "interrupts" in input else {}
+    return durable(REVIEW, ctx, **options).invoke(input)
 
 
 # A node routing with a Command, a subgraph added as a node, a flaky node with a retry policy.
@@ -371,3 +372,86 @@ def lg_misuse(ctx: RunContext, input: dict):
     builder.add_node("tag", tag)
     builder.add_edge(START, "tag")
     return durable(builder.compile(), ctx).invoke({})
+
+
+# LangGraph's getting-started chatbot: a node that calls a LangChain chat model, as written in
+# LangChain's docs (the model built once, at module level, SDK retries left at their default).
+
+
+def chat_model(provider: str, **options: Any):
+    base = os.environ["STEPGUARD_MODEL_BASE_URL"]
+    if provider == "anthropic":
+        from langchain_anthropic import ChatAnthropic
+
+        return ChatAnthropic(
+            model="claude-3-5-haiku-latest", base_url=base.removesuffix("/v1"), api_key="k",
+            **options,
+        )  # fmt: skip
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(model="gpt-4o-mini", base_url=base, api_key="k", **options)
+
+
+_shared: dict[tuple[str, str], Any] = {}
+
+
+def shared_model(provider: str):
+    """One chat model per provider and model server for the whole process, as a module-level
+    `llm = ChatOpenAI(...)` is: its client outlives every execution."""
+    key = (provider, os.environ["STEPGUARD_MODEL_BASE_URL"])
+    if key not in _shared:
+        _shared[key] = chat_model(provider)
+    return _shared[key]
+
+
+def chatbot_graph(provider: str, how: str):
+    def chatbot(state: MessagesState) -> dict:
+        llm = shared_model(provider)
+        if how == "stream":
+            chunks = list(llm.stream(state["messages"]))
+            reply = chunks[0]
+            for chunk in chunks[1:]:
+                reply = reply + chunk
+            return {"messages": [AIMessage(reply.text, id=reply.id)]}
+        if how == "tools":
+            llm = llm.bind_tools([search_tool])
+        reply = llm.invoke(state["messages"])
+        touch("chatbot")  # after the answer came: a crash here re-sends the call
+        return {"messages": [reply]}
+
+    async def achatbot(state: MessagesState) -> dict:
+        llm = shared_model(provider)
+        if how == "stream":
+            text = "".join([c.text async for c in llm.astream(state["messages"])])
+            return {"messages": [AIMessage(text)]}
+        return {"messages": [await llm.ainvoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("chatbot", achatbot if how in ("ainvoke", "stream-async") else chatbot)
+    graph.add_edge(START, "chatbot")
+    graph.add_edge("chatbot", END)
+    return graph.compile()
+
+
+def search_tool(query: str) -> str:
+    """Search the web for `query`."""
+    return query
+
+
+def chatbot_input(input: dict) -> dict:
+    return {"messages": [("user", input.get("question", "Plan a weekend in Lisbon"))]}
+
+
+@workflow("lg-chatbot")
+def lg_chatbot(ctx: RunContext, input: dict) -> dict:
+    graph = chatbot_graph(input.get("provider", "openai"), input.get("how", "invoke"))
+    state = durable(graph, ctx).invoke(chatbot_input(input))
+    return {"answer": state["messages"][-1].text}
+
+
+@workflow("lg-chatbot-async")
+async def lg_chatbot_async(ctx, input: dict) -> dict:
+    how = "stream-async" if input.get("how") == "stream" else "ainvoke"
+    graph = chatbot_graph(input.get("provider", "openai"), how)
+    state = await durable(graph, ctx).ainvoke(chatbot_input(input))
+    return {"answer": state["messages"][-1].text}

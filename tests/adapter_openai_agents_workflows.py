@@ -18,6 +18,7 @@ from agents import (
 )
 from openai import AsyncOpenAI
 
+from runs import sdk
 from runs.adapters.openai_agents import durable
 from runs.sdk import RunContext, workflow
 from tests import workflows
@@ -51,6 +52,8 @@ def build(input: dict, ctx=None, name: str = "planner") -> Agent:
 
     def effect(tool: str, **args) -> None:
         key = ctx.idempotency_key if ctx is not None else None
+        if ctx is not None:  # the same, with no context at hand
+            assert sdk.idempotency_key() == key
         line = {"tool": tool, "args": args, "key": key, "pid": os.getpid()}
         with (effects / f"effects-{os.getpid()}.jsonl").open("a") as out:
             out.write(json.dumps(line) + "\n")

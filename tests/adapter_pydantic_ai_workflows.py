@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from pydantic_ai import Agent, RunContext
 from pydantic_ai.capabilities import AbstractCapability
 
+from runs import sdk
 from runs.adapters.pydantic_ai import StepguardAgent
 from runs.sdk import RetryPolicy, workflow
 from tests import workflows
@@ -51,6 +52,8 @@ def effect(deps: Deps, label: str, value: Any) -> Any:
     """A side effect: counted in this process, written to a file (for worker processes) under
     the step's idempotency key, held up or crashed where a test asks."""
     key = deps.stepguard.idempotency_key if deps.stepguard is not None else "plain"
+    if deps.stepguard is not None:  # the same, with no context at hand
+        assert sdk.idempotency_key() == key
     workflows.calls[label] = workflows.calls.get(label, 0) + 1
     if deps.effects:
         line = {"label": label, "key": key, "pid": os.getpid(), "at": time.time()}

@@ -409,3 +409,98 @@ def long_conversation(ctx: RunContext, input: dict):
             )  # fmt: skip
             messages.append(response["choices"][0]["message"])
     return len(messages)
+
+
+@workflow("llm-cut-off")
+def llm_cut_off(ctx: RunContext, input: dict):
+    """A model call whose process dies after the provider answered, before it was recorded."""
+    from tests import workflows
+
+    client = openai_client()
+
+    def call(**request):
+        answer = client.chat.completions.create(**request)
+        if "answered" in workflows.crash_at:
+            workflows.crash_at.discard("answered")
+            raise workflows.Crash("answered")
+        return answer
+
+    messages = [{"role": "user", "content": "summarise durable execution"}]
+    return ctx.llm("ask", call, model="gpt-4o-mini", max_tokens=100, messages=messages)
+
+
+@workflow("llm-parse-fails")
+def llm_parse_fails(ctx: RunContext, input: dict):
+    """Structured output the model does not follow (the demo model writes prose): the SDK
+    refuses each answer after it arrived, and paid for."""
+    from pydantic import BaseModel
+
+    class Plan(BaseModel):
+        steps: list[str]
+
+    messages = [{"role": "user", "content": "plan a durable agent"}]
+    quick = RetryPolicy(max_attempts=3, initial_interval=timedelta(0), jitter=0.0)
+    parse = openai_client().chat.completions.parse
+    return ctx.llm(
+        "plan", parse, model="gpt-4o-mini", messages=messages, response_format=Plan, retry=quick
+    )
+
+
+@workflow("llm-alias")
+def llm_alias(ctx: RunContext, input: dict):
+    """A gateway's model name that answers as a priced model (the gateway routes it)."""
+
+    def gateway(**request):
+        text = {"role": "assistant", "content": "routed"}
+        return {
+            "model": (input or {}).get("answers_as", "gpt-4o-2024-08-06"),
+            "choices": [{"index": 0, "message": text, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1000, "completion_tokens": 100},
+        }
+
+    messages = [{"role": "user", "content": "route me"}]
+    return ctx.llm("ask", gateway, model="acme-router", max_tokens=200, messages=messages)
+
+
+@workflow("llm-parsed")
+def llm_parsed(ctx: RunContext, input: dict):
+    """Structured output the model follows: chat completions' and responses' parse, as JSON
+    and as the SDK's parsed types (typed=True), the same on replay."""
+    from pydantic import BaseModel
+
+    class Plan(BaseModel):
+        steps: list[str]
+
+    client = openai_client()
+    ask = 'plan it. ANSWER JSON: {"steps": ["checkpoint", "resume"]}'
+    chat = [{"role": "user", "content": ask}]
+    as_json = ctx.llm(
+        "chat-json", client.chat.completions.parse, model="gpt-4o-mini", messages=chat,
+        response_format=Plan,
+    )  # fmt: skip
+    typed = ctx.llm(
+        "chat-typed", client.chat.completions.parse, model="gpt-4o-mini", messages=chat,
+        response_format=Plan, typed=True,
+    )  # fmt: skip
+    responses_json = ctx.llm(
+        "responses-json", client.responses.parse, model="gpt-4o-mini", input=ask, text_format=Plan
+    )
+    responses_typed = ctx.llm(
+        "responses-typed", client.responses.parse, model="gpt-4o-mini", input=ask,
+        text_format=Plan, typed=True,
+    )  # fmt: skip
+    from tests import workflows
+
+    if "parsed" in workflows.crash_at:  # the replay below rebuilds all four from the records
+        workflows.crash_at.discard("parsed")
+        raise workflows.Crash("parsed")
+    parsed = typed.choices[0].message.parsed
+    return {
+        "chat_json": as_json["choices"][0]["message"]["parsed"],
+        "chat_typed": [type(parsed).__name__, parsed.steps],
+        "responses_json": responses_json["output_parsed"],
+        "responses_typed": [
+            type(responses_typed.output_parsed).__name__,
+            responses_typed.output_parsed.steps,
+        ],
+    }

@@ -1,11 +1,14 @@
+import asyncio
+import concurrent.futures
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -54,6 +57,14 @@ def django_db_setup(django_db_setup, django_db_blocker):
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                 " WHERE datname = current_database() AND pid <> pg_backend_pid()"
             )
+
+
+def run_coroutine(coroutine):
+    """`asyncio.run(coroutine)` on a thread of its own: once a browser test ran in this
+    process, Playwright's sync API keeps an event loop running in the test thread, and
+    asyncio.run() refuses to start there."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def wait_until(
@@ -157,7 +168,7 @@ class WorkerProc:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
-    def wait_registered(self, timeout: float = 20.0) -> None:
+    def wait_registered(self, timeout: float = 60.0) -> None:
         from runs.models import Worker
 
         wait_until(
@@ -320,3 +331,169 @@ def pgbouncer(transactional_db):
     proc.terminate()
     proc.wait(10)
     shutil.rmtree(home, ignore_errors=True)
+
+
+def _pg_bin() -> Path | None:
+    """Debian's newest PostgreSQL binaries (initdb, pg_ctl, ...), if installed."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parts[-3]))
+    return found[-1].parent if found else None
+
+
+class Cluster:
+    """A PostgreSQL cluster of a test's own on 127.0.0.1 (trust, user postgres), so a test may
+    stop, kill or promote it without touching the shared server. Run as the postgres user
+    when the tests run as root (initdb refuses root)."""
+
+    def __init__(self, bin_dir: Path, home: Path, port: int):
+        self.bin, self.home, self.port = bin_dir, home, port
+        self.data = home / "data"
+
+    def run(self, *argv: str, check: bool = True) -> None:
+        command = [str(self.bin / argv[0]), *argv[1:]]
+        if os.geteuid() == 0:
+            command = ["runuser", "-u", "postgres", "--", *command]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=self.home, timeout=120)
+        assert done.returncode == 0 or not check, f"{argv[0]}: {done.stdout}{done.stderr}"
+
+    def url(self, dbname: str = "stepguard") -> str:
+        return f"postgres://postgres@127.0.0.1:{self.port}/{dbname}"
+
+    def start(self) -> None:
+        self.run("pg_ctl", "-D", str(self.data), "-l", str(self.home / "log"), "-w", "start")
+
+    def stop(self) -> None:
+        self.signal_all(signal.SIGCONT)
+        if (self.data / "postmaster.pid").exists():  # a killed one leaves it: pg_ctl says so
+            self.run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop", check=False)
+
+    def postmaster(self) -> int | None:
+        try:
+            return int((self.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def pids(self) -> list[int]:
+        """The postmaster and its children (backends, checkpointer, walwriter, ...)."""
+        root = self.postmaster()
+        if root is None:
+            return []
+        pids = [root]
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == root:
+                pids.append(int(stat.parent.name))
+        return pids
+
+    def signal_all(self, sig: int) -> None:
+        for pid in self.pids():
+            with suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def psql(self, sql: str, dbname: str = "stepguard") -> str:
+        out = subprocess.run(
+            [str(self.bin / "psql"), "-X", "-tA", "-v", "ON_ERROR_STOP=1", self.url(dbname),
+             "-c", sql],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        return out.stdout.strip()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _need_pg_bin() -> Path:
+    bin_dir = _pg_bin()
+    if bin_dir is None or connection.vendor != "postgresql":
+        if os.environ.get("CI") == "true" and connection.vendor == "postgresql":
+            pytest.fail("PostgreSQL's server binaries are missing: apt-get install postgresql")
+        pytest.skip("PostgreSQL's server binaries are not installed")
+    return bin_dir
+
+
+@contextmanager
+def own_cluster(conf: str = "", copy: bool = True):
+    """A started Cluster of the caller's own (extra postgresql.conf lines in `conf`), holding a
+    copy of the test database (schema and migration data: pg_dump, not migrate, for speed) in
+    database `stepguard` unless `copy` is false; stopped and removed at the end."""
+    import shutil
+    import tempfile
+
+    bin_dir = _need_pg_bin()
+    # Not under pytest's temporary directory: only root may enter that.
+    home = Path(tempfile.mkdtemp(prefix="stepguard-pg-"))
+    home.chmod(0o777)
+    cluster = Cluster(bin_dir, home, _free_port())
+    try:
+        cluster.run("initdb", "-D", str(cluster.data), "-A", "trust", "-U", "postgres", "--no-sync")
+        with (cluster.data / "postgresql.conf").open("a") as out:
+            out.write(
+                f"listen_addresses = '127.0.0.1'\nport = {cluster.port}\n"
+                f"unix_socket_directories = '{home}'\nfsync = off\nshared_buffers = 32MB\n"
+                f"max_connections = 60\n{conf}\n"
+            )
+        cluster.start()
+        if copy:
+            cluster.psql("CREATE DATABASE stepguard", dbname="postgres")
+            s = connection.settings_dict
+            dump = subprocess.run(
+                [str(bin_dir / "pg_dump"), "--no-owner", "--no-privileges", "-h",
+                 s["HOST"] or "127.0.0.1", "-p", str(s["PORT"] or 5432), "-U", s["USER"],
+                 s["NAME"]],
+                check=True, capture_output=True,
+                env={**os.environ, "PGPASSWORD": s["PASSWORD"] or ""},
+            )  # fmt: skip
+            subprocess.run(
+                [str(bin_dir / "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", cluster.url()],
+                input=dump.stdout, check=True, capture_output=True,
+            )  # fmt: skip
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def own_postgres(django_db_setup):
+    """A PostgreSQL cluster of the session's own with a copy of the test database (`own_cluster`).
+    A test that stops it must let it go on again (SIGCONT) before it ends."""
+    with own_cluster() as cluster:
+        yield cluster
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One Chromium per test process, shared by every browser test module: Playwright's sync
+    API refuses a second instance while one runs in the same thread."""
+    if not os.path.exists(CHROMIUM):
+        if os.environ.get("CI") == "true":
+            pytest.fail(
+                "Chromium is missing: CI must run the browser tests (apt-get install chromium)"
+            )
+        pytest.skip("Chromium is not installed (apt-get install chromium); CI runs these tests")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                "--disable-quic",
+                "--disable-gpu",
+            ],
+        )
+        yield browser
+        browser.close()

@@ -5,11 +5,16 @@ that very moment, that no hold, cancel, revoked approval or spent budget should 
 it), the side effect it makes under its idempotency key (as a downstream service would record
 it), and the value it returns live, which the test compares with what replay hands back to the
 workflow code. A step may also crash, after its side effect happened, as if the process died
-mid-call.
+mid-call. Each call's ending is kept per idempotency key (returned, raised, interrupted, cut
+off, crashed), so a call made again can be told from a silent second call.
+
+The second machine's workflows (ConcurrentModel) add work between steps, an async gather with
+a sibling that fails while another is in flight, and a workflow with a concurrency key.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,7 +41,7 @@ ONE_RETRY = RetryPolicy(max_attempts=2, initial_interval=timedelta(0), jitter=0.
 #: What every costed step spends (and, with an estimate, declares up front).
 COST = Usage(tokens_in=10, tokens_out=5, usd=Decimal("1"))
 #: Step keys whose steps have a compensation.
-COMPENSABLE = frozenset({"reserve", "charge", "pay", "prep", "work"})
+COMPENSABLE = frozenset({"reserve", "charge", "pay", "prep", "work", "fetch"})
 #: Step keys of transactional steps (their write is a tests.testapp Effect row).
 TRANSACTIONAL = frozenset({"ledger"})
 
@@ -66,6 +71,12 @@ class Probe:
     def __init__(self) -> None:
         #: Called as observer(run_id, workflow, step_key, info) when a step function starts.
         self.observer: Callable[..., None] | None = None
+        #: Called as on_call(run_id, step_key, idempotency_key, ends so far) when a step
+        #: function is called (sync or async), before anything else.
+        self.on_call: Callable[..., None] | None = None
+        #: Called as on_between(run_id, step_key) when workflow code works between steps,
+        #: after step `step_key` returned to it.
+        self.on_between: Callable[..., None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -85,6 +96,23 @@ class Probe:
         self.outage = False
         #: Compensations that undid a step their own run never performed: (run id, key).
         self.foreign_undos: list[tuple[str, str]] = []
+        #: idempotency key -> how each call of the step function ended, in order: "returned",
+        #: "raised" (a failure of its own), "interrupted" (it raised CancelledError itself),
+        #: "cut off" (cancelled from outside while in flight), "crashed"; "in flight" meanwhile.
+        self.ends: dict[str, list[str]] = {}
+
+    def call_starts(self, ctx: RunContext, key: str) -> None:
+        idem = ctx.idempotency_key
+        if self.on_call is not None:
+            self.on_call(ctx.run_id, key, idem, list(self.ends.get(idem, ())))
+        self.ends.setdefault(idem, []).append("in flight")
+
+    def call_ends(self, idem: str, how: str) -> None:
+        ends = self.ends.setdefault(idem, [])
+        if ends and ends[-1] == "in flight":
+            ends[-1] = how
+        else:  # never told it started: keep it visible
+            ends.append(f"{how} (unstarted)")
 
     def started(self, ctx: RunContext, key: str, **info: Any) -> None:
         if self.observer is not None:
@@ -111,17 +139,21 @@ def _payload(ctx: RunContext) -> Any:
 def _call(ctx: RunContext, key: str, args: Any, usage: Usage | None, fail: str | None, info):
     """The body of every step: a call to a downstream service keyed by the idempotency key."""
     idem = ctx.idempotency_key
+    probe.call_starts(ctx, key)
     # A step in doubt that a cancel re-sends (with its key) to learn what to undo.
     probe.started(ctx, key, **info, resolving=ctx._compensating)
     calls = probe.calls[idem] = probe.calls.get(idem, 0) + 1
     if fail == "always" or (fail == "outage" and probe.outage) or (fail == "first" and calls == 1):
+        probe.call_ends(idem, "raised")
         raise ValueError(f"{key}: the service refused the call")
     value = {"step": key, "data": _payload(ctx)}
     probe.effects.setdefault(idem, set()).add((ctx.workflow, key, args))
     probe.results[idem] = value
     if probe.crash_now():
+        probe.call_ends(idem, "crashed")
         raise Crash(key)
     probe.live[idem] = canon(value)
+    probe.call_ends(idem, "returned")
     return Metered(value, usage) if usage is not None else value
 
 
@@ -252,3 +284,111 @@ def child(ctx: RunContext, input: dict):
     work = _step(ctx, "work", usage=COST, estimate=COST, compensate=True)
     ctx.sleep("nap", 30)
     return _step(ctx, "done", args=canon(work), fail="outage")
+
+
+# -- the second machine's workflows (ConcurrentModel) ------------------------------------------
+
+
+def _between(ctx: RunContext, after: str) -> int:
+    """Workflow code working outside steps after step `after` returned (parsing, a local
+    computation): no write of the run's comes, yet the step's completion must be recorded
+    within STEPGUARD_COMPLETION_WINDOW. The test (`on_between`) may act there, wait for that,
+    or crash the process."""
+    total = sum(i * i for i in range(300))
+    if probe.on_between is not None:
+        probe.on_between(ctx.run_id, after)
+    return total
+
+
+@workflow("model-between")
+def between(ctx: RunContext, input: dict):
+    """Three steps with work outside steps between them; the first has a compensation."""
+    fetched = _step(ctx, "fetch", compensate=True)
+    _between(ctx, "fetch")
+    parsed = _step(ctx, "parse", args=canon(fetched))
+    _between(ctx, "parse")
+    return _step(ctx, "store", args=canon(parsed), fail="outage")
+
+
+async def _acall(ctx, key: str, *, fail: bool | str = False, wait=None, interrupt=False):
+    """An async step's body: like `_call`, awaited on the engine's event loop. With `wait`
+    (an asyncio.Event), it stays in flight until that is set (or 10 s, told as a call that
+    was never let go) and a few turns of the event loop more; with `interrupt`, its first call
+    raises CancelledError itself before its side effect, as an async client cut off
+    mid-request does. `fail`: True, or "outage" (while the test's outage is on). It reports
+    no start to `probe.observer`, which reads the database: not from the event loop."""
+    idem = ctx.idempotency_key
+    probe.call_starts(ctx, key)
+    probe.calls[idem] = probe.calls.get(idem, 0) + 1
+    try:
+        if wait is not None:
+            try:
+                await asyncio.wait_for(wait.wait(), timeout=10)
+            except TimeoutError:
+                probe.call_ends(idem, "stuck")
+                raise
+            for _ in range(3):  # still in flight while the workflow function ends
+                await asyncio.sleep(0)
+        if interrupt and probe.calls[idem] == 1:
+            probe.call_ends(idem, "interrupted")
+            raise asyncio.CancelledError(f"{key}: interrupted in flight")
+        if fail is True or (fail == "outage" and probe.outage):
+            probe.call_ends(idem, "raised")
+            raise ValueError(f"{key}: the service refused the call")
+    except asyncio.CancelledError:
+        if probe.ends[idem][-1] == "in flight":
+            probe.call_ends(idem, "cut off")  # cancelled from outside, not by itself
+        raise
+    value = {"step": key, "data": _payload(ctx)}
+    probe.effects.setdefault(idem, set()).add((ctx.workflow, key, None))
+    probe.results[idem] = value
+    probe.live[idem] = canon(value)
+    probe.call_ends(idem, "returned")
+    return value
+
+
+@workflow("model-gather")
+async def gather(ctx, input: dict):
+    """gather(`fails`, `slow`): `slow` stays in flight until the workflow has left the
+    gather (or `fails` returned). `fails` fails when asked (the workflow catches it, or not);
+    `slow` may be interrupted in flight (its first call). Then one more step."""
+    data = input if isinstance(input, dict) else {}
+    left = asyncio.Event()
+
+    async def first():
+        value = await ctx.step(
+            "fails", lambda: _acall(ctx, "fails", fail=data.get("fail", False)), retry=NO_RETRY
+        )
+        left.set()  # it returned: the gather waits for `slow`, which must not wait for it
+        return value
+
+    async def second():
+        return await ctx.step(
+            "slow",
+            lambda: _acall(ctx, "slow", wait=left, interrupt=data.get("interrupt", False)),
+            retry=NO_RETRY,
+        )
+
+    try:
+        results = await asyncio.gather(first(), second())
+    except StepFailed:
+        if not data.get("catch"):
+            raise
+        results = None
+    finally:
+        left.set()
+    for key, value in zip(("fails", "slow"), results or (), strict=False):
+        probe.received.append((ctx.run_id, key, canon(value)))
+    after = await ctx.step("after", lambda: _acall(ctx, "after", fail="outage"), retry=NO_RETRY)
+    probe.received.append((ctx.run_id, "after", canon(after)))
+    return after
+
+
+@workflow("model-tenant", concurrency_key=lambda input: input["tenant"])
+def tenant(ctx: RunContext, input: dict):
+    """Runs keyed by tenant (the test sets the per-key limit as an operator: a limit in the
+    code would make every worker of the suite claim through the limited path): a costed,
+    compensated step, a durable wait, then one more step."""
+    work = _step(ctx, "work", usage=COST, estimate=COST, compensate=True)
+    ctx.sleep("nap", 30)
+    return _step(ctx, "done", args=canon(work))

@@ -26,6 +26,8 @@ STEPGUARD_POLL_INTERVAL = 0.1
 STEPGUARD_RUN_RETRY_BASE_SECONDS = 0.0
 STEPGUARD_NOTIFY_SWEEP_SECONDS = 0.1
 STEPGUARD_NOTIFY_RETRY_SECONDS = 0.05
+# The suite's webhook receivers listen on 127.0.0.1; tests of refusal set the default, none.
+STEPGUARD_WEBHOOK_ALLOW = ["127.0.0.1"]
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast test logins
 
 # Under pytest-xdist each test process has its own database (pytest-django adds the worker's

@@ -128,7 +128,7 @@ def test_a_messages_graph_records_its_messages_and_replays_them_after_a_crash(
 
 
 def test_interrupt_waits_for_a_signal_named_after_the_node(drive):
-    run = start_run("lg-review", {"topic": "durable agents"})
+    run = start_run("lg-review", {"topic": "durable agents", "interrupts": "signal"})
     assert drive() == ["waiting"]
     assert Run.objects.get(pk=run.pk).worker_id is None  # the wait holds no worker
     asked = step(run, "review").output
@@ -151,8 +151,8 @@ def test_interrupt_waits_for_a_signal_named_after_the_node(drive):
     assert workflows.calls == {"write": 1, "review": 3, "ship": 1}
 
 
-def test_interrupt_as_approvals_asks_a_person_in_the_inbox(drive, cast):
-    run = start_run("lg-review", {"topic": "durable agents", "interrupts": "approval"})
+def test_interrupt_asks_a_person_in_the_inbox_by_default(drive, cast):
+    run = start_run("lg-review", {"topic": "durable agents"})
     assert drive() == ["waiting"]
     first = ApprovalRequest.objects.get(run=run)
     assert first.action == "resume review"
@@ -235,3 +235,91 @@ def test_a_worker_killed_mid_graph_resumes_it_without_repeating_a_finished_node(
             assert sent >= once, done.key  # in flight at the kill: maybe sent again, same key
         else:
             assert sent == once, done.key  # finished before or after: never again
+
+
+# LangChain chat models inside nodes: metered, keyed and governed as model calls.
+
+
+@pytest.mark.django_db(transaction=True)  # async workflows' checkpoints: threads of their own
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+@pytest.mark.parametrize(
+    ("name", "how"),
+    [
+        ("lg-chatbot", "invoke"),
+        ("lg-chatbot", "tools"),
+        ("lg-chatbot", "stream"),
+        ("lg-chatbot-async", "invoke"),
+        ("lg-chatbot-async", "stream"),
+    ],
+)
+def test_a_chat_model_in_a_node_is_an_llm_step_keyed_and_priced(
+    drive, demo_model, provider, name, how
+):
+    runs = [start_run(name, {"provider": provider, "how": how}) for _ in range(2)]
+    assert drive() == ["completed", "completed"]  # a model shared by both executions
+    for run in runs:
+        node = step(run, "chatbot")
+        assert node.kind == "llm"
+        key = f"{node.idempotency_key}:1"
+        assert demo_model.calls[key] == 1  # sent once, with the node step's key
+        assert node.tokens_in > 0 and node.tokens_out > 0
+        assert node.cost_micros > 0  # gpt-4o-mini / claude-3-5-haiku are priced
+        assert node.usage["model"]
+        run.refresh_from_db()
+        assert (run.tokens_in, run.cost_micros) == (node.tokens_in, node.cost_micros)
+        assert run.output["answer"].startswith("[demo model]") or how == "tools"
+    assert demo_model.total == 2
+
+
+def test_a_chat_model_call_refused_by_the_provider_is_sent_once(drive, demo_model):
+    """LangChain's client retries twice by default, and the node's step three times: a 400 is
+    the provider's final answer, sent once and the run failed naming it."""
+    run = start_run("lg-chatbot", {"provider": "openai"})
+    demo_model.fail_next(400, times=5)
+    assert drive() == ["failed"]
+    assert demo_model.total == 1
+    run.refresh_from_db()
+    assert "refused the request" in run.error["message"]
+
+
+def test_a_server_error_is_retried_by_the_step_with_the_same_key(drive, demo_model):
+    run = start_run("lg-chatbot", {"provider": "anthropic"})
+    demo_model.fail_next(500, times=1)
+    assert drive() == ["completed"]
+    node = step(run, "chatbot")
+    assert node.attempt == 2
+    assert demo_model.total == 2
+    assert demo_model.calls[f"{node.idempotency_key}:1"] == 2  # the same key both times
+
+
+def test_a_budget_pauses_the_run_before_the_chat_model_call_that_would_overspend(drive, demo_model):
+    run = start_run("lg-chatbot", {"provider": "openai"}, budget_tokens=5)
+    assert drive() == ["over_budget"]
+    assert demo_model.total == 0  # nothing sent, nothing paid
+    run.refresh_from_db()
+    assert run.status == RunStatus.OVER_BUDGET
+
+
+def test_a_budget_caps_the_answer_of_a_chat_model_call(drive, demo_model):
+    run = start_run("lg-chatbot", {"provider": "anthropic"}, budget_tokens=400)
+    assert drive() == ["completed"]
+    sent = demo_model.bodies[-1]
+    assert 0 < sent["max_tokens"] < 400  # what the budget left after the prompt
+    run.refresh_from_db()
+    assert run.tokens_in + run.tokens_out <= 400
+
+
+def test_a_chat_model_call_replays_from_the_node_record_after_a_crash(
+    drive, expire_lease, demo_model
+):
+    run = start_run("lg-chatbot", {"provider": "openai", "how": "tools"})
+    workflows.crash_at.add("chatbot")  # in the node, after its model call was answered
+    with pytest.raises(workflows.Crash):
+        drive()
+    expire_lease(run.id)
+    assert drive() == ["completed"]
+    node = step(run, "chatbot")
+    assert node.recovered == "resent"
+    # Re-sent with the key it was first sent with: the provider can answer it from its
+    # record instead of charging again.
+    assert demo_model.calls == {f"{node.idempotency_key}:1": 2}

@@ -215,21 +215,33 @@ def test_a_run_config_model_that_bypasses_the_durable_agent_is_refused(drive, de
     assert effects(tmp_path) == [] and not Step.objects.filter(run=run).exists()
 
 
-def test_a_run_budget_stops_the_agent_before_the_model_call_it_cannot_afford(
+def test_a_run_budget_caps_each_model_call_and_stops_the_agent_before_one_it_cannot_afford(
     drive, demo_model, tmp_path, cast
 ):
     input = {"script": "lookup, weather", "effects": str(tmp_path)}
     reference = start_run("oa-agent", input)
     drive()
     first = Step.objects.get(run=reference, key="model:planner")
-    # Enough for the first call's reservation (its prompt plus 1,024 tokens of answer), not
-    # for the second's on top of what the first spent.
+    # The first call's prompt plus 1,024 tokens of answer: with no cap, each call was
+    # estimated at 1,024 output tokens and the run paused after its first call, at a fraction
+    # of its budget spent. Capped to what the budget has left, both calls fit.
     room = estimate("stepguard-demo", request_of(first)).micros
     run = start_run("oa-agent", input, budget_usd=Decimal(room) / 1_000_000)
+    assert drive() == ["completed"]
+    run.refresh_from_db()
+    assert run.cost_micros <= room and run.reserved_micros == 0
+    caps = [body.get("max_output_tokens") for body in demo_model.bodies[-2:]]
+    assert all(isinstance(cap, int) and 0 < cap < 1024 for cap in caps)
+
+    # A budget the second call's prompt does not fit once the first is paid: the run stops
+    # before it, with nothing sent.
+    prompt = estimate("stepguard-demo", {**request_of(first), "max_output_tokens": 0}).micros
+    tight = first.cost_micros + prompt + 10
+    run = start_run("oa-agent", input, budget_usd=Decimal(tight) / 1_000_000)
     assert drive() == ["over_budget"]
     run.refresh_from_db()
     assert keys(run) == [("model:planner", "llm"), ("tool:lookup", "tool")]
-    assert run.cost_micros <= room and run.reserved_micros == 0
+    assert run.cost_micros <= tight and run.reserved_micros == 0
     sent = sum(demo_model.calls[s.idempotency_key] for s in Step.objects.filter(run=run))
     assert sent == 1  # the second call was never sent
 
@@ -237,7 +249,7 @@ def test_a_run_budget_stops_the_agent_before_the_model_call_it_cannot_afford(
     assert drive() == ["completed"]
     for step in Step.objects.filter(run=run, kind="llm"):
         assert demo_model.calls[step.idempotency_key] == 1
-    assert [e["tool"] for e in effects(tmp_path)].count("lookup") == 2  # one per run
+    assert [e["tool"] for e in effects(tmp_path)].count("lookup") == 3  # one per run
 
 
 def test_a_halt_stops_the_agent_at_its_next_call_and_unhalt_goes_on(

@@ -344,3 +344,16 @@ def test_an_agent_without_a_name_is_refused_before_anything_is_sent(drive, demo_
     run.refresh_from_db()
     assert "give the agent one" in run.error["message"] and "name=" in run.error["message"]
     assert demo_model.total == 0
+
+
+def test_a_run_budget_caps_each_model_request_to_what_it_has_left(drive, demo_model):
+    """With no max_tokens, each request was estimated at 1,024 output tokens ($0.0041 at the
+    demo model's price, with the prompt): a $0.003 run paused before its first request.
+    Capped to what the budget has left, every request fits and the run finishes within it."""
+    run = start_run("pa-planner", {"instructions": DINNER}, budget_usd="0.003")
+    assert drive() == ["completed"]
+    run.refresh_from_db()
+    assert 0 < run.cost_micros <= 3_000 and run.reserved_micros == 0
+    caps = [b.get("max_completion_tokens", b.get("max_tokens")) for b in demo_model.bodies]
+    assert len(caps) == 3 and all(isinstance(c, int) and 0 < c < 750 for c in caps)
+    assert Run.objects.get(pk=run.pk).output["output"] == FORECAST

@@ -633,7 +633,11 @@ def test_gathered_model_calls_run_concurrently_and_replay_in_the_same_positions(
     # Each tool saw its own idempotency key, both as an argument and as ctx.idempotency_key.
     assert output["found"] == [f"{n}:{run.id}:lookup-{n}:{run.id}:lookup-{n}" for n in range(2)]
     assert demo_model.total == 3
-    assert workflows.calls == {f"lookup-{n}": 1 + (f"lookup-{n}" in unrecorded) for n in range(2)}
+    # The crash here is in-process, so the completion writer may still record the last step
+    # within its window before the resume: a re-sent tool is the one the final record says.
+    resent = {s.key for s in Step.objects.filter(run=run, recovered="resent")}
+    assert resent <= unrecorded
+    assert workflows.calls == {f"lookup-{n}": 1 + (f"lookup-{n}" in resent) for n in range(2)}
 
 
 @pytest.mark.django_db(transaction=True)
@@ -797,11 +801,11 @@ def test_a_long_conversation_is_stored_once_and_read_whole(
     assert [r[field] for r in requests] == [body[field] for body in demo_model.bodies]
     assert all("$hash" not in r and r["model"] == steps[0].input[0]["model"] for r in requests)
     last = steps[-1].seq
-    page = client.get(reverse("run-step-json", args=[run.pk, last, "input"])).json()
+    page = client.get(reverse("stepguard:run-step-json", args=[run.pk, last, "input"])).json()
     assert page[0][field] == demo_model.bodies[-1][field]
     assert (
         demo_model.bodies[-1][field][0]["content"]
-        in client.get(reverse("run-step", args=[run.pk, last])).content.decode()
+        in client.get(reverse("stepguard:run-step", args=[run.pk, last])).content.decode()
     )
 
 

@@ -308,7 +308,7 @@ def test_the_apikey_command_prints_a_new_key_once_and_lists_keys_with_their_owne
     assert text.startswith("sg_") and ApiKey.objects.get().digest not in text
     call_command("apikey", "list")
     assert "otto" in capsys.readouterr().out
-    assert Event.objects.count() == 0  # creating keys touches no run history
+    assert not Event.objects.filter(run__isnull=False)  # creating keys touches no run history
 
 
 def test_an_ambiguous_step_is_resolved_by_api_not_decided(as_, drive, expire_lease):

@@ -71,6 +71,23 @@ def test_showrun_names_an_unknown_run():
         call("showrun", "nope")
 
 
+def test_every_command_that_takes_a_run_accepts_the_start_of_its_id_the_pages_show(cast):
+    run = start_run("ledger", {"steps": 1})
+    short = str(run.pk)[:8]
+    assert json.loads(call("showrun", short, "--json"))["id"] == str(run.pk)
+    assert short in call("signal", short, "go")
+    call("halt", "--run", short, "--user", "otto", "--reason", "look")
+    assert f"run {run.pk}: unhalted" in call(
+        "unhalt", "--run", short, "--user", "otto", "--reason", "ok"
+    )
+    assert "cancel" in call("cancel", short, "--user", "otto", "--reason", "done")
+    Run.objects.create(id=f"{short}-0000-4000-8000-000000000000", workflow="ledger", input={})
+    with pytest.raises(CommandError, match=f"more than one run's id starts with '{short}'"):
+        call("showrun", short)
+    with pytest.raises(CommandError, match="no run with id 'abcd0123x'"):
+        call("retry", "abcd0123x", "--user", "otto", "--reason", "again")
+
+
 def test_runworker_refuses_a_module_that_does_not_import():
     with pytest.raises(CommandError, match=re.escape("cannot import workflow module 'no.such")):
         call("runworker", "--import", "no.such.module")
@@ -169,3 +186,21 @@ def assert_printed_commands_work(text: str, var: Path) -> None:
         done = subprocess.run(command, shell=True, cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=60)  # fmt: skip
         assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+
+
+def test_a_second_make_run_prints_the_approvals_still_waiting(db):
+    """The first `make run` printed how to approve the booking; a second one keeps its runs and
+    must say it again while the approval waits (it printed only a new password)."""
+    from io import StringIO
+
+    from approvals.models import ApprovalRequest
+    from examples.management.commands.rundemo import Command
+
+    run = start_run("ledger", {"steps": 1}, key="demo:agent")
+    request = ApprovalRequest.objects.create(run=run, step_key="ask", action="book the flight")
+    command = Command(stdout=StringIO())
+    command.port = 8000
+    command.demo_agents()
+    printed = command.stdout.getvalue()
+    assert "kept" in printed and str(run.pk)[:8] in printed
+    assert f"python manage.py approve {request.pk} --user demo" in printed

@@ -68,3 +68,25 @@ def test_a_run_cancelled_after_a_crash_undoes_a_step_that_may_have_run(spawn_wor
     assert counts[f"{run.pk}:a"] == 1
     assert not Step.objects.filter(run=run, status=StepStatus.STARTED).exists()
     assert not Run.objects.filter(pk=run.pk, status=RunStatus.RUNNING).exists()
+
+
+def test_a_crash_during_the_undo_of_a_step_resolved_by_a_cancel_still_undoes_it(spawn_worker, cast):
+    """The step in doubt is resolved at the position where the cancel stopped the code; once it
+    is recorded completed, the next execution stops one position later. The undo is found by
+    its key, not by counting (it was inserted again and failed on UNIQUE(run, key))."""
+    worker = spawn_worker(lease=1.0)
+    run = start_run("gap", {"undo": True, "step_sleep": 30, "undo_sleep": 30})
+    wait_until(lambda: effect_done(run, "a"), what="step a's side effect")
+    worker.kill()
+    operations.cancel_run(run.pk, cast["otto"], "customer changed their mind")
+    worker = spawn_worker(lease=1.0)
+    wait_until(lambda: effect_done(run, "undo:a"), what="the undo's side effect")
+    worker.kill()
+    spawn_worker(lease=1.0)
+    run = wait_done(run)
+    assert run.status == RunStatus.CANCELLED, run.error
+    assert effect_counts() == {f"{run.pk}:a": 1, f"{run.pk}:undo:a": 1}
+    undo = Step.objects.get(run=run, key="undo:a")
+    assert undo.status == StepStatus.COMPLETED
+    assert undo.recovered  # re-sent with its key after the crash
+    assert not Step.objects.filter(run=run, status=StepStatus.STARTED).exists()

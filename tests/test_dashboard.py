@@ -284,8 +284,10 @@ def test_the_fork_preview_lists_the_side_effects_that_will_run_again(browser_as,
     otto = browser_as("otto")
     preview = otto.get(f"/runs/{run.pk}/fork-preview", {"step": "charge"}).content.decode()
     assert "reuses 1 recorded step and runs" in preview
-    assert "<code>charge</code>" in preview and "<code>ship</code>" in preview
-    assert "<code>reserve</code>" not in preview
+    effects, edits = preview.split('id="fork-edits"')
+    assert "<code>charge</code>" in effects and "<code>ship</code>" in effects
+    assert "<code>reserve</code>" not in effects  # reused, not run again: offered for editing
+    assert 'name="output:reserve"' in edits and 'name="output:charge"' not in edits
     missing = otto.get(f"/runs/{run.pk}/fork-preview", {"step": "nope"}).content.decode()
     assert "has no step &#x27;nope&#x27;" in missing
 
@@ -559,6 +561,30 @@ def test_the_start_run_form_names_what_is_wrong_and_starts_nothing(browser_as):
                                      "key": "k1", "budget_usd": "0.5"})  # fmt: skip
     run = Run.objects.get(key="k1")
     assert page["Location"] == f"/runs/{run.pk}" and run.budget_micros == 500_000
+
+
+def test_a_refused_start_form_keeps_what_was_typed_and_older_versions_can_be_started(browser_as):
+    """The form came back empty after a refusal (the JSON and the key typed again by hand),
+    and offered no version: starting an older one needed the API (issue 34 item 4)."""
+    from django.utils.html import escape
+
+    otto = browser_as("otto")
+    form = {"workflow": "ledger", "input": '{"steps": 3}', "key": "mine", "budget_usd": "0"}
+    page = otto.post("/runs/start", form, follow=True).content.decode()
+    assert escape("the budget '0' is not an amount over 0 USD") in page
+    assert '<details class="start-run" open>' in page
+    assert escape('{"steps": 3}') in page and 'value="mine"' in page and 'value="0"' in page
+    assert '<option value="ledger" selected>' in page
+    assert '<option value="two-versions">two-versions (default, @2)</option>' in page
+    assert '<option value="two-versions@1">two-versions@1</option>' in page
+    again = otto.get("/").content.decode()  # said once: a later visit starts afresh
+    assert '<details class="start-run">' in again and 'value="mine"' not in again
+    otto.post("/runs/start", {"workflow": "two-versions@1", "input": "{}", "key": "old"})
+    otto.post("/runs/start", {"workflow": "two-versions", "input": "{}", "key": "new"})
+    versions = dict(Run.objects.filter(workflow="two-versions").values_list("key", "version"))
+    assert versions == {"old": "1", "new": "2"}
+    page = otto.post("/runs/start", {"workflow": "two-versions@9"}, follow=True).content.decode()
+    assert escape("two-versions has no version '9' here") in page
 
 
 def test_the_inbox_reads_the_context_of_any_number_of_approvals_in_a_fixed_number_of_queries(

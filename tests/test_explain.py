@@ -146,3 +146,47 @@ def test_what_a_model_said_is_its_last_text_and_anything_else_is_no_conversation
     assert last_answer(ANTHROPIC[1]) == "Done."
     assert conversation({"args": [1]}, {"n": 2}) == []
     assert conversation([1, 2], "text") == []
+
+
+@pytest.mark.parametrize(
+    ("final", "action", "says"),
+    [
+        (True, "fork", "same answer (ModelRequestRejected is final for step refund)"),
+        (False, "retry", "ConnectionError: payments API unreachable"),
+    ],
+)
+def test_a_failure_its_policy_calls_final_offers_a_fork_not_a_retry(drive, final, action, says):
+    """Retry as the one next action for a refusal (a provider's 400) runs it into the same
+    wall; the error's type decides: a retryable one offers Retry, a final one Fork with edits
+    (of the prompt, say)."""
+    run = start_run("refused", {"final": final}, max_attempts=1)
+    assert drive() == ["failed"]
+    state = state_of(run)
+    assert state.action == action
+    assert says in state.sentence
+
+
+def test_a_ready_run_held_back_by_a_concurrency_limit_says_so_and_offers_the_flow_page(
+    drive, cast, client
+):
+    """It said 'Ready since ..., for the next free worker' while the worker sat idle: the limit
+    holds it, not the workers (issue 34 item 3)."""
+    from runs.operations import set_limits
+
+    set_limits("ledger", cast["otto"], "a test", max_running=1)
+    busy = start_run("ledger", {"steps": 1})
+    lease = timezone.now() + timedelta(minutes=5)
+    Run.objects.filter(pk=busy.pk).update(status=RunStatus.RUNNING, lease_until=lease)
+    run = start_run("ledger", {"steps": 1})
+    state = state_of(run)
+    assert state.sentence.startswith(
+        "Ready, but workflow ledger allows 1 running at once (1 running now)"
+    ), state.sentence
+    assert state.action == "open-flow"
+    client.force_login(cast["otto"])
+    assert (
+        'href="/flow#workflows">Open the Flow page</a>'
+        in client.get(f"/runs/{run.pk}").content.decode()
+    )
+    set_limits("ledger", cast["otto"], "a test", max_running=2)
+    assert state_of(run).sentence.startswith("Ready since")

@@ -118,3 +118,38 @@ def test_the_engines_own_workflows_cannot_be_scheduled(cast):
     with pytest.raises(schedules.ScheduleError, match="Stepguard's own"):
         save_schedule(cast["otto"], "spam", workflow="stepguard.notify", cron="* * * * *",
                       input={"channel": 1, "event": 1})  # fmt: skip
+
+
+def test_pages_offer_the_starter_no_approve_button_but_say_another_approver_must(
+    client, drive, both, cast
+):
+    """Issue 34 item 3: the inbox and the run page show the person who shaped the run "Waiting
+    for another approver" and why, instead of buttons that would only be refused; an approver
+    who did not shape it gets the buttons."""
+    run = start_run("approver", {"amount": 5}, started_by=both)
+    drive()
+    request = pending_approval(run)
+    client.force_login(both)
+    for page in ("/approvals", f"/runs/{run.pk}"):
+        text = client.get(page).content.decode()
+        assert "Waiting for another approver." in text, page
+        assert f"olga started run {run.pk} and may not also decide approval #{request.pk}" in text
+        assert 'value="approve"' not in text, page
+    client.force_login(cast["ada"])
+    for page in ("/approvals", f"/runs/{run.pk}"):
+        text = client.get(page).content.decode()
+        assert 'value="approve"' in text and "Waiting for another approver" not in text, page
+
+
+def test_a_refused_decision_says_why_on_a_page_with_the_way_back(client, drive, both):
+    """Issue 34 item 3: a refusal was a bare 403 page."""
+    run = start_run("approver", {"amount": 5}, started_by=both)
+    drive()
+    request = pending_approval(run)
+    client.force_login(both)
+    back = f"/runs/{run.pk}"
+    response = client.post(f"/approvals/{request.pk}/decide", {"decision": "approve", "next": back})
+    assert response.status_code == 403
+    page = response.content.decode()
+    assert f"olga started run {run.pk} and may not also decide approval #{request.pk}" in page
+    assert f'<a href="{back}">Back to where you were</a>' in page and "Log out" in page

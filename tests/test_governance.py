@@ -188,6 +188,31 @@ def test_a_viewer_cannot_act_and_is_told_why(drive, cast, action, message):
         action(run, cast["vera"])
 
 
+def test_a_cancelled_runs_approval_is_expired_and_cannot_be_approved(drive, cast):
+    """Issue 31 item 4: it stayed pending forever, in the inbox, and could still be approved."""
+    run = start_run("approver", {"amount": 70})
+    assert drive() == ["waiting"]
+    request = ApprovalRequest.objects.get(run=run)
+    cancel_run(run.pk, cast["otto"], "not needed")
+    assert drive() == ["cancelled"]
+    request.refresh_from_db()
+    assert request.status == "expired" and request.decided_by is None
+    with pytest.raises(OperationError, match=f"approval #{request.pk} was already expired"):
+        decide(request.pk, "approve", cast["ada"])
+
+
+def test_an_approval_left_pending_on_a_finished_run_cannot_be_decided(drive, cast):
+    """A request left pending by an older version (before runs expired theirs as they ended)."""
+    run = start_run("approver", {"amount": 70})
+    drive()
+    cancel_run(run.pk, cast["otto"], "not needed")
+    drive()
+    ApprovalRequest.objects.filter(run=run).update(status="pending")
+    with pytest.raises(OperationError, match=f"its run {run.pk} is cancelled"):
+        decide(ApprovalRequest.objects.get(run=run).pk, "reject", cast["ada"])
+    assert ApprovalRequest.objects.get(run=run).status == "pending"
+
+
 def test_an_approver_cannot_unhalt_and_an_operator_cannot_decide(drive, cast):
     run = start_run("approver", {"amount": 1})
     drive()
@@ -374,3 +399,34 @@ def test_a_fork_of_a_halted_run_is_halted(drive, cast):
     drive()
     fork = fork_run(run.pk, "s1", cast["otto"], "try again")
     assert (fork.status, fork.halted_by) == (RunStatus.HALTED, "otto")
+
+
+def test_the_held_runs_sweep_reads_nothing_while_nothing_is_held():
+    """An idle poll must cost what it touches, not what the table holds (issue 35): with no
+    hold anywhere the sweep is one statement over the policies and the held runs' partial
+    index; a hold anywhere adds the sweep itself."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+    from django.utils import timezone
+
+    from runs.engine.worker import WorkerProcess
+
+    Run.objects.bulk_create(
+        Run(workflow="nobody.serves", version="1", wake_at=timezone.now()) for _ in range(30)
+    )
+    worker = WorkerProcess(concurrency=1)
+    with CaptureQueriesContext(connection) as nothing_held:
+        assert worker.claim(1) == []
+    Run.objects.create(workflow="nobody.serves", version="1", status=RunStatus.HALTED,
+                       halted_at=timezone.now())  # fmt: skip
+    with CaptureQueriesContext(connection) as one_held:
+        assert worker.claim(1) == []
+    assert len(one_held) == len(nothing_held) + 1
+    if connection.vendor == "postgresql":
+        from runs.engine.worker import HELD_SCOPES
+
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL enable_seqscan = off")
+            cursor.execute(f"EXPLAIN {HELD_SCOPES}")
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+        assert "runs_run_halted_idx" in plan, plan

@@ -8,15 +8,17 @@ the operator (`unhalt("all")` failed and the kill switch stayed on). And a durab
 while a workflow halt committed left the run `waiting` under the hold.
 """
 
+import logging
 import threading
+from decimal import Decimal
 
 import pytest
 from django.db import connection, connections
 
 from runs.engine.executor import Lease, execute
 from runs.engine.worker import WorkerProcess
-from runs.models import Run, RunStatus
-from runs.operations import halt, unhalt
+from runs.models import Event, Run, RunStatus, Step
+from runs.operations import cancel_run, halt, set_budget, unhalt
 from runs.sdk import start_run
 from tests import workflows
 from tests.conftest import wait_until
@@ -42,10 +44,12 @@ def race(worker_runs, after_statement, operator_acts) -> dict:
     `after_statement(sql)`; hold it there while `operator_acts()` runs in another thread, until
     that is done or waits for a lock; then let the worker go on. Returns both outcomes."""
     held, go_on, outcome = threading.Event(), threading.Event(), {}
+    reached = threading.Event()
 
     def hold_after(execute_, sql, params, many, context):
         result = execute_(sql, params, many, context)
         if not held.is_set() and after_statement(sql):
+            reached.set()
             held.set()
             go_on.wait(20)
         return result
@@ -81,6 +85,9 @@ def race(worker_runs, after_statement, operator_acts) -> dict:
     go_on.set()
     worker_thread.join(30)
     operator_thread.join(30)
+    # `held` is also set when the worker ends: without this, a statement it never ran would
+    # make the race a sequence (the operator acting after the worker), and the test pointless.
+    assert reached.is_set(), f"the worker never ran the statement to hold it after: {outcome}"
     return outcome
 
 
@@ -119,3 +126,212 @@ def test_a_wait_entered_while_its_workflow_is_halted_ends_halted_not_waiting(cas
     )
     assert outcome == {"worker": "waiting", "operator": "done"}
     assert status(run) == RunStatus.HALTED
+
+
+# -- every (worker write, operator action) pair that can meet on the same rows ------------------
+
+#: Where a worker's pause or durable wait is held: after it share-locked the policies that
+#: cover its run (its first lock), or its ancestors (its last: by then its fence locked its own
+#: row too). Named by statement, not by position, so a path that took them in another order
+#: would be held between its locks all the same.
+POINTS = {
+    "policies": lambda sql: "FROM runs_policy" in sql and "FOR SHARE" in sql,
+    "ancestors": lambda sql: "FROM runs_run" in sql and "FOR SHARE" in sql,
+}
+
+
+@pytest.fixture
+def no_deadlock(caplog):
+    """After the test: no operator action lost a deadlock, not even one retried away (the lock
+    order means none happens at all), and no worker abandoned a run to a database error."""
+    with caplog.at_level(logging.WARNING, logger="stepguard"):
+        yield
+    lost = [r.getMessage() for r in caplog.records if "deadlock" in r.getMessage().lower()]
+    lost += [r.getMessage() for r in caplog.records if "database error" in r.getMessage()]
+    assert not lost, lost
+
+
+def events(run, type: str) -> list[dict]:
+    return list(Event.objects.filter(run_id=run.pk, type=type).values_list("payload", flat=True))
+
+
+def claimed_child(parent_input: dict, budget: Decimal | None = None, cast=None):
+    """A parent waiting for its one child, and the child claimed by a worker (not executed)."""
+    parent = start_run("parent", parent_input)
+    worker = WorkerProcess(concurrency=1)
+    worker.register()
+    (claimed,) = worker.claim(1)
+    assert execute(claimed, Lease(claimed.id, claimed.lease_epoch)) == "waiting"
+    if budget is not None:
+        child = Run.objects.get(parent=parent)
+        set_budget(str(child.pk), cast["otto"], "a small budget", usd=budget)
+    (child,) = worker.claim(1)
+    return parent, child, worker
+
+
+def drive_all(worker: WorkerProcess) -> list[str]:
+    outcomes = []
+    while claimed := worker.claim(1):
+        outcomes.append(execute(claimed[0], Lease(claimed[0].id, claimed[0].lease_epoch)))
+    return outcomes
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+@pytest.mark.parametrize("stop", ["kill switch", "over budget"])
+def test_a_pause_and_a_halt_of_the_workflow_never_deadlock(cast, no_deadlock, point, stop):
+    """A child pauses (the kill switch went on in its first step, or its budget is spent)
+    while an operator halts its parent's workflow: the halt locks that policy to update it, then
+    parks the runs it covers (the waiting parent among them). The run ends `halted`, held by
+    every hold placed, and only lifting all of them resumes it."""
+    budget = Decimal("1") if stop == "over budget" else None
+    parent, child, worker = claimed_child(
+        {"n": 1, "child": "metered", "steps": 2}, budget=budget, cast=cast
+    )
+    if stop == "kill switch":
+        workflows.hooks["call-0"] = lambda: halt("all", cast["otto"], "incident")
+
+    outcome = race(
+        lambda: execute(child, Lease(child.id, child.lease_epoch)),
+        POINTS[point],
+        lambda: halt("workflow:parent", cast["otto"], "bad deploy"),
+    )
+    # The halt waited for the pause: the pause saw the holds committed before it.
+    paused = "halted" if stop == "kill switch" else "over_budget"
+    assert outcome == {"worker": paused, "operator": "done"}
+    assert status(child) == RunStatus.HALTED
+    assert status(parent) == RunStatus.HALTED
+    assert workflows.calls == {"call-0": 1}
+    if stop == "kill switch":
+        unhalt("all", cast["otto"], "all clear")
+        assert status(child) == RunStatus.HALTED  # its parent's workflow still holds it
+    unhalt("workflow:parent", cast["otto"], "fixed")
+    assert status(child) == RunStatus.PENDING
+    if stop == "over budget":
+        set_budget(str(child.pk), cast["otto"], "more", usd=Decimal("5"))
+    drive_all(worker)
+    assert (status(child), status(parent)) == (RunStatus.COMPLETED, RunStatus.COMPLETED)
+    assert workflows.calls == {"call-0": 1, "call-1": 1, "after": 1}
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+@pytest.mark.parametrize("target", ["run", "workflow"])
+def test_a_pause_over_budget_and_a_budget_raise_never_deadlock_nor_lose_the_raise(
+    cast, no_deadlock, point, target
+):
+    """A child pauses over its own budget, or its workflow's daily one, while an operator
+    raises that budget: set_budget locks the run row (a run's budget) or the policy (a
+    workflow's) to update it, then requeues the runs paused over budget. Whichever commits
+    first, the raise is not lost: the run ends runnable, and finishes."""
+    if target == "workflow":
+        set_budget("workflow:metered", cast["otto"], "a daily cap", usd=Decimal("1"))
+    budget = Decimal("1") if target == "run" else None
+    parent, child, worker = claimed_child(
+        {"n": 1, "child": "metered", "steps": 2}, budget=budget, cast=cast
+    )
+    spec = str(child.pk) if target == "run" else "workflow:metered"
+
+    outcome = race(
+        lambda: execute(child, Lease(child.id, child.lease_epoch)),
+        POINTS[point],
+        lambda: set_budget(spec, cast["otto"], "more", usd=Decimal("10")),
+    )
+    # A run's budget raised before the pause locked the run row is seen by the pause itself
+    # (requeued at once); otherwise the raise finds the run paused and requeues it.
+    assert outcome["operator"] == "done"
+    assert outcome["worker"] in ("over_budget", "pending")
+    if target == "workflow" or point != "policies":
+        assert outcome["worker"] == "over_budget"
+    assert status(child) == RunStatus.PENDING
+    assert drive_all(worker) == ["completed", "completed"]
+    assert workflows.calls == {"call-0": 1, "call-1": 1, "after": 1}
+    assert status(parent) == RunStatus.COMPLETED
+
+
+@pytest.mark.parametrize("point", [*POINTS, "wait row"])
+@pytest.mark.parametrize("whom", ["the run", "its parent"])
+def test_a_durable_wait_and_a_cancel_never_deadlock_and_the_run_ends_cancelled(
+    cast, no_deadlock, point, whom
+):
+    """A child enters a durable wait (share-locks the policies, fences its row, share-locks its
+    parent, writes the waiting step, suspends) while an operator cancels it, or its parent (a
+    cancel locks the descendants, deepest first, then the root). The cancel is never lost on a
+    run that has just gone to sleep for a minute: it is woken, and ends cancelled."""
+    parent, child, worker = claimed_child({"n": 1, "child": "two-waits"})
+    target = child if whom == "the run" else parent
+    at = POINTS.get(point, lambda sql: sql.startswith('INSERT INTO "runs_step"'))
+
+    outcome = race(
+        lambda: execute(child, Lease(child.id, child.lease_epoch)),
+        at,
+        lambda: cancel_run(target.pk, cast["otto"], "not needed"),
+    )
+    # Cancelled before the wait's fence took the row: the fence refuses the wait.
+    assert outcome["operator"] == "done"
+    assert outcome["worker"] in ("waiting", "cancelled")
+    if point != "policies":
+        assert outcome["worker"] == "waiting"
+    assert status(child) in (RunStatus.PENDING, RunStatus.CANCELLED)  # woken, if it slept
+    drive_all(worker)
+    assert status(child) == RunStatus.CANCELLED
+    assert status(parent) == (RunStatus.CANCELLED if whom == "its parent" else RunStatus.COMPLETED)
+    assert not Step.objects.filter(run=child).exclude(key="first").exists()  # never got past
+
+
+#: Where a finishing child is held: after its own row's final write, after it woke its parent.
+FINISH_POINTS = {
+    "own row": lambda sql: sql.startswith("WITH f AS (UPDATE runs_run") and "finished_at" in sql,
+    "parent row": lambda sql: (
+        sql.startswith("UPDATE runs_run SET event_seq = event_seq + 1,") and "wake_at" in sql
+    ),
+}
+
+
+@pytest.mark.parametrize("point", list(FINISH_POINTS))
+@pytest.mark.parametrize("hold", ["run", "workflow"])
+def test_a_finishing_child_and_a_halt_of_its_parent_never_deadlock(cast, no_deadlock, point, hold):
+    """A child finishes (its row, then its parent's, to wake it) while an operator halts the
+    parent (the run: descendants first, then the parent; or the parent's workflow: the policy,
+    then the runs it covers). The child completes, the parent ends halted (woken and parked),
+    and resumes only when the hold is lifted."""
+    parent, child, worker = claimed_child({"n": 1, "child": "ledger", "steps": 1})
+    spec = str(parent.pk) if hold == "run" else "workflow:parent"
+
+    outcome = race(
+        lambda: execute(child, Lease(child.id, child.lease_epoch)),
+        FINISH_POINTS[point],
+        lambda: halt(spec, cast["otto"], "stop the tree"),
+    )
+    assert outcome == {"worker": "completed", "operator": "done"}
+    assert status(child) == RunStatus.COMPLETED
+    assert status(parent) == RunStatus.HALTED
+    assert [p["status"] for p in events(parent, "child.finished")] == ["completed"]
+    assert drive_all(worker) == []
+    unhalt(spec, cast["otto"], "go on")
+    assert drive_all(worker) == ["completed"]
+    assert workflows.calls == {"s0": 1, "after": 1}
+
+
+def test_children_started_while_a_halt_of_their_parent_waits_end_halted(cast, no_deadlock):
+    """The parent's execution starts its children inside its transaction, holding its row,
+    while an operator halts it: the halt parks the descendants it sees, then waits for the
+    parent's row, and once it has it, parks the children it could not see before. Found by the
+    model machine (ConcurrentModel, invariant 2): they stayed `pending` under a halted parent."""
+    parent = start_run("parent", {"n": 2, "child": "ledger", "steps": 1})
+    worker = WorkerProcess(concurrency=1)
+    worker.register()
+    (claimed,) = worker.claim(1)
+
+    outcome = race(
+        lambda: execute(claimed, Lease(claimed.id, claimed.lease_epoch)),
+        lambda sql: sql.startswith("INSERT INTO") and "runs_run" in sql.split("(", 1)[0],
+        lambda: halt(str(parent.pk), cast["otto"], "stop the tree"),
+    )
+    assert outcome == {"worker": "waiting", "operator": "done"}
+    children = Run.objects.filter(parent=parent)
+    assert sorted(children.values_list("status", flat=True)) == ["halted", "halted"]
+    assert status(parent) == RunStatus.HALTED
+    assert drive_all(worker) == []
+    unhalt(str(parent.pk), cast["otto"], "go on")
+    while drive_all(worker):
+        pass
+    assert {r.status for r in Run.objects.all()} == {RunStatus.COMPLETED}

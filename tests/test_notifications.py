@@ -4,7 +4,9 @@ real HTTP receiver on 127.0.0.1."""
 
 import hmac
 import json
+import re
 import signal
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -16,7 +18,15 @@ from django.core.management.base import CommandError
 
 from runs import notifications
 from runs.errors import Forbidden, OperationError
-from runs.models import Event, EventType, NotificationDelivery, Run, RunStatus, Step
+from runs.models import (
+    Event,
+    EventType,
+    NotificationChannel,
+    NotificationDelivery,
+    Run,
+    RunStatus,
+    Step,
+)
 from runs.sdk import start_run
 from tests.conftest import wait_until
 
@@ -28,7 +38,7 @@ class Receiver:
     to. `answers` are the status codes of the first requests (then 200); `hold` keeps the next
     request waiting until it is set."""
 
-    def __init__(self, answers=(), *, retry_after: str | None = None):
+    def __init__(self, answers=(), *, retry_after: str | None = None, host: str = "127.0.0.1"):
         self.requests: list[dict] = []
         self.accepted: dict[str, dict] = {}
         self.answers = list(answers)
@@ -57,8 +67,12 @@ class Receiver:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+        server = ThreadingHTTPServer
+        if ":" in host:
+            server = type("Server6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
+        self.server = server((host, 0), Handler)
+        self.port = self.server.server_port
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}/hook"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self):
@@ -211,6 +225,42 @@ def test_email_channels_send_one_message_with_the_key_as_message_id(drive, setti
     assert json.loads(message.body)["event"]["type"] == "run.failed"
 
 
+def cancelled_with(reason: str) -> Event:
+    from django.utils import timezone
+
+    run = fail_a_run()
+    return Event.objects.create(
+        run=run, seq=10_000, type=EventType.RUN_CANCELLED, payload={"reason": reason},
+        actor="otto", created_at=timezone.now(),
+    )  # fmt: skip
+
+
+def test_slack_markup_in_a_reason_is_escaped_and_the_run_link_kept(db, settings):
+    """Issue 31 item 8: a reason could ping <!channel> or pass off a link as Stepguard's."""
+    settings.STEPGUARD_PUBLIC_URL = "https://sg.example"
+    event = cancelled_with("<!channel> pay <https://evil.example|the run> & go")
+    text = notifications.message(event)["text"]
+    assert "&lt;!channel&gt; pay &lt;https://evil.example|the run&gt; &amp; go" in text
+    assert text.endswith(f" <https://sg.example/runs/{event.run.pk}>")
+    assert text.count("<") == 1  # only the run's own link is markup
+
+
+def test_a_newline_in_a_reason_does_not_stop_the_email(db, settings):
+    """Issue 31 item 8: a header cannot hold a newline, so such a reason failed every try."""
+    locmem = "django.core.mail.backends.locmem.EmailBackend"
+    if django.VERSION >= (6, 1):
+        settings.MAILERS = {"default": {"BACKEND": locmem, "OPTIONS": {}}}
+    else:
+        settings.EMAIL_BACKEND = locmem
+    channel = notifications.add_channel(None, "email", "ops@example.com", "run.cancelled")
+    event = cancelled_with("bad input\r\nBcc: everyone@example.com & <more>")
+    notifications.send(channel.pk, event.pk, "key-1")
+    (message,) = mail.outbox
+    assert "\n" not in message.subject and "\r" not in message.subject
+    assert message.subject.endswith("bad input Bcc: everyone@example.com & <more>")
+    assert message.to == ["ops@example.com"]
+
+
 @pytest.mark.parametrize(
     ("kind", "target", "events", "says"),
     [
@@ -341,3 +391,285 @@ def test_a_backlog_is_swept_a_batch_at_a_time_and_nothing_is_left_behind(
     assert [notifications.sweep() for _ in range(3)] == [2, 1, 0]
     drive()
     assert len(hook.accepted) == 3
+
+
+# -- webhooks cannot reach inside the network (issue 31, item 2) ----------------------------------
+
+ALLOW = "STEPGUARD_WEBHOOK_ALLOW"
+
+
+@pytest.fixture
+def default_allowlist(settings):
+    """The default: no internal receiver allowed (the suite's settings allow 127.0.0.1)."""
+    settings.STEPGUARD_WEBHOOK_ALLOW = []
+    return settings
+
+
+@pytest.fixture
+def resolver(monkeypatch):
+    """DNS answers of our own for some names (the one edge that cannot run here); the others
+    resolve for real. Counts the lookups of each name."""
+    answers: dict[str, list[str]] = {}
+    lookups: dict[str, int] = {}
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host not in answers:
+            return real(host, port, *args, **kwargs)
+        lookups[host] = lookups.get(host, 0) + 1
+        address = answers[host][min(lookups[host], len(answers[host])) - 1]
+        return real(address, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return answers, lookups
+
+
+@pytest.fixture
+def failed_event(drive):
+    fail_a_run()
+    drive()
+    return Event.objects.get(type=EventType.RUN_FAILED)
+
+
+def a_channel(target: str) -> NotificationChannel:
+    """A webhook saved as it is, the way rows saved before URLs were checked are."""
+    from django.utils import timezone
+
+    now = timezone.now()
+    return NotificationChannel.objects.create(
+        kind="webhook", target=target, events=["run.failed"], created_by="cli",
+        created_at=now, scanned_until=now,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("http://hooks.example.com/x\r\nX-Injected: 1", "the character '\\r'"),
+        ("http://hooks.example.com/a b", "the character ' '"),
+        ("http://hooks.example.com/\tx", "the character '\\t'"),
+        ("https://hooks.exämple.com/", "non-ASCII characters"),
+        ("https://user:pw@hooks.example.com/", "credentials"),
+        ("https://@hooks.example.com/", "credentials"),
+        ("http:///hook", "needs a host"),
+        ("http://hooks.example.com:99999/", "Port out of range"),
+        ("http://10.0.0.300/", "'10.0.0.300' is not a host name or an address"),
+        ("http://localhost/hook", "localhost is 127.0.0.1, a loopback address"),
+        ("http://0x7f000001/", "0x7f000001 is 127.0.0.1, a loopback address"),
+        ("http://2130706433/", "2130706433 is 127.0.0.1, a loopback address"),
+        ("http://0177.0.0.1/", "0177.0.0.1 is 127.0.0.1, a loopback address"),
+        ("http://127.1:8080/", "127.1 is 127.0.0.1, a loopback address"),
+        ("http://[::1]/", "::1 is a loopback address"),
+        ("http://[::ffff:127.0.0.1]/", "::ffff:127.0.0.1 is 127.0.0.1, a loopback address"),
+        ("http://[2002:7f00:1::]/", "is 127.0.0.1, a loopback address"),  # 6to4
+        ("http://169.254.169.254/latest/meta-data/", "169.254.169.254 is a link-local address"),
+        ("http://[fe80::1]/", "fe80::1 is a link-local address"),
+        ("http://[64:ff9b::a9fe:a9fe]/", "is 169.254.169.254, a link-local address"),  # NAT64
+        ("http://10.0.0.8/", "10.0.0.8 is a private address"),
+        ("http://172.16.5.4/", "a private address"),
+        ("http://192.168.1.1/", "a private address"),
+        ("http://[fd00::1]/", "fd00::1 is a private address"),
+        ("http://0.0.0.0:8000/", "0.0.0.0 is an unspecified address"),
+        ("http://[::]/", ":: is an unspecified address"),
+        ("http://224.0.0.251/", "a multicast address"),
+        ("http://240.0.0.1/", "a reserved address"),
+        ("http://100.64.0.1/", "100.64.0.1 is not a public address"),
+    ],
+)
+def test_webhook_urls_are_checked_strictly_when_saved(db, default_allowlist, target, says):
+    with pytest.raises(OperationError, match=re.escape(says)) as refused:
+        notifications.add_channel(None, "webhook", target, ["run.failed"])
+    if str(refused.value).startswith("refused"):
+        assert ALLOW in str(refused.value)  # and says how to let an internal receiver through
+    assert not NotificationChannel.objects.exists()
+
+
+def test_every_spelling_of_this_host_is_refused_when_a_delivery_connects(
+    default_allowlist, receiver, resolver, failed_event
+):
+    """Channels saved before the check (or names that resolve inside): each delivery is refused
+    as it connects, at once and for good, and nothing reaches the receivers listening there."""
+    v4, v6 = receiver(), receiver(host="::1")
+    answers, _ = resolver
+    answers["hooks.inside.test"] = ["127.0.0.1"]
+    answers["metadata.inside.test"] = ["169.254.169.254"]
+    targets = {
+        f"http://localhost:{v4.port}/secret-path": "localhost is 127.0.0.1, a loopback address",
+        f"http://127.0.0.1:{v4.port}/secret-path": "127.0.0.1 is a loopback address",
+        f"http://0x7f000001:{v4.port}/secret-path": "0x7f000001 is 127.0.0.1, a loopback address",
+        f"http://2130706433:{v4.port}/secret-path": "2130706433 is 127.0.0.1, a loopback address",
+        f"http://0177.0.0.1:{v4.port}/secret-path": "0177.0.0.1 is 127.0.0.1, a loopback address",
+        f"http://127.1:{v4.port}/secret-path": "127.1 is 127.0.0.1, a loopback address",
+        f"http://0.0.0.0:{v4.port}/secret-path": "0.0.0.0 is an unspecified address",
+        f"http://[::ffff:127.0.0.1]:{v4.port}/secret-path": "is 127.0.0.1, a loopback address",
+        f"http://[::1]:{v6.port}/secret-path": "::1 is a loopback address",
+        f"http://hooks.inside.test:{v4.port}/secret-path": "inside.test is 127.0.0.1, a loopback",
+        "http://metadata.inside.test/latest/meta-data/": "is 169.254.169.254, a link-local",
+        "http://169.254.169.254/latest/meta-data/": "169.254.169.254 is a link-local address",
+    }
+    for target, says in targets.items():
+        channel = a_channel(target)
+        with pytest.raises(notifications.DeliveryFailed, match=re.escape(says)) as refused:
+            notifications.send(channel.pk, failed_event.pk, "key")
+        assert refused.value.retryable is False, target  # it will not change by itself
+        assert "secret-path" not in str(refused.value) and "meta-data" not in str(refused.value)
+    assert v4.requests == [] and v6.requests == []
+
+
+def test_a_refused_delivery_fails_at_once_and_says_why(drive, receiver, settings):
+    """A channel added while its receiver was allowed, then the allowlist emptied: the
+    delivery run fails on its first attempt, and the receiver hears nothing."""
+    hook = receiver()
+    notifications.add_channel(None, "webhook", hook.url, ["run.failed"])
+    settings.STEPGUARD_WEBHOOK_ALLOW = []
+    fail_a_run()
+    drive()
+    notifications.sweep()
+    assert drive() == ["failed"]
+    step = NotificationDelivery.objects.get().run.steps.get()
+    assert step.attempt == 1 and hook.requests == []
+    assert step.error["message"] == (
+        f"http://127.0.0.1:{hook.port}: refused: 127.0.0.1 is a loopback address; webhooks "
+        f"reach only public addresses unless {ALLOW} lists the address, its network or the host"
+    )
+
+
+def test_a_name_is_resolved_once_and_the_address_checked_is_the_one_connected(
+    settings, receiver, resolver, failed_event
+):
+    """DNS rebinding: the name answers an allowed address to the first lookup and a refused
+    one to any later lookup. The delivery resolves once, connects to the address it checked,
+    and still names the host in its Host header."""
+    settings.STEPGUARD_WEBHOOK_ALLOW = ["127.0.0.1"]
+    hook = receiver()
+    answers, lookups = resolver
+    answers["rebind.test"] = ["127.0.0.1", "127.0.0.2"]  # 127.0.0.2: nobody listens, refused
+    channel = a_channel(f"http://rebind.test:{hook.port}/hook")
+    assert notifications.send(channel.pk, failed_event.pk, "key") == {"status": 200}
+    (request,) = hook.requests
+    assert request["headers"]["Host"] == f"rebind.test:{hook.port}"
+    assert lookups == {"rebind.test": 1}
+
+    answers["turns.test"] = ["127.0.0.2"]
+    channel = a_channel(f"http://turns.test:{hook.port}/hook")
+    with pytest.raises(
+        notifications.DeliveryFailed, match=re.escape("is 127.0.0.2, a loopback address")
+    ):
+        notifications.send(channel.pk, failed_event.pk, "key")
+
+
+def test_the_allowlist_lets_internal_receivers_through_by_network_or_host_name(
+    settings, receiver, failed_event
+):
+    hook = receiver()
+    settings.STEPGUARD_WEBHOOK_ALLOW = ["127.0.0.0/8"]
+    spelled = a_channel(f"http://0x7f000001:{hook.port}/hook")
+    assert notifications.send(spelled.pk, failed_event.pk, "key") == {"status": 200}
+
+    settings.STEPGUARD_WEBHOOK_ALLOW = ["10.0.0.0/8", "LOCALHOST."]  # a name, not its address
+    by_name = notifications.add_channel(
+        None, "webhook", f"http://localhost:{hook.port}/hook", "run.failed"
+    )
+    assert notifications.send(by_name.pk, failed_event.pk, "key") == {"status": 200}
+    by_address = a_channel(f"http://127.0.0.1:{hook.port}/hook")
+    with pytest.raises(
+        notifications.DeliveryFailed, match=re.escape("127.0.0.1 is a loopback address")
+    ):
+        notifications.send(by_address.pk, failed_event.pk, "key")
+    assert len(hook.requests) == 2
+
+
+@pytest.mark.parametrize(
+    "entry", ["10.0.0.0/33", "http://hooks.internal", "*.internal", "hooks internal", "0x7f000001"]
+)
+def test_an_allowlist_entry_that_is_no_address_network_or_host_name_is_refused(entry):
+    from runs.egress import parse_allow
+
+    with pytest.raises(ValueError, match=f"{ALLOW}: {re.escape(repr(entry))} is not an address"):
+        parse_allow(["10.0.0.0/8", entry])
+
+
+def test_viewers_see_a_webhook_s_scheme_and_host_only(client, cast, drive, receiver):
+    slack = "https://hooks.slack.com/services/T0/B0/xoxsecret"
+    client.force_login(cast["otto"])
+    answer = client.post(
+        "/api/notifications/channels",
+        {"kind": "webhook", "target": slack, "events": ["run.failed"]},
+        content_type="application/json",
+    )
+    assert answer.status_code == 201 and answer.json()["target"] == slack  # who may add one
+    hook = receiver([404])
+    notifications.add_channel(None, "webhook", hook.url + "/xoxsecret", ["run.failed"])
+    fail_a_run()
+    drive()
+    notifications.sweep()
+    drive()
+
+    client.force_login(cast["vera"])
+    listed = client.get("/api/notifications/channels").json()
+    assert {c["target"] for c in listed} == {
+        "https://hooks.slack.com",
+        f"http://127.0.0.1:{hook.port}",
+    }
+    page = client.get("/notifications").content.decode()
+    assert f"127.0.0.1:{hook.port} answered 404" in page and "https://hooks.slack.com" in page
+    audit = Event.objects.filter(type=EventType.NOTIFICATIONS_CHANGED)
+    seen = [page, json.dumps(listed), *(json.dumps(e.payload) for e in audit)]
+    seen += [json.dumps(s.error) for s in Step.objects.filter(run__workflow=notifications.WORKFLOW)]
+    assert not any("xoxsecret" in text for text in seen)
+
+
+def test_an_https_webhook_keeps_its_host_name_for_sni_and_the_certificate_check(
+    settings, resolver, failed_event, tmp_path, monkeypatch
+):
+    """The connection goes to the address checked, and TLS still speaks to the host named in
+    the URL: SNI and the certificate are the name's, as without the check."""
+    import datetime
+    import ssl
+
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "hooks.test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(key.public_key()).serial_number(1)
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("hooks.test")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "cert.pem"))  # trust it, and only it
+    hook = Receiver()
+    names = []
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    tls.sni_callback = lambda sock, server_name, context: names.append(server_name)
+    hook.server.socket = tls.wrap_socket(hook.server.socket, server_side=True)
+    answers, _ = resolver
+    answers["hooks.test"] = answers["other.test"] = ["127.0.0.1"]
+    settings.STEPGUARD_WEBHOOK_ALLOW = ["127.0.0.1"]
+    try:
+        channel = a_channel(f"https://hooks.test:{hook.port}/hook")
+        assert notifications.send(channel.pk, failed_event.pk, "key") == {"status": 200}
+        assert names == ["hooks.test"]
+        assert hook.requests[0]["headers"]["Host"] == f"hooks.test:{hook.port}"
+        other = a_channel(f"https://other.test:{hook.port}/hook")  # same address, wrong name
+        with pytest.raises(
+            notifications.DeliveryFailed, match=re.escape("not valid for 'other.test'")
+        ):
+            notifications.send(other.pk, failed_event.pk, "key")
+    finally:
+        hook.close()

@@ -196,6 +196,21 @@ def test_events_stay_append_only_outside_the_prune_path(finished):
         Event.objects.filter(run=run).delete()
 
 
+def test_prune_command_records_only_a_person_allowed_to_delete_runs(
+    finished, cast, django_user_model
+):
+    """Issue 31 item 8: `--user` named anyone, and the audit said they pruned."""
+    age(*finished, days=3)
+    with pytest.raises(CommandError, match=r"otto may not prune runs \(needs runs.delete_run\)"):
+        call_command("prune", "--finished-before", "2", "--user", "otto", stdout=StringIO())
+    with pytest.raises(CommandError, match="no user named 'nemo'"):
+        call_command("prune", "--finished-before", "2", "--user", "nemo", stdout=StringIO())
+    assert Run.objects.count() == 3 and pruned_events() == []
+    django_user_model.objects.create_superuser("root", password="x")
+    call_command("prune", "--finished-before", "2", "--user", "root", stdout=StringIO())
+    assert not Run.objects.exists() and Event.objects.get(type="runs.pruned").actor == "root"
+
+
 def test_prune_command_prints_the_counts_and_refuses_a_negative_limit(finished):
     age(*finished, days=3)
     out = StringIO()
@@ -395,6 +410,17 @@ def test_metrics_need_an_api_key_a_session_or_an_allowed_address(client, cast, s
     settings.STEPGUARD_METRICS_ALLOW = []
     client.force_login(cast["vera"])
     scrape(client)
+
+
+def test_metrics_refuse_a_person_without_the_permission_to_read_runs(client, django_user_model):
+    """Issue 31 item 8: /metrics takes runs.view_run, like every read-only page."""
+    nobody = django_user_model.objects.create_user("nobody", password="x")
+    key = create_key(nobody)[1]
+    response = client.get("/metrics", headers={"Authorization": f"Bearer {key}"})
+    assert response.status_code == 403
+    assert "runs.view_run" in response.json()["error"]["message"]
+    client.force_login(nobody)
+    assert client.get("/metrics").status_code == 403
 
 
 def test_metrics_read_runs_steps_spend_approvals_and_halts_from_the_database(

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import logging
+import re
 import socket
 import time
 import uuid
@@ -28,6 +29,7 @@ from runs.apikeys import create_key
 from runs.engine.budget import to_micros
 from runs.models import ApiKey, Event, Policy, Run, Step
 from runs.sdk import start_run
+from tests.conftest import run_coroutine
 from tests.test_api import Api, error
 from tests.test_live import communicator, run_async
 
@@ -266,7 +268,7 @@ def test_a_websocket_origin_must_match_scheme_host_and_port(origin, allowed, set
             await comm.disconnect()
         return connected
 
-    assert asyncio.run(go()) is allowed
+    assert run_coroutine(go()) is allowed
 
 
 # -- 4. four eyes on approvals -------------------------------------------------------------------
@@ -344,6 +346,71 @@ def test_only_a_superuser_mints_api_keys_for_someone_else(root, django_user_mode
     assert own.status_code == 200 and own.context["key"].user == clerk
 
 
+def test_revoking_another_person_s_api_key_takes_its_own_permission_and_is_audited(
+    root, django_user_model
+):
+    """A staff user with only add and view permissions on keys saw every key and revoked the
+    superuser's, unaudited (issue 31, item 7)."""
+    from django.contrib.auth.models import Permission
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    from runs.apikeys import revoke_key
+    from runs.errors import Forbidden
+
+    def staff(name: str, *codenames: str):
+        person = django_user_model.objects.create_user(name, password="x", is_staff=True)
+        person.user_permissions.add(*Permission.objects.filter(codename__in=codenames))
+        browser = Client()
+        browser.force_login(person)
+        return person, browser
+
+    clerk, as_clerk = staff("clerk", "add_apikey", "view_apikey", "delete_apikey")
+    roots, root_text = create_key(root, "deploy")
+    clerks, _ = create_key(clerk, "laptop")
+
+    listed = as_clerk.get("/admin/runs/apikey/").content.decode()
+    assert clerks.prefix in listed and roots.prefix not in listed
+    assert as_clerk.get(f"/admin/runs/apikey/{roots.pk}/change/").status_code == 302  # absent
+    revoke = {"action": "revoke", "_selected_action": [roots.pk, clerks.pk], "index": 0}
+    as_clerk.post("/admin/runs/apikey/", revoke)
+    roots.refresh_from_db()
+    clerks.refresh_from_db()
+    assert roots.revoked_at is None and clerks.revoked_at is not None  # their own only
+    deleting = as_clerk.post(f"/admin/runs/apikey/{roots.pk}/delete/", {"post": "yes"})
+    assert deleting.status_code == 403 and ApiKey.objects.filter(pk=roots.pk).exists()
+    refusal = "clerk may not revoke another person's API key (needs runs.revoke_others_apikey)"
+    with pytest.raises(Forbidden, match=re.escape(refusal)):
+        revoke_key(roots.prefix, clerk)
+    assert Api(Client(), root_text)("get", "/runs").status_code == 200
+
+    _, as_keeper = staff("keeper", "view_apikey", "revoke_others_apikey")
+    listed = as_keeper.get("/admin/runs/apikey/").content.decode()
+    assert clerks.prefix in listed and roots.prefix in listed
+    as_keeper.post("/admin/runs/apikey/", {**revoke, "_selected_action": [roots.pk]})
+    assert Api(Client(), root_text)("get", "/runs").status_code == 401
+
+    # The CLI: as a named person, checked the same way; without one, the shell's authority.
+    spare, _ = create_key(root, "spare")
+    with pytest.raises(CommandError, match=re.escape(refusal)):
+        call_command("apikey", "revoke", spare.prefix, "--user", "clerk")
+    call_command("apikey", "revoke", spare.prefix)
+
+    audit = Event.objects.filter(type="apikey.revoked").order_by("id")
+    assert [(e.actor, e.payload["prefix"], e.payload["owner"]) for e in audit] == [
+        ("clerk", clerks.prefix, "clerk"),
+        ("keeper", roots.prefix, "root"),
+        ("cli", spare.prefix, "root"),
+    ]
+    assert audit[1].payload == {
+        "target": f"API key sg_{roots.prefix} of root", "prefix": roots.prefix,
+        "key_name": "deploy", "owner": "root", "scope": "full", "expires_at": None,
+    }  # fmt: skip
+    page = Client()
+    page.force_login(root)
+    assert f"API key sg_{roots.prefix} of root" in page.get("/audit").content.decode()
+
+
 # -- 7. bad input is a 4xx in the documented shape, never a 500 -----------------------------------
 
 
@@ -415,9 +482,11 @@ def test_bad_api_keys_are_throttled(root):
     good = create_key(root)[1]
     answers = [Api(Client(), "sg_abcd1234_wrong")("get", "/runs").status_code for _ in range(6)]
     assert answers[:4] == [401] * 4 and answers[-1] == 429  # AXES_FAILURE_LIMIT is 5
-    locked = Api(Client(), good)("get", "/runs")  # from the same address: even a good key waits
+    locked = Api(Client(), "sg_abcd1234_wrong")("get", "/runs")
     assert locked.status_code == 429 and error(locked)["code"] == "locked_out"
     assert "try again in 15 minutes" in error(locked)["message"]
+    # A good key from the same address still works (tests/test_security_leftovers.py).
+    assert Api(Client(), good)("get", "/runs").status_code == 200
 
 
 def test_pages_send_a_csp_without_inline_scripts_and_a_permissions_policy(root):
@@ -491,3 +560,28 @@ def test_the_audit_page_shows_system_actions_when_asked(root):
     browser.force_login(root)
     assert "run.created" not in browser.get("/audit").content.decode()
     assert "run.created" in browser.get("/audit", {"system": "1"}).content.decode()
+
+
+# -- NUL characters (issue 31 item 8) -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "data"),
+    [
+        ("get", "/", {"workflow": "a\x00b"}),
+        ("get", "/", {"status": "failed", "q\x00": "x"}),
+        ("get", "/runs/count", {"key": "\x00"}),
+        ("get", "/audit", {"actor": "otto\x00"}),
+        ("get", "/approvals", {"after": "\x00"}),
+        ("post", "/halts/halt", {"workflow": "pay\x00", "reason": "r", "confirm": "halt"}),
+        ("post", "/flow/schedules", {"name": "n\x00", "workflow": "w", "cron": "* * * * *"}),
+        ("post", "/runs/bulk", {"action": "cancel", "scope": "filter", "workflow": "\x00"}),
+        ("get", "/api/runs", {"workflow": "\x00"}),
+    ],
+)
+def test_a_nul_character_in_a_parameter_is_a_400_not_a_500(client, cast, method, path, data):
+    """PostgreSQL refuses text holding NUL: each of these answered 500 there."""
+    client.force_login(cast["otto"])
+    response = getattr(client, method)(path, data)
+    assert response.status_code == 400
+    assert b"NUL" in response.content

@@ -53,3 +53,41 @@ def test_the_health_check_is_the_only_anonymous_route(client, db):
     assert client.get("/health").json()["database"] == "ok"
     response = client.get("/admin/")
     assert response.status_code == 302 and "/admin/login/" in response["Location"]
+
+
+def test_a_webhook_allowlist_entry_that_is_no_address_network_or_host_stops_the_process(tmp_path):
+    result = manage(
+        "check",
+        STEPGUARD_WEBHOOK_ALLOW="10.0.0.0/8, http://hooks.internal",
+        STEPGUARD_VAR_DIR=str(tmp_path),
+        **PRODUCTION,
+    )
+    assert result.returncode != 0
+    assert (
+        "STEPGUARD_WEBHOOK_ALLOW: 'http://hooks.internal' is not an address, a network "
+        "(10.0.0.0/8) or a host name"
+    ) in result.stderr
+
+
+def test_the_webhook_allowlist_is_read_by_runs_conf_for_embedding_hosts_too():
+    """Before, only controlplane.settings read it: a host project had no way but its own
+    settings, and runs.conf (which gives a host every default) did not know it."""
+
+    def conf(value: str) -> subprocess.CompletedProcess:
+        code = "from runs import conf; print(conf.STEPGUARD_WEBHOOK_ALLOW)"
+        environ = {**os.environ, "STEPGUARD_WEBHOOK_ALLOW": value}
+        environ.pop("DJANGO_SETTINGS_MODULE", None)
+        return subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True
+        )
+
+    assert conf("").stdout.strip() == "[]"
+    assert conf(" 10.0.0.0/8, hooks.internal ").stdout.strip() == "['10.0.0.0/8', 'hooks.internal']"
+    bad = conf("10.0.0.0/8, http://hooks.internal")
+    assert bad.returncode != 0 and "'http://hooks.internal' is not an address" in bad.stderr
+
+
+def test_a_web_process_bound_of_no_connection_stops_the_process(tmp_path):
+    result = manage("check", DB_WEB_CONNECTIONS="0", STEPGUARD_VAR_DIR=str(tmp_path), **PRODUCTION)
+    assert result.returncode != 0
+    assert "DB_WEB_CONNECTIONS='0' must be at least 1" in result.stderr

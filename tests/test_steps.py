@@ -1,5 +1,7 @@
 """Step semantics, executed in-process on the test database (both engines)."""
 
+import math
+import time
 from datetime import timedelta
 
 import pytest
@@ -7,7 +9,8 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from approvals.models import ApprovalRequest
-from runs.engine.budget import shared_budget_scopes
+from runs.engine import budget, flow, registry
+from runs.engine.budget import forget_cached_scopes, shared_budget_scopes
 from runs.engine.executor import Lease, RunContext
 from runs.errors import ApprovalRevoked, StepMisuse
 from runs.models import Event, Run, RunStatus, Step, StepStatus
@@ -250,8 +253,14 @@ def test_replaying_1000_completed_steps_costs_a_constant_number_of_queries(
     many = replay_statements(drive, expire_lease, settings, 1000)
     assert many == few
     # claim (halts, stale halted runs, candidates, update, event, fetch) + load all
-    # checkpoints + finish (fence, run, event) + the empty claim that ends drive().
-    assert len(many) <= 15
+    # checkpoints + finish (fence, run, event) + the empty claim that ends drive(); on SQLite,
+    # one more for the limited workflows' claim when the process registered any (test_flow
+    # imports tests.flow_workflows, which declare limits).
+    names = {d.name for d in registry.all_workflows()}
+    limited = connection.vendor == "sqlite" and any(
+        limit != flow.Limit(None, None) for limit in flow.code_limits(names).values()
+    )
+    assert len(many) <= 15 + limited, many
 
 
 def two_new_steps():
@@ -262,9 +271,15 @@ def two_new_steps():
     )
     ctx = RunContext(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch))
     shared_budget_scopes()  # cached for a second: steps do not look budgets up each time
-    with CaptureQueriesContext(connection) as queries:
-        assert ctx.step("one", int, 1) == 1
-        assert ctx.step("two", int, 2) == 2
+    # ... and held for the whole measure: on a busy host two steps may take more than a second,
+    # and the count would then include a look-up no step made (13 for 12 on a loaded SQLite).
+    budget._scopes["at"] = math.inf
+    try:
+        with CaptureQueriesContext(connection) as queries:
+            assert ctx.step("one", int, 1) == 1
+            assert ctx.step("two", int, 2) == 2
+    finally:
+        forget_cached_scopes()
     return run, ctx, queries
 
 
@@ -443,3 +458,21 @@ def test_on_postgresql_each_step_is_one_statement_and_one_commit():
         ("step.completed", "one"),
         ("step.started", "two"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("workflow", "data"),
+    [("flaky", {"failures": 1, "attempts": 2}), ("fails-once", None)],
+    ids=["retried in place", "run retried"],
+)
+def test_a_retried_steps_times_are_its_last_attempts(drive, workflow, data):
+    """Issue 34 item 4: after a retry the step read 13 min 9 s with a full-width bar, the
+    time of all its attempts; each attempt's start is in its step.started or step.retrying
+    event."""
+    workflows.hooks[workflow] = lambda: time.sleep(1.5)  # a slow first attempt, which fails
+    run = start_run(workflow, data)
+    while drive():
+        pass
+    step = Step.objects.get(run=run, key="call")
+    assert (step.status, step.attempt) == ("completed", 2)
+    assert (step.finished_at - step.started_at).total_seconds() < 1.5

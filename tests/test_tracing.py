@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from runs.models import Run, Step
 from runs.sdk import start_run
-from tests import workflows
+from tests import agent_workflows, workflows  # noqa: F401  (registers them)
 from tests.workflows import Crash
 
 pytestmark = pytest.mark.django_db
@@ -73,10 +73,23 @@ def test_a_model_call_span_follows_the_genai_conventions(drive, demo_model, span
     assert span.kind == trace.SpanKind.CLIENT
     attributes = span.attributes
     assert attributes["gen_ai.operation.name"] == "chat"
-    assert attributes["gen_ai.system"] == "openai"
+    assert attributes["gen_ai.provider.name"] == "openai"
+    assert "gen_ai.system" not in attributes  # deprecated by the conventions
     assert attributes["gen_ai.request.model"] == "gpt-4o-mini"
     assert (attributes["gen_ai.usage.input_tokens"], attributes["gen_ai.usage.output_tokens"]) == (
         step.tokens_in,
         step.tokens_out,
     )
     assert attributes["stepguard.cost_usd"] == pytest.approx(step.cost_micros / 1e6, abs=1e-6)
+
+
+def test_a_tool_call_span_is_a_genai_tool_span(drive, demo_model, spans):
+    start_run("guide-weather", {"city": "Lisbon"})
+    assert drive() == ["completed"]
+    (span,) = named(spans.get_finished_spans(), "execute_tool ")
+    assert span.name == "execute_tool get_weather"
+    assert span.kind == trace.SpanKind.INTERNAL
+    assert span.attributes["gen_ai.operation.name"] == "execute_tool"
+    assert span.attributes["gen_ai.tool.name"] == "get_weather"
+    assert span.attributes["stepguard.step.key"] == "get_weather"
+    assert [s.name for s in named(spans.get_finished_spans(), "chat ")] == ["chat gpt-4.1"] * 2

@@ -26,7 +26,7 @@ def effects(label: str) -> int:
 
 
 def test_a_sleeping_run_holds_no_worker_and_wakes_when_due(drive):
-    run = start_run("sleeper", {"seconds": 0.3})
+    run = start_run("sleeper", {"seconds": 3})  # long enough to be not yet due on a busy host
     assert drive() == ["waiting"]
     waiting = Run.objects.get(pk=run.pk)
     assert waiting.status == RunStatus.WAITING and waiting.worker_id is None

@@ -12,7 +12,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from runs.sdk import NOT_FOUND, RetryPolicy, RunContext, workflow
+from runs.sdk import NOT_FOUND, ModelRequestRejected, RetryPolicy, RunContext, workflow
 from tests.testapp.models import Effect
 
 NO_RETRY = RetryPolicy(max_attempts=1)
@@ -146,6 +146,8 @@ def nul_output(ctx: RunContext, input):
 def flaky(ctx: RunContext, input: dict):
     def attempt():
         calls["flaky"] = calls.get("flaky", 0) + 1
+        if "flaky" in hooks:
+            hooks.pop("flaky")()
         if calls["flaky"] <= input["failures"]:
             raise ConnectionError(f"failure {calls['flaky']}")
         return calls["flaky"]
@@ -602,14 +604,20 @@ def txn_only(ctx: RunContext, input):
 def gap(ctx: RunContext, input):
     """Step `a`, then `gap` seconds of work outside any step, then step `b`. With `undo`,
     `a` has a compensation; with `step_sleep`, `a` sleeps after its effect (a kill lands in
-    the step, after its side effect)."""
-    compensate = (lambda out: effect(ctx, "undo-a")) if input.get("undo") else None
+    the step, after its side effect); with `undo_sleep`, its undo does after its own."""
 
-    def charge():
+    def once(label, sleep):
         # Like a service that honours the idempotency key: a re-send gets the first answer.
         if Effect.objects.filter(idempotency_key=ctx.idempotency_key).exists():
-            return "a"
-        return effect(ctx, "a", None, input.get("step_sleep", 0))
+            return label
+        return effect(ctx, label, None, sleep)
+
+    def charge():
+        return once("a", input.get("step_sleep", 0))
+
+    compensate = (
+        (lambda out: once("undo-a", input.get("undo_sleep", 0))) if input.get("undo") else None
+    )
 
     ctx.step("a", charge, compensate=compensate)
     deadline = time.monotonic() + input.get("gap", 0)
@@ -704,3 +712,28 @@ def debounced_payer(ctx: RunContext, input: dict):
     """Pays what the last start in its quiet period asked, once a person approves."""
     decision = ctx.approval("ok", action="pay", summary=f"pay {input['amount']}", payload=input)
     return ctx.step("charge", effect, ctx, "charge", approval=decision)
+
+
+@workflow("refused")
+def refused(ctx: RunContext, input):
+    """A step that fails for good (`final`: the provider refused the request, a 400 that the
+    same request would get again), or with an outage a retry may get past."""
+
+    def refuse():
+        raise ModelRequestRejected("the model provider refused the request: 400 bad prompt")
+
+    def flake():
+        raise ConnectionError("payments API unreachable")
+
+    return ctx.step("refund", refuse if input.get("final") else flake, retry=NO_RETRY)
+
+
+@workflow("two-versions", version="1")
+def two_versions_v1(ctx: RunContext, input):
+    """Two versions registered side by side: the Start form offers the newest and the older."""
+    return "v1"
+
+
+@workflow("two-versions", version="2")
+def two_versions_v2(ctx: RunContext, input):
+    return "v2"

@@ -27,12 +27,23 @@ re-sends, with the same idempotency key, the one in flight (`idempotency_key()` 
 - **Nodes with steps of their own.** Steps do not nest, so a node that calls `ctx.llm`,
   `ctx.tool` or waits is marked `@with_ctx`, takes `(state, ctx)` and is not a step itself.
 - **Human in the loop.** `interrupt(value)` in a node records `value` as the node step's
-  output, waits durably (holding no worker) for a signal named after the node, or for an
-  approval with `interrupts="approval"`, and runs the node again (as `<node>.resume`) with
-  the answer, as LangGraph would with `Command(resume=...)`. Static breakpoints
-  (`interrupt_before`/`interrupt_after`) need a LangGraph checkpointer and are refused.
+  output, waits durably (holding no worker) for an approval in the inbox showing `value`, or
+  for a signal named after the node with `interrupts="signal"`, and runs the node again (as
+  `<node>.resume`) with the answer, as LangGraph would with `Command(resume=...)`. Static
+  breakpoints (`interrupt_before`/`interrupt_after`) need a LangGraph checkpointer and are
+  refused.
 - **Subgraphs.** A compiled graph added as a node has its own nodes as steps (`sub/node`);
   one invoked inside a node's function is part of that node's step.
+- **Chat models.** A LangChain chat model called inside a node (`invoke`, `ainvoke`, `stream`,
+  `astream`, with tools bound or structured output; ChatOpenAI, ChatAnthropic and any chat
+  model built on their clients) is metered as a model call of the node's step: each call
+  carries `Idempotency-Key: <step's key>:<n>` (the same when the node is re-sent after a
+  crash), is checked against the run's budgets before it is sent (the run pauses instead of
+  overspending), is sent with the SDK's own retries off (the step retries, so a 400 is sent
+  once), and its tokens and USD, priced from the model the response names, are recorded on
+  the node's step, which shows as an `llm` step. Its answer is part of the node's recorded
+  update, replayed as LangChain messages. A node marked `@with_ctx` is not a step: call
+  `ctx.llm` there.
 - **Not replayed.** What a node streams (`stream_mode="custom"`, model tokens) is emitted
   by the execution that runs it only. A node's update must be JSON, messages, `Command`,
   `Send` or `Overwrite`; anything else fails the step with OutputNotSerializable naming the
@@ -52,6 +63,7 @@ if importlib.util.find_spec("langgraph") is None:
 import asyncio
 import concurrent.futures
 import contextvars
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -78,12 +90,14 @@ from langgraph.pregel import Pregel
 from langgraph.pregel._read import DEFAULT_BOUND, PregelNode
 from langgraph.types import Command, Overwrite, Send
 
+from runs.adapters import chat_models
 from runs.engine.bridge import AsyncRunContext
 from runs.engine.context import RunContext
 from runs.engine.records import CURRENT_STEP, Decision
 from runs.engine.retry import RetryPolicy
 from runs.engine.waits import Ask
 from runs.errors import OutputNotSerializable, StepMisuse
+from runs.models import Run
 
 __all__ = ["durable", "idempotency_key", "with_ctx"]
 
@@ -101,7 +115,7 @@ def durable(
     ctx: RunContext | AsyncRunContext,
     *,
     retry: RetryPolicy | None = None,
-    interrupts: str = "signal",
+    interrupts: str = "approval",
 ) -> Pregel:
     """A copy of compiled `graph` whose node executions are steps of the run `ctx` belongs to.
 
@@ -115,11 +129,12 @@ def durable(
 
     `retry` is the steps' RetryPolicy; a node's LangGraph `retry_policy` is translated into
     one instead of retrying around the step. `interrupts` says what `interrupt(value)` in a
-    node waits for: `"signal"` (the default) a signal named after the node's step key, whose
-    payload `interrupt()` returns; `"approval"` an approval request showing `value`, answered
-    with `{"approved": True, "by": user, "comment": text}` or `{"approved": False, "reason":
-    text}`. The graph's checkpointer is not used (the run's steps are the checkpoints); static
-    breakpoints are refused.
+    node waits for: `"approval"` (the default: a person answers in the approvals inbox) an
+    approval request showing `value`, answered with `{"approved": True, "by": user, "comment":
+    text}` or `{"approved": False, "reason": text}`; `"signal"` a signal named after the node's
+    step key, whose payload `interrupt()` returns (a program answers). The graph's
+    checkpointer is not used (the run's steps are the checkpoints); static breakpoints are
+    refused.
     """
     if interrupts not in _INTERRUPTS:
         raise StepMisuse(f"interrupts must be one of {_INTERRUPTS}, not {interrupts!r}")
@@ -263,9 +278,11 @@ class _Durable:
         answers: list[Any] = []
         key = label
         while True:
-            output = await self.ctx.step(
-                key, lambda: self._acall(label, bound, state, config, answers), retry=policy
-            )
+            # The run's budget as it stands, for the chat models the node may call: read
+            # before the step, as an async node's event loop cannot query the database.
+            run = await self.ctx._call(Run.objects.get, pk=self.ctx.run_id)
+            call = functools.partial(self._acall, label, bound, state, config, answers, run)
+            output = await self.ctx.step(key, call, retry=policy)
             if not _interrupted(output):
                 return decode(output)
             answers.append(self._answer(await self._wait(label, output["value"])))
@@ -275,27 +292,29 @@ class _Durable:
         config = _answering(config, answers)
         token = var_child_runnable_config.set(config)  # what interrupt() reads
         try:
-            update = bound.invoke(state, config)
+            with chat_models.metering(self.ctx) as meter:
+                update = bound.invoke(state, config)
         except GraphInterrupt as exc:
-            return self._interrupt(label, exc)
+            return meter.metered(self._interrupt(label, exc))
         except StepMisuse as exc:
             raise _nested(label, exc) from None
         finally:
             var_child_runnable_config.reset(token)
-        return encode(self._named(label, update), label)
+        return meter.metered(encode(self._named(label, update), label))
 
-    async def _acall(self, label: str, bound, state, config, answers: list) -> Any:
+    async def _acall(self, label: str, bound, state, config, answers: list, run) -> Any:
         config = _answering(config, answers)
         token = var_child_runnable_config.set(config)
         try:
-            update = await bound.ainvoke(state, config)
+            with chat_models.metering(self.ctx, run) as meter:
+                update = await bound.ainvoke(state, config)
         except GraphInterrupt as exc:
-            return self._interrupt(label, exc)
+            return meter.metered(self._interrupt(label, exc))
         except StepMisuse as exc:
             raise _nested(label, exc) from None
         finally:
             var_child_runnable_config.reset(token)
-        return encode(self._named(label, update), label)
+        return meter.metered(encode(self._named(label, update), label))
 
     def _interrupt(self, label: str, exc: GraphInterrupt) -> dict:
         """The step's record of a node that asked a person: what it asked. The node runs

@@ -21,10 +21,16 @@ agent where it is run:
   interrupting the run: the approvals a turn needs (`approve:<tool name>`) are asked together,
   before any of the turn's tools starts, in one durable wait; a refusal goes back to the model as
   the tool's output, and an approved tool starts only if its approval still stands.
+- An agent's MCP servers (`mcp_servers`) are listed once per run, in a step each
+  (`mcp:<server name>:tools`), so a resumed run offers the tools it was offered first; each of
+  their calls is a `tool:<tool name>` step like a function tool's (approvals from the server's
+  `require_approval` included), sent with the step's idempotency key in the request's `_meta`
+  (`stepguard.dev/idempotency-key`). Connect the servers in the workflow, as the SDK says
+  (`async with MCPServerStdio(...)`).
 - Handoffs lead to durable copies of their agents. Hosted tools (web search, file search...) run
   inside the model call; tools that run on this machine outside a function (computer, shell,
-  apply_patch, custom tools, MCP servers) are refused, as is an agent used as a tool unless that
-  agent is durable itself (`durable(sub, ctx).as_tool(...)`).
+  apply_patch, custom tools) are refused, as is an agent used as a tool unless that agent is
+  durable itself (`durable(sub, ctx).as_tool(...)`).
 - `Runner.run_streamed` streams each live model call's events and replays a recorded one as its
   final `response.completed` event only. `Runner.run_sync` works in a sync workflow.
 """
@@ -61,6 +67,7 @@ from agents import (
     MultiProvider,
     ShellTool,
 )
+from agents.mcp import MCPServer
 
 # Private to the SDK, pinned by the `openai-agents>=0.24,<0.25` extra: the switch that turns the
 # provider client's own retries off, and the tool invocation that applies a tool's timeout and
@@ -73,6 +80,8 @@ from agents.tool import (
 )
 from agents.usage import deserialize_usage
 from django.db import connection
+from mcp.types import CallToolResult
+from mcp.types import Tool as MCPTool
 from openai.types.responses import (
     Response,
     ResponseCompletedEvent,
@@ -84,10 +93,14 @@ from pydantic_core import to_jsonable_python
 
 from runs.engine.bridge import AsyncRunContext
 from runs.engine.context import RunContext
+from runs.engine.llm import CAP_FIELD
 from runs.models import StepKind
 from runs.sdk import ApprovalRevoked, Ask, StepguardError, StepMisuse
 
 __all__ = ["durable"]
+
+#: runs.adapters.mcp's `_meta` key, not imported: that module needs mcp 2, the SDK mcp 1 or 2.
+IDEMPOTENCY_META_KEY = "stepguard.dev/idempotency-key"
 
 #: Tools that act on this machine outside a function the adapter can make a step of.
 LOCAL_TOOLS = (ComputerTool, CustomTool, ShellTool, ApplyPatchTool, LocalShellTool)
@@ -128,6 +141,7 @@ class _Adapter:
         self.ctx, self.asynchronous = ctx, isinstance(ctx, AsyncRunContext)
         self.provider, self.approval_timeout = provider, approval_timeout
         self.agents: dict[int, Agent] = {}
+        self.servers: dict[int, DurableMCPServer] = {}
         self.turns: dict[str, _Turn] = {}
         # A sync workflow's context takes one call at a time, in the order they were asked for:
         # the SDK starts a turn's tool calls in the model's order, and the lock is first-come.
@@ -138,15 +152,26 @@ class _Adapter:
             return agent
         if (done := self.agents.get(id(agent))) is not None:
             return done
-        if agent.mcp_servers:
-            raise StepMisuse(
-                f"agent {agent.name!r}: tools from MCP servers would run outside any step; "
-                "offer what they do as function tools"
-            )
         tools = [self.tool(agent.name, tool) for tool in agent.tools]
+        model = DurableModel(self, agent)
+        servers = [self.server(server) for server in agent.mcp_servers]
         clone = agent.clone(
-            model=DurableModel(self, agent), model_settings=agent.model_settings, tools=tools
+            model=model, model_settings=agent.model_settings, tools=tools, mcp_servers=servers
         )
+        if servers:
+            listed = clone.get_mcp_tools
+
+            async def get_mcp_tools(run_context) -> list:
+                """The servers' tools (listed in steps) as durable function tools."""
+                found = await listed(run_context)
+                model._gated |= {
+                    t.name: t
+                    for t in found
+                    if isinstance(t, FunctionTool) and t.needs_approval is not False
+                }
+                return [self.tool(agent.name, t) for t in found]
+
+            clone.get_mcp_tools = get_mcp_tools  # type: ignore[method-assign]
         self.agents[id(agent)] = clone
         clone.handoffs = [self.handoff(item) for item in agent.handoffs]
         return clone
@@ -230,6 +255,14 @@ class _Adapter:
         wrapped.timeout_seconds = None  # applied inside the step, by the tool's invocation
         return wrapped
 
+    def server(self, server: MCPServer) -> MCPServer:
+        """One durable stand-in per server for this execution (agents may share servers)."""
+        if isinstance(server, DurableMCPServer):
+            return server
+        if (done := self.servers.get(id(server))) is None:
+            done = self.servers[id(server)] = DurableMCPServer(self, server)
+        return done
+
     async def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         """A call of the run's context from the SDK's event loop. In a sync workflow that loop
         runs in the workflow's own thread (`Runner.run_sync`), so the checkpoint is written
@@ -267,6 +300,71 @@ class _Adapter:
         )
         for call in calls:
             self.turns[call.call_id] = turn
+
+
+class DurableMCPServer(MCPServer):
+    """An agent's MCP server whose tool list is recorded in a step, and whose calls carry their
+    step's idempotency key in `_meta`. The calls are steps already: the SDK's tool for each
+    listed tool is wrapped like any function tool (`_Adapter.tool`), and calls this from inside
+    its step. Everything else is the server's own."""
+
+    def __init__(self, adapter: _Adapter, server: MCPServer) -> None:
+        # The base class's __init__ is not called: its settings are the wrapped server's.
+        self._adapter, self._server = adapter, server
+        self._listed: list[MCPTool] | None = None
+        self._listing = asyncio.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+    @property
+    def name(self) -> str:
+        return self._server.name
+
+    async def connect(self) -> None:
+        await self._server.connect()
+
+    async def cleanup(self) -> None:
+        await self._server.cleanup()
+
+    async def list_tools(self, run_context=None, agent=None) -> list[MCPTool]:
+        """The tools the server listed the first time this run asked (one step per run)."""
+        async with self._listing:
+            if self._listed is None:
+
+                async def fetch() -> list[dict]:
+                    tools = await self._server.list_tools(run_context, agent)
+                    return [t.model_dump(mode="json", by_alias=True) for t in tools]
+
+                recorded = await self._adapter.call(
+                    "step", _key("mcp", f"{self.name}:tools"), self._adapter.portable(fetch)
+                )
+                self._listed = [MCPTool.model_validate(t) for t in recorded]
+            return list(self._listed)
+
+    async def call_tool(
+        self, tool_name: str, arguments: dict[str, Any] | None, meta: dict[str, Any] | None = None
+    ) -> CallToolResult:
+        """Called inside the tool's step: the step's idempotency key goes in `_meta`."""
+        try:
+            key = self._adapter.ctx.idempotency_key
+        except StepMisuse:
+            raise StepMisuse(
+                f"MCP tool {tool_name!r} was called outside its step: call it through the "
+                "durable agent"
+            ) from None
+        meta = {**(meta or {}), IDEMPOTENCY_META_KEY: key}
+        return await self._server.call_tool(tool_name, arguments, meta=meta)
+
+    async def list_prompts(self):
+        return await self._server.list_prompts()
+
+    async def get_prompt(self, name: str, arguments: dict[str, Any] | None = None):
+        return await self._server.get_prompt(name, arguments)
+
+    @property
+    def cached_tools(self) -> list[MCPTool] | None:
+        return self._listed
 
 
 class _Turn:
@@ -346,7 +444,7 @@ class DurableModel(Model):
         tracing, **options: Any,
     ) -> ModelResponse:  # fmt: skip
         async def call(*, extra_headers: dict | None = None, **_request: Any) -> dict:
-            settings = _with_headers(model_settings, extra_headers)
+            settings = _capped(_with_headers(model_settings, extra_headers), _request)
             with provider_managed_retries_disabled(True):
                 response = await self.inner.get_response(
                     system_instructions, input, settings, tools, output_schema, handoffs,
@@ -357,8 +455,15 @@ class DurableModel(Model):
 
         request = _request(self.model_name, system_instructions, input, model_settings, tools,
                            handoffs)  # fmt: skip
-        data = await self._adapter.call("llm", self._key, self._adapter.portable(call), **request)
+        data = await self._adapter.call("llm", self._key, self._model_call(call), **request)
         return self._answered(data)
+
+    def _model_call(self, call: Callable) -> Callable:
+        """`call` as the step's function, declaring where its answer is capped: under a
+        budget, `ctx.llm` caps it to what the budget has left (and estimates from the cap)."""
+        portable = self._adapter.portable(call)
+        setattr(portable, CAP_FIELD, "max_output_tokens")
+        return portable
 
     def _answered(self, data: dict) -> ModelResponse:
         """The recorded response as the SDK's; its function calls are the turn's."""
@@ -380,7 +485,7 @@ class DurableModel(Model):
         events: asyncio.Queue = asyncio.Queue()
 
         async def call(*, extra_headers: dict | None = None, **_request: Any) -> dict:
-            settings = _with_headers(model_settings, extra_headers)
+            settings = _capped(_with_headers(model_settings, extra_headers), _request)
             if settings.include_usage is None:  # chat completions stream usage only if asked
                 settings = settings.resolve({"include_usage": True})
             final = None
@@ -400,7 +505,7 @@ class DurableModel(Model):
         request = _request(self.model_name, system_instructions, input, model_settings, tools,
                            handoffs)  # fmt: skip
         step = asyncio.ensure_future(
-            self._adapter.call("llm", self._key, self._adapter.portable(call), **request)
+            self._adapter.call("llm", self._key, self._model_call(call), **request)
         )
         while True:
             getter = asyncio.ensure_future(events.get())
@@ -443,6 +548,14 @@ def _with_headers(settings, headers: dict | None):
     return settings.resolve(
         {"extra_headers": {**(settings.extra_headers or {}), **(headers or {})}}
     )
+
+
+def _capped(settings, request: dict):
+    """The settings with the answer cap the step's request carries (set by the budget)."""
+    cap = request.get("max_output_tokens")
+    if not isinstance(cap, int) or settings.max_tokens:
+        return settings
+    return settings.resolve({"max_tokens": cap})
 
 
 def _request(model: str, instructions, input, settings, tools, handoffs) -> dict:

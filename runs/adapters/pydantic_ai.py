@@ -70,6 +70,7 @@ from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
 
 from runs.engine.bridge import AsyncRunContext, run_async
+from runs.engine.llm import CAP_FIELD
 from runs.sdk import ApprovalRevoked, Ask, Decision, RetryPolicy, StepMisuse
 
 __all__ = ["StepguardAgent"]
@@ -263,8 +264,10 @@ class _Steps(AbstractCapability[Any]):
         settings = dict(settings or {})
         ignored = getattr(_unwrapped(model), "unsupported_settings", frozenset())
 
-        async def send(headers: dict[str, str]) -> dict:
+        async def send(headers: dict[str, str], cap: int | None) -> dict:
             sent: dict[str, Any] = dict(settings)
+            if cap is not None and not sent.get("max_tokens"):
+                sent["max_tokens"] = cap  # what the run's budget has left (ctx.llm's cap)
             if "extra_headers" not in ignored:
                 sent["extra_headers"] = {**settings.get("extra_headers", {}), **headers}
             if "max_retries" not in ignored:
@@ -285,7 +288,10 @@ class _Steps(AbstractCapability[Any]):
         carried = _carried(send)
 
         async def call(*, extra_headers: dict[str, str] | None = None, **_recorded: Any) -> dict:
-            return await carried(extra_headers or {})
+            cap = _recorded.get("max_tokens")
+            return await carried(extra_headers or {}, cap if isinstance(cap, int) else None)
+
+        setattr(call, CAP_FIELD, "max_tokens")  # under a budget, ctx.llm caps the answer
 
         data = await self.actx.llm(
             f"{self.agent.key}.model",

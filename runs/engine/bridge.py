@@ -109,7 +109,7 @@ class AsyncRunContext:
         self.input, self.attempt = ctx.input, ctx.attempt
         self._in_flight: set[Future] = set()  # calls running on a database thread
 
-    async def settle(self) -> None:
+    async def drain(self) -> None:
         """Wait for every call still running on a database thread (a step gathered beside one
         that failed, one whose awaiting task was cancelled): each records how it ended, so
         none is left `started` to be sent again, nor cut off and counted as a failure."""
@@ -217,7 +217,7 @@ def run_async(fn: Callable, ctx: RunContext, input: Any) -> Any:
         try:
             return await fn(async_ctx, input)
         finally:
-            await async_ctx.settle()
+            await async_ctx.drain()
 
     ctx._loop, ctx._turnstile = loop, Turnstile()
     try:

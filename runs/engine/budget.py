@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from decimal import ROUND_CEILING, Decimal
-from typing import Any, NamedTuple
+from typing import Any
 
 from django.conf import settings
 from django.db import connection
@@ -43,15 +43,22 @@ def to_usd(micros: int | None) -> Decimal | None:
     return None if micros is None else (Decimal(micros) / MICROS).quantize(Decimal("0.000001"))
 
 
-class Amount(NamedTuple):
-    """Micro-USD and tokens: what every budget counts. A pair that reads by name."""
+@dataclass(frozen=True, slots=True)
+class Amount:
+    """Micro-USD and tokens: what every budget counts."""
 
     micros: int = 0
     tokens: int = 0
 
-    # Not concatenation: an amount plus (micros, tokens).
-    def __add__(self, other: tuple) -> Amount:
-        return Amount(self.micros + other[0], self.tokens + other[1])
+    def __add__(self, other: Amount) -> Amount:
+        # Only amounts: a bare (micros, tokens) pair was accepted once and reads either way.
+        if not isinstance(other, Amount):
+            return NotImplemented
+        return Amount(self.micros + other.micros, self.tokens + other.tokens)
+
+    def __bool__(self) -> bool:
+        """True when it counts anything: a step that holds nothing writes no reservation."""
+        return bool(self.micros or self.tokens)
 
     def beyond(self, other: Amount) -> Amount:
         """What this needs on top of `other` (never negative)."""
@@ -98,6 +105,9 @@ class Metered:
 
     value: Any
     usage: Usage
+    #: The step's kind from now on, if the call made it another (a LangGraph node that
+    #: called a chat model is an `llm` step).
+    kind: str | None = None
 
 
 _scopes: dict[str, Any] = {"at": -1e9, "value": frozenset()}
@@ -194,7 +204,7 @@ def release_shared(scopes: list[str], held: Amount, day) -> None:
     _update(scopes, day, _RELEASE, [held.micros, held.micros, held.tokens, held.tokens], "scope")
 
 
-def settle_shared(
+def book_shared(
     spend_scopes: list[str],
     usage: Usage,
     held_scopes: list[str] | tuple[()] = (),
@@ -206,7 +216,7 @@ def settle_shared(
     what that day's holds made room for. Returns the budgets now past the warning threshold
     for the first time that day."""
     day = day or timezone.now().date()
-    if any(held) and held_scopes:
+    if held and held_scopes:
         release_shared(list(held_scopes), held, day)
     if not spend_scopes or not (usage.micros or usage.tokens):
         return []
@@ -255,7 +265,7 @@ def next_day_start():
     return datetime.combine(tomorrow, time(0), tzinfo=UTC)
 
 
-def release_holds(run_id, *, zero_run: bool = True) -> None:
+def release_reservations(run_id, *, zero_run: bool = True) -> None:
     """A run ended: give back what its unfinished steps still hold (a step in flight when its
     worker died and never re-sent), from the ledgers and the day each was reserved against,
     and zero the run's reservation (unless the caller's own write does). Inside the

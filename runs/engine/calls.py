@@ -58,7 +58,7 @@ class ModelCalls(ContextState):
         step: `on_delta(text)` gets each piece of text as it arrives, and the step records the
         final response and its usage. A replay returns the final response and emits no deltas.
         """
-        cls = llm_engine.response_type(call, typed)
+        cls = llm_engine.response_type(call, typed, request)
         streaming = llm_engine.streams(call, request)
         if streaming:
             llm_engine.stream_call(call, request)  # refuses what cannot stream, before the step
@@ -68,8 +68,10 @@ class ModelCalls(ContextState):
         guess = llm_engine.estimate(model, request) if estimate is True else (estimate or None)
 
         def invoke():
+            idem = self.idempotency_key
+            self._answered_now.pop(idem, None)
             if llm_engine.price_of(model) is None:
-                self._unpriced(key, model)
+                self._refuse_unpriced(model)  # before paying; flagged after, by the answer
             kwargs = request
             if accepts(call, "extra_headers"):  # the SDKs' create() methods do
                 headers = {"Idempotency-Key": self.idempotency_key}
@@ -81,14 +83,26 @@ class ModelCalls(ContextState):
                     manager = llm_engine.without_sdk_retries(helper)(**kwargs)
                     relay = self._relay(on_delta)
                     response = self._await(llm_engine.consume(manager, relay))
+                elif raw := llm_engine.parsed_call(llm_engine.without_sdk_retries(call)):
+                    answer = self._await(raw(**kwargs))
+                    try:
+                        response = answer.parse()
+                    except Exception as exc:  # the answer came, and was paid: its usage too
+                        data = answer.http_response.json()
+                        self._answered_now[idem] = llm_engine.answered(exc, model, data)
+                        raise
                 else:
                     response = self._await(llm_engine.without_sdk_retries(call)(**kwargs))
             except Exception as exc:
+                if idem not in self._answered_now:
+                    self._answered_now[idem] = llm_engine.answered(exc, model)
                 if (refused := llm_engine.rejected(exc)) is not None:
                     raise refused from exc
                 raise
             data = llm_engine.as_json(response)
             usage = llm_engine.usage_of(data, model)
+            if usage.breakdown is not None and not usage.breakdown["priced"]:
+                self._unpriced(key, str(usage.breakdown["model"] or model))
             tracing.model_call(data, usage)
             return Metered(data, usage)
 
@@ -149,14 +163,19 @@ class ModelCalls(ContextState):
             cap = llm_engine.answer_cap(model, request, Run.objects.get(pk=self._lease.run_id))
         return request if cap is None else {**request, field: cap}
 
-    def _unpriced(self, key: str, model: str) -> None:
-        """A model with no price spends nothing in USD, so a USD budget can never stop it: say
-        so on the timeline (once an execution), or refuse it under a USD budget if told to."""
+    def _refuse_unpriced(self, model: str) -> None:
+        """Under a USD budget and STEPGUARD_REFUSE_UNPRICED_MODELS, a call to a model with no
+        price is refused before it is sent: its spend could never trip the budget."""
         if settings.STEPGUARD_REFUSE_UNPRICED_MODELS and self._under_usd_budget():
             raise UnpricedModel(
                 f"model {model!r} has no price (STEPGUARD_MODEL_PRICES) and this run has a USD "
                 "budget it could never trip (STEPGUARD_REFUSE_UNPRICED_MODELS)"
             )
+
+    def _unpriced(self, key: str, model: str) -> None:
+        """A model with no price spends nothing in USD, so a USD budget can never stop it: say
+        so on the timeline, once an execution. Judged by the answer: an alias or a gateway's
+        name that answers as a priced model is priced as that model."""
         if model not in self._unpriced_models:
             self._unpriced_models.add(model)
             log.warning("run %s: model %r has no price; its calls count as $0", self.run_id, model)
@@ -212,7 +231,7 @@ class ModelCalls(ContextState):
             call = fn
         return self._run_step(
             key, call, (), args, retry=retry, approval=decision, compensate=compensate,
-            kind=StepKind.TOOL,
+            kind=StepKind.TOOL, model=name,  # the tool's name, for its span
         )  # fmt: skip
 
     def _concurrently(self, jobs: list[Callable[[], Any]]) -> list[Any]:

@@ -11,7 +11,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from runs.engine import holds
-from runs.engine.budget import NOTHING, Amount, Usage, scopes_for, settle_shared
+from runs.engine.budget import NOTHING, Amount, Usage, book_shared, scopes_for
 from runs.engine.records import brief, error_record
 from runs.engine.retry import retryable
 from runs.engine.state import ContextState
@@ -30,7 +30,7 @@ from runs.models import EventType, Run, RunStatus, Step, StepStatus
 
 
 @dataclass(frozen=True)
-class Held:
+class Reservation:
     """What a running step holds against budgets: its estimate, the shared budgets and the
     day it was reserved against. Released from exactly those when the step finishes."""
 
@@ -39,7 +39,7 @@ class Held:
     day: date | None = None
 
     @classmethod
-    def of(cls, record: Step | None) -> Held:
+    def of(cls, record: Step | None) -> Reservation:
         """What a recorded step (found `started` after a crash) still holds."""
         if record is None or not (record.reserved_micros or record.reserved_tokens):
             return cls()
@@ -48,11 +48,11 @@ class Held:
 
 
 class Checkpoints(ContextState):
-    """Start, settle, fail, wait and suspend: every write goes through the store's fence, so a
+    """Start, finish, fail, wait and suspend: every write goes through the store's fence, so a
     worker whose lease was taken over can never write again."""
 
     @property
-    def _start(self) -> Fence:
+    def _start_fence(self) -> Fence:
         # Compensations run after a cancel was requested; every other step is refused then.
         # Halts and budgets stop both.
         return Fence(starting=True, compensating=self._compensating)
@@ -70,18 +70,11 @@ class Checkpoints(ContextState):
             **fields,
         )
 
-    def _write(
-        self, step_pk: int, key: str, event: str, payload: dict, *, progress=False, **fields
-    ):
-        fenced_write(
-            self._lease, (event, key, payload), Fence(progress=progress),
-            update_step=(step_pk, fields),
-        )  # fmt: skip
-
     def _restart(self, step_pk, key, payload, attempt: int, held, approval) -> None:
-        fields = {"attempt": attempt}
+        # A step's times are its last attempt's: a retry's duration is not all of them.
+        fields = {"attempt": attempt, "started_at": timezone.now()}
         if approval is None:
-            retrying = replace(self._start, held=held.reserved)
+            retrying = replace(self._start_fence, held=held.reserved)
             fenced_write(
                 self._lease,
                 (EventType.STEP_RETRYING, key, payload),
@@ -90,14 +83,15 @@ class Checkpoints(ContextState):
             )
             return
         with atomic(self._lease):
-            event_seq = fence(self._lease, replace(self._start, held=held.reserved))
+            event_seq = fence(self._lease, replace(self._start_fence, held=held.reserved))
             self._check_approval(approval)
             Step.objects.filter(pk=step_pk).update(**fields)
             append_event(self._lease.run_id, event_seq, EventType.STEP_RETRYING, key, **payload)
 
-    def _settle_step(
-        self, step_pk, key, payload, fields, usage: Usage | None, held, *, defer=False
-    ) -> None:
+    def _finish_step(
+        self, step_pk, key, payload, fields, usage: Usage | None, held, *, defer=False,
+        earlier: Usage | None = None,
+    ) -> None:  # fmt: skip
         """Finish a step: its row, its event and, if it spent or held anything, the budgets.
 
         With `defer`, a completion that touches no budget rides with the run's next write
@@ -112,12 +106,12 @@ class Checkpoints(ContextState):
         # A step finished is progress (the poison-run count restarts), except the
         # compensations of a run being given up: they must not make it look healthy again.
         progress = self._give_up is None
-        if usage is None and not any(held.reserved):
+        if usage is None and not held.reserved and earlier is None:
             if (
                 defer
                 and event == EventType.STEP_COMPLETED
                 and not self._compensating
-                and not self._eager
+                and not self._recovering
                 and not settings.STEPGUARD_EAGER_COMPLETIONS
             ):
                 complete_later(self._lease, Completion(step_pk, key, payload, fields, progress))
@@ -127,12 +121,18 @@ class Checkpoints(ContextState):
                 update_step=(step_pk, fields),
             )  # fmt: skip
             return
+        if usage is not None:
+            # `earlier`: attempts that failed after an answer, already on the run and the row
+            # (Steps._book_answered): the row keeps showing every answered attempt.
+            before = earlier or Usage()
+            fields |= {
+                "tokens_in": usage.tokens_in + before.tokens_in,
+                "tokens_out": usage.tokens_out + before.tokens_out,
+                "cost_micros": usage.micros + before.micros,
+            }
         usage = usage or Usage()
         spend = Spend(usage.micros, usage.tokens_in, usage.tokens_out, held.reserved)
         fields |= {
-            "tokens_in": usage.tokens_in,
-            "tokens_out": usage.tokens_out,
-            "cost_micros": usage.micros,
             "reserved_micros": 0,
             "reserved_tokens": 0,
             "reserved_scopes": [],
@@ -146,7 +146,7 @@ class Checkpoints(ContextState):
                 self._lease, (event, key, payload), Fence(progress=progress, spend=spend),
                 update_step=(step_pk, fields),
             )  # fmt: skip
-            warnings = settle_shared(
+            warnings = book_shared(
                 scopes_for(self.workflow), usage, held.shared, held.reserved, held.day
             )
             ratio = settings.STEPGUARD_BUDGET_WARN_AT
@@ -175,7 +175,7 @@ class Checkpoints(ContextState):
         kind: str | None,
         attempt: int,
         exc: BaseException,
-        held: Held | None = None,
+        held: Reservation | None = None,
     ) -> NoReturn:
         """Record a step's final failure and raise it. With no `step_pk` the step has no row
         yet (a transaction step, a refused re-send): one is inserted at `seq` as `kind`."""
@@ -188,7 +188,7 @@ class Checkpoints(ContextState):
         }
         payload = {"attempt": attempt, "error": brief(exc), "worker": self.worker_id}
         if step_pk is not None:
-            self._settle_step(step_pk, key, payload, fields, None, held or Held())
+            self._finish_step(step_pk, key, payload, fields, None, held or Reservation())
         else:
             now = timezone.now()
             insert: dict[str, Any] = {"seq": seq, "key": key, "kind": kind, "idempotency_key": idem}
@@ -224,17 +224,19 @@ class Checkpoints(ContextState):
         for seq, (type, key, payload) in zip(seqs, events, strict=False):
             append_event(self._lease.run_id, seq, type, key, **payload)
 
-    def _wait_fence(self) -> tuple[int, datetime]:
+    def _enter_wait(self) -> tuple[int, datetime]:
         """The fence of a durable wait, in the lock order a pause takes (docs/architecture.md):
         a halt placed meanwhile is either seen by the fence, which refuses the wait, or waits
         for it and finds the run waiting, which it parks."""
         chain = holds.chain_of(self._lease.run_id)
         holds.lock_policies(chain)
-        event_seq = fence(self._lease, replace(self._start, progress=True))
+        event_seq = fence(self._lease, replace(self._start_fence, progress=True))
         holds.lock_ancestors(chain)
         return event_seq, timezone.now()
 
-    def _settle(self, record: Step, event_seq: int, now, *, output=None, error=None, **payload):
+    def _finish_wait(
+        self, record: Step, event_seq: int, now, *, output=None, error=None, **payload
+    ):
         """Finish a waiting step (inside the caller's transaction)."""
         if error is None:
             Step.objects.filter(pk=record.pk).update(

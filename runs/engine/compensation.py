@@ -46,6 +46,7 @@ class Compensation(ContextState):
                               "it is not undone", self.run_id, key)  # fmt: skip
         done = []
         for key, undo, output in reversed(self._compensations):
+            self._seek_undo(key)
             self._run_step(f"undo:{key}", undo, (output,), {}, internal=True)
             done.append(key)
         return done

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from runs.engine.budget import Usage
 from runs.engine.calls import ModelCalls
 from runs.engine.checkpoints import Checkpoints
 from runs.engine.compensation import Compensation
@@ -51,9 +52,11 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         # A step found `started` (it may have run) whose re-send a cancel refused: resolved
         # and then undone with the other compensations.
         self._in_doubt: dict[str, Callable[[], Any]] = {}
+        self._answered: dict[Any, Usage] = {}
+        self._answered_now: dict[str, Usage | None] = {}  # by idempotency key, from ctx.llm
         #: A run recovering from a lost worker completes each step at once: if the process
         #: keeps dying right after a step, that step must not be re-sent each time.
-        self._eager = run.recoveries > 0
+        self._recovering = run.recoveries > 0
         self._trace = None  # the OpenTelemetry context steps descend from (runs/tracing.py)
         self._patches: dict[str, bool] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

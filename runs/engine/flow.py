@@ -41,9 +41,10 @@ def code_limits(names: set[str]) -> dict[str, Limit]:
 def policies(
     names: set[str], code: dict[str, Limit] | None = None
 ) -> tuple[bool, dict[str, Limit]]:
-    """Whether the kill switch is on, and the limited workflows among `names` with their
-    limits in force (`code`: code_limits(names), which a worker computes once). One query: a
-    claim asks it every time."""
+    """Whether the kill switch stops every run of `names` (never while they include the
+    engine's own workflows, which it does not hold: holds.covered_sql), and the limited
+    workflows among `names` with their limits in force (`code`: code_limits(names), which a
+    worker computes once). One query: a claim asks it every time."""
     code = dict(code_limits(names) if code is None else code)
     rows = Policy.objects.filter(
         Q(scope=GLOBAL, halted_at__isnull=False)
@@ -52,7 +53,7 @@ def policies(
     stopped = False
     for scope, halted_at, total, per_key in rows:
         if scope == GLOBAL:
-            stopped = halted_at is not None
+            stopped = halted_at is not None and not any(registry.builtin(n) for n in names)
             continue
         mine = code.get(scope, Limit(None, None))
         code[scope] = Limit(

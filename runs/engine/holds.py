@@ -24,6 +24,9 @@ from runs.models import GLOBAL, Policy, Run
 
 RUN_TABLE = Run._meta.db_table
 POLICY_TABLE = Policy._meta.db_table
+# The engine's own workflows (registry.builtin): no LIKE, whose % the ORM would read as a
+# parameter marker.
+ENGINE_PREFIX = "stepguard."
 
 
 def covered_sql(alias: str = RUN_TABLE) -> str:
@@ -31,12 +34,15 @@ def covered_sql(alias: str = RUN_TABLE) -> str:
 
     The run's own hold is read from the row itself (so a statement that waited for the row
     lock re-checks it on the newest version); ancestors are walked with a recursive query
-    that root runs, having no parent, never start.
+    that root runs, having no parent, never start. The kill switch and workflow holds do not
+    cover the engine's own runs (`stepguard.*`, notification deliveries): an incident must
+    still alert, so only a hold on the delivery run itself stops one.
     """
     return (
         f"({alias}.halted_at IS NOT NULL"
-        f" OR EXISTS (SELECT 1 FROM {POLICY_TABLE} hp WHERE hp.halted_at IS NOT NULL"
-        f" AND (hp.scope = '{GLOBAL}' OR hp.scope = {alias}.workflow))"
+        f" OR (substr({alias}.workflow, 1, {len(ENGINE_PREFIX)}) <> '{ENGINE_PREFIX}'"
+        f" AND EXISTS (SELECT 1 FROM {POLICY_TABLE} hp WHERE hp.halted_at IS NOT NULL"
+        f" AND (hp.scope = '{GLOBAL}' OR hp.scope = {alias}.workflow)))"
         f" OR ({alias}.parent_id IS NOT NULL AND EXISTS ("
         "WITH RECURSIVE up(id, parent_id, workflow, halted_at) AS ("
         f"SELECT ha.id, ha.parent_id, ha.workflow, ha.halted_at FROM {RUN_TABLE} ha"
@@ -101,6 +107,8 @@ def holds_on(run: Run) -> list[Hold]:
                     member.halt_reason,
                 )
             )
+    if run.workflow.startswith(ENGINE_PREFIX):
+        return found  # the kill switch and workflow holds do not cover the engine's own runs
     workflows = list(dict.fromkeys(m.workflow for m in chain))
     policies = {
         p.scope: p

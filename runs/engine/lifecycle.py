@@ -12,14 +12,15 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError, transaction
-from django.db.models import Case, DateTimeField, F, Q, Value, When
+from django.db.models import Case, DateTimeField, F, Q, Sum, Value, When
 from django.db.models.functions import Cast
 from django.utils import timezone
 
+from approvals.models import ApprovalRequest, ApprovalStatus
 from runs import tracing
 from runs.engine import holds, registry
 from runs.engine.bridge import run_async
-from runs.engine.budget import next_day_start, release_holds
+from runs.engine.budget import NOTHING, Amount, next_day_start, release_reservations
 from runs.engine.compensation import run_compensations
 from runs.engine.context import RunContext
 from runs.engine.outage import is_disconnect
@@ -55,6 +56,7 @@ from runs.models import (
     Run,
     RunStatus,
     Step,
+    StepKind,
     StepStatus,
 )
 
@@ -187,10 +189,14 @@ def _finish(
     execution knows no step is left `started` (a completed run's usual case: no statement)."""
     ending = fields.get("status") in TERMINAL_STATUSES
     with atomic(lease):
+        possibly = NOTHING
+        if ending and in_doubt:
+            possibly = _book_possibly_spent(lease.run_id)
         if ending:
-            release_holds(lease.run_id, zero_run=False)  # the write below zeroes the run's
+            release_reservations(lease.run_id, zero_run=False)  # the write below zeroes the run's
             fields |= {"reserved_micros": 0, "reserved_tokens": 0}
-        fenced_write(lease, (event, "", payload), Fence(progress=True, run=tuple(fields.items())))
+        checks = Fence(progress=True, run=tuple(fields.items()), possibly=possibly)
+        fenced_write(lease, (event, "", payload), checks)
         if ending and in_doubt:
             # A step the run never came back to (a crash left it `started`, then the run ended
             # another way): a finished run keeps no step that looks in flight.
@@ -204,8 +210,29 @@ def _finish(
                 },
                 finished_at=fields.get("finished_at") or timezone.now(),
             )
+        if ending:
+            # Nothing will act on what the run asked for any more: nobody may approve it.
+            ApprovalRequest.objects.filter(
+                run_id=lease.run_id, status=ApprovalStatus.PENDING
+            ).update(status=ApprovalStatus.EXPIRED)
         if parent_id is not None and ending:
             wake_parent(lease.run_id, fields["status"], parent_id)
+
+
+def _book_possibly_spent(run_id) -> Amount:
+    """Model calls a run ends without coming back to (started, then the run was cancelled or
+    failed another way) may have been paid: their estimates are booked as possibly spent."""
+    left = Step.objects.filter(run_id=run_id, status=StepStatus.STARTED, kind=StepKind.LLM).filter(
+        Q(reserved_micros__gt=0) | Q(reserved_tokens__gt=0)
+    )
+    total = left.aggregate(micros=Sum("reserved_micros"), tokens=Sum("reserved_tokens"))
+    if not total["micros"] and not total["tokens"]:
+        return NOTHING
+    left.update(
+        possibly_spent_micros=F("possibly_spent_micros") + F("reserved_micros"),
+        possibly_spent_tokens=F("possibly_spent_tokens") + F("reserved_tokens"),
+    )
+    return Amount(total["micros"] or 0, total["tokens"] or 0)
 
 
 def _give_back(

@@ -28,6 +28,12 @@ from runs.errors import ModelRequestRejected, OutputNotSerializable, StepMisuse
 #: gateway's provider prefix (`openai/gpt-4o`) and then a snapshot suffix (`-2024-08-06`,
 #: `-20241022`, `-latest`) are dropped, so `o3-mini` is never priced as `o3`.
 DEFAULT_PRICES: dict[str, tuple[str, ...] | str] = {
+    # USD per million tokens: input, output, cached input, cache write (the providers' list
+    # prices for standard requests; STEPGUARD_MODEL_PRICES overrides any of them).
+    "gpt-5.1": ("1.25", "10.00", "0.125"),
+    "gpt-5": ("1.25", "10.00", "0.125"),
+    "gpt-5-mini": ("0.25", "2.00", "0.025"),
+    "gpt-5-nano": ("0.05", "0.40", "0.005"),
     "gpt-4.1": ("2.00", "8.00", "0.50"),
     "gpt-4.1-mini": ("0.40", "1.60", "0.10"),
     "gpt-4.1-nano": ("0.10", "0.40", "0.025"),
@@ -36,6 +42,7 @@ DEFAULT_PRICES: dict[str, tuple[str, ...] | str] = {
     "o3": ("2.00", "8.00", "0.50"),
     "o3-mini": ("1.10", "4.40", "0.55"),
     "o4-mini": ("1.10", "4.40", "0.275"),
+    "claude-opus-4-5": ("5.00", "25.00", "0.50", "6.25"),
     "claude-opus-4-1": ("15.00", "75.00", "1.50", "18.75"),
     "claude-opus-4": ("15.00", "75.00", "1.50", "18.75"),
     "claude-opus-4-0": "claude-opus-4",
@@ -46,6 +53,10 @@ DEFAULT_PRICES: dict[str, tuple[str, ...] | str] = {
     "claude-3-5-sonnet": ("3.00", "15.00", "0.30", "3.75"),
     "claude-haiku-4-5": ("1.00", "5.00", "0.10", "1.25"),
     "claude-3-5-haiku": ("0.80", "4.00", "0.08", "1.00"),
+    # Gemini (prompts up to 200k tokens; cached input is context-cache reads).
+    "gemini-2.5-pro": ("1.25", "10.00", "0.125"),
+    "gemini-2.5-flash": ("0.30", "2.50", "0.03"),
+    "gemini-2.5-flash-lite": ("0.10", "0.40", "0.01"),
     # The scripted demo model served on 127.0.0.1 (examples/model_server.py): priced like a
     # small real model so the budget demos have something to stop.
     "stepguard-demo": ("1.00", "4.00", "0.10", "1.25"),
@@ -119,7 +130,15 @@ def as_json(response: Any) -> dict:
         raise OutputNotSerializable(
             f"cannot read a model response of type {type(response).__name__}"
         )
-    return dump(mode="json", exclude_none=True)
+    try:  # the SDK's parsed types warn that `parsed` is typed None on the base class
+        data = dump(mode="json", exclude_none=True, warnings=False)
+    except TypeError:  # a model_dump without pydantic's options
+        data = dump(mode="json", exclude_none=True)
+    if getattr(response, "output_parsed", None) is not None:
+        # responses.parse: a property of the SDK's ParsedResponse, not a field, so a dump
+        # loses it; code reading the recorded JSON finds it where the SDK object has it.
+        data["output_parsed"] = plain(response.output_parsed)
+    return data
 
 
 def plain(value: Any) -> Any:
@@ -134,6 +153,42 @@ def plain(value: Any) -> Any:
     if callable(to_dict := getattr(value, "to_dict", None)):
         return plain(to_dict())
     return value
+
+
+def _usage_dict(data: dict) -> dict:
+    """The usage of a response of any protocol, in the OpenAI/Anthropic field names: as given,
+    or read from Gemini's `usageMetadata` (prompt tokens include cached ones, thoughts are
+    output beside the candidates) or Bedrock Converse's camelCase `usage` (input beside cache
+    reads and writes, as Anthropic's)."""
+    gemini = data.get("usageMetadata") or data.get("usage_metadata")
+    if isinstance(gemini, dict):
+
+        def count(name: str) -> int:
+            snake = re.sub(r"([A-Z])", r"_\1", name).lower()
+            return int(gemini.get(name) or gemini.get(snake) or 0)
+
+        thoughts = count("thoughtsTokenCount")
+        return {
+            "prompt_tokens": count("promptTokenCount") + count("toolUsePromptTokenCount"),
+            "prompt_tokens_details": {"cached_tokens": count("cachedContentTokenCount")},
+            "completion_tokens": count("candidatesTokenCount") + thoughts,
+            "completion_tokens_details": {"reasoning_tokens": thoughts},
+        }
+    usage = data.get("usage") or {}
+    if "inputTokens" in usage or "outputTokens" in usage:  # Bedrock Converse
+        return {
+            "input_tokens": usage.get("inputTokens") or 0,
+            "output_tokens": usage.get("outputTokens") or 0,
+            "cache_read_input_tokens": usage.get("cacheReadInputTokens") or 0,
+            "cache_creation_input_tokens": usage.get("cacheWriteInputTokens") or 0,
+        }
+    return usage
+
+
+def response_model(data: dict) -> str | None:
+    """The model a response says answered it (Gemini calls it the model version)."""
+    found = data.get("model") or data.get("modelVersion") or data.get("model_version")
+    return found if isinstance(found, str) else None
 
 
 def token_kinds(usage: dict) -> dict[str, int]:
@@ -165,11 +220,12 @@ def usage_of(data: dict, model: str) -> Usage:
     cached-input price, cache writes at the cache-write price (Anthropic's 1-hour writes at
     twice the input price), reasoning at the output price. Tokens in count every input token,
     cached or not. The breakdown per kind (tokens and USD of each) goes with it, for billing."""
-    kinds = token_kinds(data.get("usage") or {})
+    kinds = token_kinds(_usage_dict(data))
     tokens_in = kinds["input"] + kinds["cached_input"] + kinds["cache_write"]
     tokens_in += kinds["cache_write_1h"]
     tokens_out = kinds["output"] + kinds["reasoning"]
-    priced = next((m for m in (data.get("model"), model) if m and price_of(m)), None)
+    answered = response_model(data)
+    priced = next((m for m in (answered, model) if m and price_of(m)), None)
     price = price_of(priced) if priced else None
     rates = {
         "input": price.input,
@@ -181,7 +237,7 @@ def usage_of(data: dict, model: str) -> Usage:
     } if price else {}  # fmt: skip
     usd = {k: n * rates.get(k, Decimal(0)) / Decimal(1_000_000) for k, n in kinds.items()}
     breakdown = {
-        "model": priced or data.get("model") or model,
+        "model": priced or answered or model,
         "priced": price is not None,
         "kinds": {k: {"tokens": n, "usd": str(usd[k])} for k, n in kinds.items() if n},
     }
@@ -229,8 +285,16 @@ MAX_TOKENS_FIELD = {
 MAX_TOKENS_FIELDS = ("max_tokens", "max_output_tokens", "max_completion_tokens")
 
 
+#: The attribute an adapter's model call declares its answer-cap field with (`ctx.llm` then
+#: caps it under a budget as it caps a client method's).
+CAP_FIELD = "stepguard_max_tokens_field"
+
+
 def max_tokens_field(call: Any) -> str | None:
-    """The request field that caps the answer of `call`, if it is a client method we know."""
+    """The request field that caps the answer of `call`: the one it declares (an adapter's
+    call), or the one of a client method we know."""
+    if isinstance(declared := getattr(call, CAP_FIELD, None), str):
+        return declared
     resource = type(getattr(call, "__self__", None)).__name__.removeprefix("Async")
     return MAX_TOKENS_FIELD.get(resource)
 
@@ -242,11 +306,13 @@ def answer_cap(model: str, request: dict, run) -> int | None:
     prompt = estimate(model, {**request, "max_tokens": 0})
     caps = []
     if run.budget_tokens is not None:
-        used = run.tokens_in + run.tokens_out + run.reserved_tokens + prompt.tokens_in
+        used = run.tokens_in + run.tokens_out + run.reserved_tokens + run.possibly_spent_tokens
+        used += prompt.tokens_in
         caps.append(run.budget_tokens - used)
     price = price_of(model)
     if run.budget_micros is not None and price is not None and price.output > 0:
         left = run.budget_micros - run.cost_micros - run.reserved_micros - prompt.micros
+        left -= run.possibly_spent_micros
         caps.append(int(Decimal(left) / price.output))  # micro-USD / (USD per 1M tokens)
     return max(1, min(caps)) if caps else None
 
@@ -338,11 +404,19 @@ RESPONSE_TYPES = {
     ("openai", "Responses"): ("openai.types.responses", "Response"),
     ("anthropic", "Messages"): ("anthropic.types", "Message"),
 }
+#: For a `parse` method (structured output): the SDK's parsed type, generic in the format class
+#: the request names, and the request field that names it.
+PARSED_TYPES = {
+    ("openai", "Completions"): ("openai.types.chat", "ParsedChatCompletion", "response_format"),
+    ("openai", "Responses"): ("openai.types.responses", "ParsedResponse", "text_format"),
+}
 
 
-def response_type(call: Any, typed: bool | type) -> type | None:
+def response_type(call: Any, typed: bool | type, request: dict | None = None) -> type | None:
     """The class `typed` asks `ctx.llm` to return: itself, or for `True` the response type of
-    the client method `call`; None for a plain dict."""
+    the client method `call` (for `parse`, the SDK's parsed type for the request's format
+    class, so `.choices[0].message.parsed` / `.output_parsed` is that class again on replay);
+    None for a plain dict."""
     if typed is False or typed is None:
         return None
     if isinstance(typed, type):
@@ -350,9 +424,11 @@ def response_type(call: Any, typed: bool | type) -> type | None:
             raise StepMisuse(f"typed={typed.__name__} is not a pydantic model class")
         return typed
     resource = type(getattr(call, "__self__", None))
-    known = RESPONSE_TYPES.get(
-        (resource.__module__.split(".")[0], resource.__name__.removeprefix("Async"))
-    )
+    where = (resource.__module__.split(".")[0], resource.__name__.removeprefix("Async"))
+    parsed = PARSED_TYPES.get(where) if getattr(call, "__name__", "") == "parse" else None
+    if parsed is not None and isinstance(fmt := (request or {}).get(parsed[2]), type):
+        return getattr(importlib.import_module(parsed[0]), parsed[1])[fmt]
+    known = RESPONSE_TYPES.get(where)
     if known is None:
         raise StepMisuse(
             f"typed=True does not know what {getattr(call, '__qualname__', call)!r} returns: "
@@ -364,6 +440,7 @@ def response_type(call: Any, typed: bool | type) -> type | None:
 def typed_response(cls: Any, data: dict) -> Any:
     """The recorded JSON as `cls` again. A response that no longer validates (a newer SDK that
     tightened a field) is built without validation rather than failing a replay."""
+    data = {k: v for k, v in data.items() if k != "output_parsed"}  # the SDK derives it
     try:
         return cls.model_validate(data)
     except ValueError:
@@ -372,6 +449,30 @@ def typed_response(cls: Any, data: dict) -> Any:
 
 #: Statuses worth sending the same request again for: the provider was busy or broken.
 RETRYABLE_STATUSES = frozenset({408, 409, 429})
+
+
+def answered(exc: BaseException, model: str, data: dict | None = None) -> Usage | None:
+    """The usage of the answer `exc` was raised after, if it came after one: `data` (the raw
+    response JSON read before the SDK parsed it), or the completion the openai SDK attaches to
+    a length or content-filter refusal of a parse. That answer was paid."""
+    if data is None:
+        completion = getattr(exc, "completion", None)
+        if completion is None or not hasattr(completion, "model_dump"):
+            return None
+        data = completion.model_dump(mode="json", exclude_none=True)
+    if not isinstance(data, dict) or not data.get("usage"):
+        return None
+    return usage_of(data, model)
+
+
+def parsed_call(call: Any) -> Any | None:
+    """For a client's `parse` method (structured output: the SDK validates the answer after it
+    arrived), the same call through `with_raw_response`, whose raw JSON is read for its usage
+    before the SDK parses it; None for any other call."""
+    if getattr(call, "__name__", "") != "parse":
+        return None
+    raw = getattr(getattr(call, "__self__", None), "with_raw_response", None)
+    return getattr(raw, "parse", None)
 
 
 def rejected(exc: Exception) -> ModelRequestRejected | None:

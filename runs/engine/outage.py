@@ -49,10 +49,6 @@ class Outage:
         self._lock = threading.Lock()
         self._since: float | None = None
 
-    @property
-    def ongoing(self) -> bool:
-        return self._since is not None
-
     def failed(self, exc: BaseException, where: str) -> None:
         with self._lock:
             first = self._since is None

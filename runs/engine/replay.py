@@ -38,6 +38,11 @@ REPLAY_FIELDS = (
     "wake_at",
     "reserved_micros",
     "reserved_tokens",
+    "possibly_spent_micros",
+    "possibly_spent_tokens",
+    "tokens_in",
+    "tokens_out",
+    "cost_micros",
     "reserved_on",
     "reserved_scopes",
     "inherited",
@@ -72,6 +77,17 @@ class Replay(ContextState):
         seq = self._seq
         self._seq += 1
         return key, seq, self._history.get(seq)
+
+    def _seek_undo(self, key: str) -> None:
+        """Put the cursor where the undo of step `key` belongs: where an earlier execution
+        recorded it, else past everything recorded. Undos are found by key, not by counting:
+        the position where a cancel stops the code moves once a step it found in doubt is
+        resolved (recorded completed, it replays, and the code stops one position later)."""
+        undo = f"undo:{key}"
+        found = next((seq for seq, r in self._history.items() if r.key == undo), None)
+        if found is None:
+            found = max(self._seq, max(self._history, default=-1) + 1)
+        self._seq = found
 
     def _admit(self, key: str, seq: int, record: Step | None) -> None:
         """Decide whether the step at this position may go on; raise what replay must raise."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 if TYPE_CHECKING:
     from runs.engine.bridge import AsyncRunContext, Turnstile
     from runs.engine.budget import Usage
-    from runs.engine.checkpoints import Held
+    from runs.engine.checkpoints import Reservation
     from runs.engine.records import Decision, Running
     from runs.engine.retry import RetryPolicy
     from runs.engine.store import Fence, Lease
@@ -48,7 +48,9 @@ class ContextState:
     _compensations: list[tuple[str, Callable, Any]]
     _compensating: bool
     _in_doubt: dict[str, Callable[[], Any]]
-    _eager: bool
+    _answered: dict[Any, Usage]  # usage of attempts that failed after an answer, by step
+    _answered_now: dict[str, Usage | None]  # the answer the attempt failing now came after
+    _recovering: bool
     _trace: Any
     _patches: dict[str, bool]
     _loop: asyncio.AbstractEventLoop | None
@@ -65,6 +67,7 @@ class ContextState:
         def _position(
             self, key: str, *, internal: bool = False
         ) -> tuple[str, int, Step | None]: ...
+        def _seek_undo(self, key: str) -> None: ...
         def _admit(self, key: str, seq: int, record: Step | None) -> None: ...
         def _fork_lineage(self) -> list: ...
 
@@ -113,21 +116,22 @@ class ContextState:
 
         # Checkpoints (checkpoints.py)
         @property
-        def _start(self) -> Fence: ...
+        def _start_fence(self) -> Fence: ...
         def _new_step(self, seq: int, key: str, kind: str, status: str, **fields: Any) -> Step: ...
         def _restart(
             self, step_pk: Any, key: str, payload: Any, attempt: int, held: Any, approval: Any
         ) -> None: ...
-        def _settle_step(
+        def _finish_step(
             self,
             step_pk: Any,
             key: str,
             payload: Any,
             fields: Any,
             usage: Usage | None,
-            held: Held | None,
+            held: Reservation | None,
             *,
             defer: bool = False,
+            earlier: Usage | None = None,
         ) -> None: ...
         def _record_failure(
             self,
@@ -138,12 +142,12 @@ class ContextState:
             kind: str | None,
             attempt: int,
             exc: BaseException,
-            held: Held | None = None,
+            held: Reservation | None = None,
         ) -> NoReturn: ...
         def _note_retry(self, key: str, tries: int, exc: Exception, delay: float) -> None: ...
         def _append_events(self, first_seq: int, events: list[tuple[str, str, dict]]) -> None: ...
-        def _wait_fence(self) -> tuple[int, datetime]: ...
-        def _settle(
+        def _enter_wait(self) -> tuple[int, datetime]: ...
+        def _finish_wait(
             self,
             record: Step,
             event_seq: int,

@@ -9,31 +9,33 @@ from concurrent.futures import CancelledError
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any, NoReturn
 
 from django.conf import settings
+from django.db.models import F
 from django.utils import timezone
 
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs import tracing
 from runs.engine import rates
-from runs.engine.budget import (
-    NOTHING,
-    Amount,
-    Metered,
-    Usage,
-    release_shared,
-    reserve_shared,
-    scopes_for,
-)
-from runs.engine.checkpoints import Held
+from runs.engine.budget import NOTHING, Amount, Metered, Usage, reserve_shared, scopes_for, to_usd
+from runs.engine.checkpoints import Reservation
 from runs.engine.llm import retry_after
 from runs.engine.loop import engine_loop
-from runs.engine.records import CURRENT_STEP, INTERRUPTED, NOT_FOUND, Decision, Running, brief
+from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import describe_input, to_json
 from runs.engine.state import ContextState
-from runs.engine.store import append_event, atomic, fence, fenced_write, flush
+from runs.engine.step_starts import (
+    Hold,
+    StepCall,
+    StepOptions,
+    may_have_run,
+    possibly_spent,
+    start_row,
+)
+from runs.engine.store import Fence, Spend, append_event, atomic, fence, fenced_write, flush
 from runs.errors import (
     ApprovalRevoked,
     Cancelled,
@@ -43,14 +45,6 @@ from runs.errors import (
     Suspended,
 )
 from runs.models import EventType, Recovery, Step, StepKind, StepStatus
-
-
-def may_have_run(record: Step) -> bool:
-    """A step whose outcome is unknown: `started` when its worker died, or marked so when its
-    run ended before coming back to it (lifecycle._finish), and retried since."""
-    if record.status == StepStatus.STARTED:
-        return True
-    return record.status == StepStatus.FAILED and (record.error or {}).get("type") == INTERRUPTED
 
 
 class Steps(ContextState):
@@ -126,10 +120,9 @@ class Steps(ContextState):
         resource: str | None = None,
     ) -> Any:
         key, seq, record = self._position(key, internal=internal)
-        options = dict(
-            retry=retry, reconcile=reconcile, on_ambiguous=on_ambiguous, compensate=compensate,
-            approval=approval, estimate=estimate, kind=kind, described=described, model=model,
-            resource=resource,
+        options = StepOptions(
+            retry, reconcile, on_ambiguous, compensate, approval, estimate, kind, described, model,
+            resource,
         )  # fmt: skip
         in_doubt = (
             record is not None
@@ -142,10 +135,10 @@ class Steps(ContextState):
         if in_doubt:
             # If a cancel refuses the re-send, the cancel resolves it (reconciles or re-sends
             # it with its key, as a compensation) and then undoes it: it may have happened.
-            self._in_doubt[key] = lambda: self._at(key, seq, record, fn, args, kwargs, **options)
+            self._in_doubt[key] = lambda: self._at(key, seq, record, fn, args, kwargs, options)
         try:
             self._admit(key, seq, record)
-            output = self._at(key, seq, record, fn, args, kwargs, **options)
+            output = self._at(key, seq, record, fn, args, kwargs, options)
         except Cancelled:
             raise
         except BaseException:
@@ -155,148 +148,136 @@ class Steps(ContextState):
         return output
 
     def _at(
-        self,
-        key: str,
-        seq: int,
-        record: Step | None,
-        fn: Callable,
-        args: tuple,
-        kwargs: dict,
-        *,
-        retry: RetryPolicy | None,
-        reconcile: Callable[[str], Any] | None,
-        on_ambiguous: str,
-        compensate: Callable[[Any], Any] | None,
-        approval: Decision | None,
-        estimate: Usage | None,
-        kind: str,
-        described: Any,
-        model: str,
-        resource: str | None,
-    ) -> Any:
+        self, key: str, seq: int, record: Step | None, fn: Callable, args: tuple, kwargs: dict,
+        options: StepOptions,
+    ) -> Any:  # fmt: skip
         """The step at position `seq` (its `record`, if any): replayed, resolved or run."""
+        o = options
         if record is not None and record.status == StepStatus.COMPLETED:
             # A step copied from the run this one was forked from did its side effect there:
             # this run undoes only what it did itself.
-            return self._remember(key, None if record.inherited else compensate, record.output)
+            return self._remember(key, None if record.inherited else o.compensate, record.output)
         idem = f"{self.run_id}:{key}"
-        ambiguous = record is not None and may_have_run(record)
-        if record is not None and ambiguous and (reconcile is not None or on_ambiguous == "ask"):
-            found = (
-                self._reconcile(record, reconcile, idem)
-                if reconcile is not None
-                else self._ask(record, idem)
-            )
-            if found is not NOT_FOUND:
-                return self._remember(key, compensate, found)
-            if self._compensating:  # a cancel resolving it: it never happened, nothing to undo
-                gone = Cancelled("the run was cancelled before this step happened")
-                self._record_failure(
-                    record.pk, seq, key, idem, kind, record.attempt, gone, Held.of(record)
-                )
         tries = 0  # the tries of this retry sequence so far: a durable retry delay goes on with it
-        if record is not None and record.status == StepStatus.WAITING:
-            tries = (record.error or {}).get("tries", record.attempt)
-            if record.wake_at is not None and record.wake_at > timezone.now():
-                self._retry_later(record.pk, key, record.wake_at)  # woken early: not yet
-        if record is None:
-            attempt = 1
-            payload: dict[str, Any] = {"attempt": 1, "worker": self.worker_id}
-            fields: dict[str, Any] = {
-                "seq": seq,
-                "key": key,
-                "kind": kind,
-                "status": StepStatus.STARTED,
-                "input": described if described is not None else describe_input(args, kwargs),
-                "idempotency_key": idem,
-                "run_attempt": self.attempt,
-                "started_at": timezone.now(),
-            }
-        else:
-            attempt = record.attempt + 1
-            payload = {"attempt": attempt, "worker": self.worker_id}
-            fields = {
-                "status": StepStatus.STARTED,
-                "attempt": attempt,
-                "run_attempt": self.attempt,
-                "error": None,
-                "finished_at": None,
-                "wake_at": None,
-            }
-            if ambiguous:
-                fields["recovered"] = payload["recovered"] = Recovery.RESENT
-        rate = None
-        if resource and not self._compensating:
-            tokens = estimate.tokens_in + estimate.tokens_out if estimate else 0
-            rate = rates.Grant(resource, tokens)
-        # An estimate is held against the budgets while the step runs; a step re-sent after a
-        # crash still holds what its first attempt reserved. A hold made on an earlier day (or
-        # against other shared budgets) moves to today's ledgers: the old day's spend is no
-        # reason to refuse the step today.
-        want = Amount(estimate.micros, estimate.tokens) if estimate else NOTHING
-        old = Held.of(record)
-        held = old.reserved
-        delta = want.beyond(held)
-        reserved = held + delta
-        shared = [] if self._compensating else scopes_for(self.workflow)
-        today = timezone.now().date()
-        moving = (
-            any(held) and bool(old.shared or shared) and (old.day != today or old.shared != shared)
+        if record is not None:
+            found = self._recover(record, seq, key, idem, o)
+            if found is not NOT_FOUND:
+                return self._remember(key, o.compensate, found)
+            if record.status == StepStatus.WAITING:
+                tries = (record.error or {}).get("tries", record.attempt)
+                if record.wake_at is not None and record.wake_at > timezone.now():
+                    self._retry_later(record.pk, key, record.wake_at)  # woken early: not yet
+        input = o.described
+        if input is None and record is None:
+            input = describe_input(args, kwargs)
+        attempt, fields, payload = start_row(
+            record, seq, key, o.kind, idem, input, self.attempt, self.worker_id
         )
-        if any(reserved):
-            fields["reserved_micros"], fields["reserved_tokens"] = reserved
-            fields["reserved_on"], fields["reserved_scopes"] = today, shared
+        rate = None
+        if o.resource and not self._compensating:
+            tokens = o.estimate.tokens_in + o.estimate.tokens_out if o.estimate else 0
+            rate = rates.Grant(o.resource, tokens)
+        possibly = possibly_spent(record, o.kind, self._compensating, fields, payload)
+        shared = [] if self._compensating else scopes_for(self.workflow)
+        hold = Hold.of(record, o.estimate, shared, timezone.now().date())
+        fields |= hold.columns()
         ending = rate.ended_on_error() if rate is not None else nullcontext()
-        with ending, tracing.step(self._trace, key, kind, attempt, model):
+        with ending, tracing.step(self._trace, key, o.kind, attempt, o.model):
             if rate is not None:
-                self._take_rate(rate, record, seq, key, kind, fields, tries)
-            try:
-                if approval is None and not shared and not moving:
-                    step_pk = fenced_write(
-                        self._lease,
-                        (EventType.STEP_STARTED, key, payload),
-                        replace(
-                            self._start, estimate=delta, held=held,
-                            # Without its started row a crashed step is not ambiguous: it would be
-                            # re-sent, skipping the reconcile or the question it was promised.
-                            durable=reconcile is not None or on_ambiguous == "ask",
-                        ),
-                        insert_step=fields if record is None else None,
-                        update_step=None if record is None else (record.pk, fields),
-                    )  # fmt: skip
-                else:
-                    with atomic(self._lease):
-                        starting = replace(self._start, estimate=delta, held=held)
-                        event_seq = fence(self._lease, starting)
-                        if moving and old.shared:
-                            release_shared(old.shared, held, old.day)
-                        if shared:
-                            if moving:
-                                reserve_shared(shared, reserved, NOTHING, today)
-                            else:
-                                reserve_shared(shared, delta, held, today)
-                        self._check_approval(approval)
-                        if record is None:
-                            step_pk = Step.objects.create(run_id=self._lease.run_id, **fields).pk
-                        else:
-                            step_pk = record.pk
-                            Step.objects.filter(pk=step_pk).update(**fields)
-                        append_event(
-                            self._lease.run_id, event_seq, EventType.STEP_STARTED, key, **payload
-                        )
-            except ApprovalRevoked as exc:
-                step_pk = record.pk if record is not None else None
-                self._record_failure(step_pk, seq, key, idem, kind, 1, exc, old)
-            policy = retry or DEFAULT_RETRY
-            held_now = Held(reserved, shared, today) if any(reserved) else Held()
-            # A step whose crash would cost a reconcile, a question or an approved side effect
-            # writes its completion at once; any other rides with the run's next write.
-            defer = approval is None and reconcile is None and on_ambiguous == "resend"
-            output = self._call(
-                step_pk, seq, key, idem, fn, args, kwargs, policy, attempt, held_now, approval,
-                defer, tries, rate,
+                self._take_rate(rate, record, seq, key, o.kind, fields, tries)
+            step_pk = self._start(record, seq, key, idem, fields, payload, hold, possibly, o)
+            call = StepCall(
+                step_pk, seq, key, idem, fn, args, kwargs,
+                policy=o.retry or DEFAULT_RETRY,
+                held=hold.reservation(),
+                approval=o.approval,
+                # A step whose crash would cost a reconcile, a question or an approved side
+                # effect writes its completion at once; any other rides with the run's next write.
+                defer=o.approval is None and not o.durable,
+                rate=rate,
             )  # fmt: skip
-        return self._remember(key, compensate, output)
+            output = self._call(call, attempt, tries)
+        return self._remember(key, o.compensate, output)
+
+    def _recover(self, record: Step, seq: int, key: str, idem: str, options: StepOptions) -> Any:
+        """A step an earlier execution left unfinished: the outcome its ambiguous-outcome policy
+        found (reconcile or a person), or NOT_FOUND when it is to start again."""
+        if record.tokens_in or record.tokens_out or record.cost_micros:
+            # Attempts of an earlier execution that failed after an answer (_book_answered).
+            spent = to_usd(record.cost_micros) or Decimal(0)
+            self._answered[record.pk] = Usage(record.tokens_in, record.tokens_out, spent)
+        if not may_have_run(record) or not options.durable:
+            return NOT_FOUND
+        reconcile = options.reconcile
+        found = (
+            self._reconcile(record, reconcile, idem)
+            if reconcile is not None
+            else self._ask(record, idem)
+        )
+        if found is NOT_FOUND and self._compensating:
+            # A cancel resolving it: it never happened, nothing to undo.
+            gone = Cancelled("the run was cancelled before this step happened")
+            held = Reservation.of(record)
+            self._record_failure(
+                record.pk, seq, key, idem, options.kind, record.attempt, gone, held
+            )
+        return found
+
+    def _start(
+        self, record: Step | None, seq: int, key: str, idem: str, fields: dict, payload: dict,
+        hold: Hold, possibly: Amount, options: StepOptions,
+    ) -> Any:  # fmt: skip
+        """Write a step's start (a first start, a re-send, a resumed wait) and return its row's
+        id. The fence checks the halt, the cancel and the run's budget in the same statement
+        as the row; only what the fence cannot say (the approval, the shared daily ledgers)
+        needs the transaction around it, where it is checked after the run row is locked."""
+        starting = replace(
+            self._start_fence, estimate=hold.delta, held=hold.held, possibly=possibly
+        )
+        try:
+            if options.approval is None and not hold.shared and not hold.moving:
+                return fenced_write(
+                    self._lease,
+                    (EventType.STEP_STARTED, key, payload),
+                    replace(starting, durable=options.durable),
+                    insert_step=fields if record is None else None,
+                    update_step=None if record is None else (record.pk, fields),
+                )
+            with atomic(self._lease):
+                event_seq = fence(self._lease, starting)
+                hold.take_shared()
+                self._check_approval(options.approval)
+                if record is None:
+                    step_pk = Step.objects.create(run_id=self._lease.run_id, **fields).pk
+                else:
+                    step_pk = record.pk
+                    Step.objects.filter(pk=step_pk).update(**fields)
+                append_event(self._lease.run_id, event_seq, EventType.STEP_STARTED, key, **payload)
+            return step_pk
+        except ApprovalRevoked as exc:
+            pk = record.pk if record is not None else None
+            self._record_failure(pk, seq, key, idem, options.kind, 1, exc, hold.old)
+
+    def _book_answered(self, step_pk: Any, usage: Usage | None) -> None:
+        """An attempt that failed after the provider answered (the SDK's parse of structured
+        output, a length refusal) was paid: its usage goes on the run and the step's row now,
+        in their own fenced write, and stays on the row when a later attempt succeeds."""
+        if usage is None or not (usage.tokens or usage.micros) or step_pk is None:
+            return
+        spend = Spend(usage.micros, usage.tokens_in, usage.tokens_out, NOTHING)
+        with atomic(self._lease):
+            fence(self._lease, Fence(spend=spend))
+            Step.objects.filter(pk=step_pk).update(
+                tokens_in=F("tokens_in") + usage.tokens_in,
+                tokens_out=F("tokens_out") + usage.tokens_out,
+                cost_micros=F("cost_micros") + usage.micros,
+            )
+        earlier = self._answered.get(step_pk, Usage())
+        self._answered[step_pk] = Usage(
+            earlier.tokens_in + usage.tokens_in,
+            earlier.tokens_out + usage.tokens_out,
+            earlier.usd + usage.usd,
+        )
 
     def transaction(
         self, key: str, fn: Callable, /, *args: Any, retry: RetryPolicy | None = None, **kwargs: Any
@@ -318,7 +299,7 @@ class Steps(ContextState):
             tries += 1
             try:
                 with atomic(self._lease):
-                    event_seq = fence(self._lease, replace(self._start, progress=True))
+                    event_seq = fence(self._lease, replace(self._start_fence, progress=True))
                     if shared := scopes_for(self.workflow):
                         # Like any step: none starts once a shared daily budget is spent.
                         reserve_shared(shared, NOTHING, NOTHING, timezone.now().date())
@@ -411,21 +392,23 @@ class Steps(ContextState):
         finally:
             turnstile.reacquire()
 
-    def _call(
-        self, step_pk, seq, key, idem, fn, args, kwargs, policy: RetryPolicy, attempt, held,
-        approval, defer=False, tries=0, rate: rates.Grant | None = None,
-    ):  # fmt: skip
+    def _call(self, call: StepCall, attempt: int, tries: int = 0) -> Any:
+        """Run a started step's function, retrying it in place or durably per its policy, and
+        record how it ended; `attempt` and `tries` count on from where the step was."""
+        step_pk, key, idem, held, rate = call.step_pk, call.key, call.idem, call.held, call.rate
         while True:
             tries += 1
             try:
                 try:
-                    value = self._invoke(key, idem, seq, fn, args, kwargs, release=True)
+                    value = self._invoke(
+                        key, idem, call.seq, call.fn, call.args, call.kwargs, release=True
+                    )
                 finally:
                     if rate is not None:
                         rate.finish()
-                usage = None
+                usage, kind = None, None
                 if isinstance(value, Metered):
-                    value, usage = value.value, value.usage
+                    value, usage, kind = value.value, value.usage, value.kind
                 output = to_json(value, what=f"the output of step {key!r}")
             except ControlFlow:
                 raise
@@ -435,8 +418,9 @@ class Steps(ContextState):
                 self._left_started = True
                 raise
             except (Exception, SystemExit) as exc:  # sys.exit() in a step is its failure
-                if (delay := policy.next_delay(exc, tries)) is not None:
-                    payload = {"attempt": attempt + 1, "delay_s": round(delay, 3)}
+                self._book_answered(step_pk, self._answered_now.pop(idem, None))
+                if (delay := call.policy.next_delay(exc, tries)) is not None:
+                    payload: dict[str, Any] = {"attempt": attempt + 1, "delay_s": round(delay, 3)}
                     payload |= {"error": brief(exc), "worker": self.worker_id}
                     if (
                         delay >= settings.STEPGUARD_DURABLE_RETRY_SECONDS
@@ -456,16 +440,19 @@ class Steps(ContextState):
                     try:
                         # A retry is a new start: the halt, the cancel, the budget and the
                         # approval are checked again, in the statement that records it.
-                        self._restart(step_pk, key, payload, attempt, held, approval)
+                        self._restart(step_pk, key, payload, attempt, held, call.approval)
                     except ApprovalRevoked as revoked:
                         self._record_failure(step_pk, None, key, idem, None, attempt, revoked, held)
                     continue
                 self._record_failure(step_pk, None, key, idem, None, attempt, exc, held)
             else:
                 fields = {"status": StepStatus.COMPLETED, "output": output}
-                self._settle_step(
-                    step_pk, key, {"attempt": attempt}, fields, usage, held, defer=defer
-                )
+                if kind is not None:
+                    fields["kind"] = kind
+                self._finish_step(
+                    step_pk, key, {"attempt": attempt}, fields, usage, held, defer=call.defer,
+                    earlier=self._answered.pop(step_pk, None),
+                )  # fmt: skip
                 return output
 
     def _take_rate(self, rate: rates.Grant, record, seq, key, kind, fields, tries) -> None:
@@ -477,7 +464,7 @@ class Steps(ContextState):
             return
         resource = rate.resource
         with atomic(self._lease):
-            event_seq, _ = self._wait_fence()
+            event_seq, _ = self._enter_wait()
             error = {**((record.error or {}) if record else {}), "tries": tries}
             error["throttled"] = resource
             if record is None:
@@ -502,7 +489,7 @@ class Steps(ContextState):
         then, keeping what it holds against the budgets; the run resumes there and tries it
         again with the same idempotency key, counting on from `tries`."""
         with atomic(self._lease):
-            event_seq, now = self._wait_fence()
+            event_seq, now = self._enter_wait()
             if until is None:
                 until = now + timedelta(seconds=delay)
                 Step.objects.filter(pk=step_pk).update(
@@ -524,13 +511,13 @@ class Steps(ContextState):
         if found is NOT_FOUND:
             return NOT_FOUND
         output = to_json(found, what=f"the reconciled output of step {record.key!r}")
-        self._settle_step(
+        self._finish_step(
             record.pk,
             record.key,
             {"attempt": record.attempt, "recovered": Recovery.RECONCILED},
             {"status": StepStatus.COMPLETED, "output": output, "recovered": Recovery.RECONCILED},
             None,
-            Held.of(record),
+            Reservation.of(record),
         )
         return output
 
@@ -546,9 +533,9 @@ class Steps(ContextState):
             # Decided: the step leaves `started` like any other, giving back what it held.
             if request.resolution == Resolution.RESEND:
                 return NOT_FOUND
-            held = Held.of(record)
+            held = Reservation.of(record)
             if request.resolution == Resolution.HAPPENED:
-                self._settle_step(
+                self._finish_step(
                     record.pk,
                     record.key,
                     {"recovered": Recovery.CONFIRMED, "approval_id": request.pk},
@@ -567,7 +554,7 @@ class Steps(ContextState):
                 record.pk, None, record.key, idem, None, record.attempt, failure, held
             )
         with atomic(self._lease):
-            event_seq, _ = self._wait_fence()
+            event_seq, _ = self._enter_wait()
             if request is None:
                 request = ApprovalRequest.objects.create(
                     run_id=self._lease.run_id,

@@ -97,6 +97,7 @@ class Fence:
     compensating: bool = False
     estimate: Amount = NOTHING  # reserved against the run's budget from now on
     held: Amount = NOTHING  # already reserved by this step before a crash
+    possibly: Amount = NOTHING  # estimates of interrupted model calls: maybe paid, held for good
     spend: Spend | None = None  # a finishing step's usage, and its reservation given back
     progress: bool = False  # a step finished: the poison-run count starts again
     durable: bool = False  # True: a durable start even with STEPGUARD_DURABLE_START=0
@@ -124,10 +125,11 @@ def _not_halted(run: Run, f: Fence) -> BaseException | None:
 
 def _in_budget(run: Run, f: Fence) -> BaseException | None:
     for unit, limit, spent, reserved, held, estimate in (
-        ("micro-USD", run.budget_micros, run.cost_micros, run.reserved_micros,
-         f.held.micros, f.estimate.micros),
-        ("tokens", run.budget_tokens, run.tokens_in + run.tokens_out, run.reserved_tokens,
-         f.held.tokens, f.estimate.tokens),
+        ("micro-USD", run.budget_micros, run.cost_micros + run.possibly_spent_micros,
+         run.reserved_micros, f.held.micros, f.estimate.micros + f.possibly.micros),
+        ("tokens", run.budget_tokens,
+         run.tokens_in + run.tokens_out + run.possibly_spent_tokens, run.reserved_tokens,
+         f.held.tokens, f.estimate.tokens + f.possibly.tokens),
     ):  # fmt: skip
         others = spent + reserved - held  # committed by everything but this step
         if limit is not None and (others + held + estimate > limit or others >= limit):
@@ -135,9 +137,16 @@ def _in_budget(run: Run, f: Fence) -> BaseException | None:
     return None
 
 
+def over_budget(run: Run, estimate: Amount) -> OverBudget | None:
+    """The refusal a step that may spend `estimate` would meet on `run`'s own budget, if any:
+    the same rule the fenced write enforces, for a call made inside a running step."""
+    refusal = _in_budget(run, Fence(estimate=estimate))
+    return refusal if isinstance(refusal, OverBudget) else None
+
+
 _SPENT = {
-    "micros": "cost_micros + reserved_micros",
-    "tokens": "tokens_in + tokens_out + reserved_tokens",
+    "micros": "cost_micros + reserved_micros + possibly_spent_micros",
+    "tokens": "tokens_in + tokens_out + reserved_tokens + possibly_spent_tokens",
 }
 _LIMIT = {"micros": "budget_micros", "tokens": "budget_tokens"}
 
@@ -161,12 +170,21 @@ CONDITIONS = (
                 f" AND {_SPENT[u]} - %s < {_LIMIT[u]}))"
                 for u in ("micros", "tokens")
             ),
-            [f.estimate.micros, f.held.micros, f.estimate.tokens, f.held.tokens],
+            [
+                f.estimate.micros + f.possibly.micros,
+                f.held.micros,
+                f.estimate.tokens + f.possibly.tokens,
+                f.held.tokens,
+            ],
         ),
         refusal=_in_budget,
     ),
 )
 
+_POSSIBLY = (
+    ", possibly_spent_micros = possibly_spent_micros + %s"
+    ", possibly_spent_tokens = possibly_spent_tokens + %s"
+)
 _RESERVE = ", reserved_micros = reserved_micros + %s, reserved_tokens = reserved_tokens + %s"
 _SETTLE = (
     ", cost_micros = cost_micros + %s, tokens_in = tokens_in + %s, tokens_out = tokens_out + %s"
@@ -187,6 +205,9 @@ def fence_statement(lease: Lease, checks: Fence = Fence()) -> tuple[str, list[An
             spend.micros, spend.tokens_in, spend.tokens_out,
             spend.held.micros, spend.held.micros, spend.held.tokens, spend.held.tokens,
         ]  # fmt: skip
+    if checks.possibly:
+        sets += _POSSIBLY
+        params += [checks.possibly.micros, checks.possibly.tokens]
     if checks.progress:
         sets += ", recoveries = 0"
     if checks.run:

@@ -89,7 +89,7 @@ class Waits(ContextState):
             return record.output
         timed_out = False
         with atomic(self._lease):
-            event_seq, now = self._wait_fence()
+            event_seq, now = self._enter_wait()
             if record is None:
                 record = self._new_step(
                     seq, key, StepKind.EVENT, StepStatus.WAITING,
@@ -104,13 +104,15 @@ class Waits(ContextState):
             )
             if signal is not None:
                 Signal.objects.filter(pk=signal.pk).update(consumed_by=key, consumed_at=now)
-                self._settle(record, event_seq, now, output=signal.payload, signal_id=signal.pk)
+                self._finish_wait(
+                    record, event_seq, now, output=signal.payload, signal_id=signal.pk
+                )
                 return signal.payload
             if record.wake_at is not None and record.wake_at <= now:
                 error = WaitTimeout(
                     f"no signal {name!r} arrived before {record.wake_at:%Y-%m-%d %H:%M:%S}"
                 )
-                self._settle(record, event_seq, now, error=error)
+                self._finish_wait(record, event_seq, now, error=error)
                 timed_out = True
             else:
                 append_event(
@@ -146,7 +148,7 @@ class Waits(ContextState):
         data = to_json(payload, what=f"the payload of approval {key!r}")
         error: StepguardError | None = None
         with atomic(self._lease):
-            event_seq, now = self._wait_fence()
+            event_seq, now = self._enter_wait()
             if record is None:
                 expires = None if delta is None else now + delta
                 record = self._new_step(
@@ -173,7 +175,7 @@ class Waits(ContextState):
                 )
                 outcome = self._approval_outcome(request, now)
                 if isinstance(outcome, Decision):
-                    self._settle(record, event_seq, now, output=outcome.as_json())
+                    self._finish_wait(record, event_seq, now, output=outcome.as_json())
                     return outcome
                 if outcome is None:
                     append_event(
@@ -183,7 +185,7 @@ class Waits(ContextState):
                     self._suspend(request.expires_at)
                 else:
                     error = outcome
-                    self._settle(record, event_seq, now, error=error)
+                    self._finish_wait(record, event_seq, now, error=error)
         if error is not None:
             raise error
         raise Suspended(f"waiting for approval of {action!r}")
@@ -213,7 +215,7 @@ class Waits(ContextState):
             i: to_json(asks[i].payload, what=f"the payload of {asks[i].key!r}") for i in open_
         }
         with atomic(self._lease):
-            event_seq, now = self._wait_fence()
+            event_seq, now = self._enter_wait()
             events: list[tuple[str, str, dict]] = []
             waits: list[datetime | None] = []
             for i in open_:
@@ -247,7 +249,7 @@ class Waits(ContextState):
                     waits.append(request.expires_at)
                     continue
                 outcomes[i] = outcome
-                events.append(self._settled(record, now, outcome))
+                events.append(self._finish_approval(record, now, outcome))
             self._append_events(event_seq, events)  # needs the lease: before _suspend
             if waits:
                 deadlines = [w for w in waits if w is not None]
@@ -256,7 +258,7 @@ class Waits(ContextState):
             raise Suspended(f"waiting for {len(waits)} approvals")
         return cast("list[Decision | StepguardError]", outcomes)  # each one settled above
 
-    def _settled(self, record: Step, now, outcome) -> tuple[str, str, dict]:
+    def _finish_approval(self, record: Step, now, outcome) -> tuple[str, str, dict]:
         """Finish a waiting approval step with its decision or error (inside the caller's
         transaction); returns its event for the caller to append."""
         if isinstance(outcome, Decision):
@@ -319,7 +321,7 @@ class Waits(ContextState):
                 plans[e.key] = (definition, to_json(e.input, what=f"the input of child {e.key!r}"))
         failure: ChildFailed | None = None
         with atomic(self._lease):
-            event_seq, now = self._wait_fence()
+            event_seq, now = self._enter_wait()
             events: list[tuple[str, str, dict]] = []
             for e in entries:
                 if e.key in plans:
@@ -396,7 +398,7 @@ class Waits(ContextState):
         if record is not None and record.status == StepStatus.COMPLETED:
             return
         with atomic(self._lease):
-            event_seq, now = self._wait_fence()
+            event_seq, now = self._enter_wait()
             if record is None:
                 when = deadline(now)
                 record = self._new_step(

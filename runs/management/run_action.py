@@ -3,11 +3,12 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from runs.errors import StepguardError
+from runs.management.targets import run_arg
 
 
 class RunActionCommand(BaseCommand):
     def add_arguments(self, parser):
-        parser.add_argument("run_id")
+        parser.add_argument("run_id", type=run_arg, help="a run id, or its first characters")
         parser.add_argument("--user", required=True)
         parser.add_argument("--reason", required=True)
 

@@ -9,6 +9,7 @@ from django import template
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
+from django.utils.timesince import timesince
 
 from runs.engine.budget import to_usd
 
@@ -168,3 +169,27 @@ def run_duration(run) -> str:
         return ""
     end = run.finished_at or timezone.now()
     return span_text((end - run.started_at).total_seconds())
+
+
+def how_far(at: datetime, now: datetime) -> str:
+    """'41 s ago', '3 minutes ago', 'in 2 hours': one way of saying it on every page (the
+    pages said '0 minutes ago' where the run's sentence said '41 s ago'); live.js keeps it
+    ticking the same way."""
+    seconds = (now - at).total_seconds()
+    if abs(seconds) < 60:
+        return f"{seconds:.0f} s ago" if seconds >= 0 else f"in {-seconds:.0f} s"
+    if seconds > 0:
+        return f"{timesince(at, now).split(',')[0]} ago".replace("\xa0", " ")
+    return f"in {timesince(now, at).split(',')[0]}".replace("\xa0", " ")
+
+
+@register.filter
+def ago(at: datetime | None) -> str:
+    """A moment as how long ago it was, in a <time> element live.js keeps up to date."""
+    if at is None:
+        return ""
+    return format_html(
+        '<time datetime="{}" data-ago title="{}">{}</time>',
+        at.isoformat(), at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        how_far(at, timezone.now()),
+    )  # fmt: skip

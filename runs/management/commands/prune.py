@@ -5,8 +5,11 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from runs.errors import StepguardError
-from runs.operations import resolve_user
+from runs.operations import require
 from runs.retention import BATCH_SIZE, prune
+
+# Pruning deletes runs: the person it is recorded as must be allowed to (superusers are).
+PERMISSION = "runs.delete_run"
 
 
 def days(text: str) -> float:
@@ -27,11 +30,19 @@ class Command(BaseCommand):
         parser.add_argument("--dry-run", action="store_true", help="count, delete nothing")
         parser.add_argument("--archive", type=Path, metavar="DIR", help="write <run>.jsonl first")
         parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, metavar="RUNS")
-        parser.add_argument("--user", default="", help="recorded as the actor (default: system)")
+        parser.add_argument(
+            "--user",
+            default="",
+            help=f"recorded as the actor, who must hold {PERMISSION} (default: system)",
+        )
 
     def handle(self, *args, **options):
         try:
-            actor = resolve_user(options["user"]).get_username() if options["user"] else "system"
+            actor = (
+                require(options["user"], PERMISSION, "prune runs").get_username()
+                if options["user"]
+                else "system"
+            )
             before = timezone.now() - timedelta(days=options["finished_before"])
             result = prune(
                 finished_before=before,

@@ -8,11 +8,19 @@ import time
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from runs import logcontext
+from runs import logcontext, notifications, retention, schedules
 from runs.engine import registry
-from runs.engine.worker import WorkerProcess
+from runs.engine.worker import Chore, WorkerProcess
 
 log = logging.getLogger("stepguard.worker")
+
+
+def chores() -> list[Chore]:
+    """What a worker process does besides its runs, each described by the module that owns it:
+    firing schedules (between claims), notification deliveries and, when
+    STEPGUARD_RETENTION_DAYS is set, the daily prune (one worker of all does each)."""
+    found = [schedules.chore(), notifications.chore(), retention.chore()]
+    return [chore for chore in found if chore is not None]
 
 
 class Command(BaseCommand):
@@ -55,6 +63,7 @@ class Command(BaseCommand):
                 lease_seconds=lease_seconds,
                 poll_interval=poll_interval,
                 grace=grace,
+                chores=chores(),
             )
         except (ImportError, registry.UnknownWorkflow) as exc:
             raise CommandError(str(exc)) from None

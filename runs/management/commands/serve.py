@@ -3,11 +3,14 @@
 import os
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 
 class Command(BaseCommand):
     help = "Serve the dashboard, the API and the websocket feed with daphne (ASGI)."
+    # Run by handle() once the options are known good: a wrong option is said before anything
+    # touches the database (on SQLite, the checks wait on a writer holding the file).
+    requires_system_checks: list[str] = []
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default=os.environ.get("STEPGUARD_HOST", "127.0.0.1"))
@@ -22,7 +25,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--proxy-headers",
             action="store_true",
-            help="take the client address from X-Forwarded-For (behind a proxy that sets it)",
+            help="behind a reverse proxy: take the client's address from X-Forwarded-For, "
+            "believed only from the proxies in STEPGUARD_TRUSTED_PROXIES (required)",
         )
 
     def handle(self, *args, host, port, no_static, access_log, proxy_headers, **options):
@@ -33,6 +37,23 @@ class Command(BaseCommand):
         argv = ["-b", host, "-p", str(port), "-v", str(options["verbosity"])]
         if access_log:
             argv += ["--access-log", access_log]
-        if proxy_headers:
-            argv += ["--proxy-headers"]
+        # Not daphne's own --proxy-headers: it believes the left-most X-Forwarded-For entry,
+        # which the client writes, from anyone. The application reads the header itself, from
+        # the proxies in STEPGUARD_TRUSTED_PROXIES only (controlplane/proxy.py).
+        if proxy_headers and not settings.STEPGUARD_TRUSTED_PROXIES:
+            raise CommandError(
+                "--proxy-headers needs STEPGUARD_TRUSTED_PROXIES: the addresses or networks of "
+                "the proxies in front (e.g. 127.0.0.1 or 10.0.0.0/8), whose X-Forwarded-For "
+                "is believed; anyone else's is the client's own writing"
+            )
+        self.check()
+        self.stdout.write(f"Serving http://{host}:{port}/ (daphne)")
+        if settings.SECURE_SSL_REDIRECT:
+            # What a first try on a laptop meets: a redirect to an https:// nobody serves.
+            self.stdout.write(
+                "Production settings: plain HTTP is redirected to HTTPS and cookies are Secure; "
+                "open it through the TLS proxy in front (docs/deploy.md). To try it here without "
+                "TLS, set DEBUG=1 (or SECURE_SSL_REDIRECT=0 behind a proxy that terminates TLS)."
+            )
+        self.stdout.flush()
         CommandLineInterface().run([*argv, "controlplane.asgi:application"])

@@ -4,6 +4,7 @@ import time
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
+from runs.management.targets import run_arg
 from runs.models import Event, EventType, Run
 from runs.operations import unserved_reason
 
@@ -60,7 +61,7 @@ class Command(BaseCommand):
     help = "Show a run and its steps; --json for machines, --follow to watch it until it ends."
 
     def add_arguments(self, parser):
-        parser.add_argument("run_id")
+        parser.add_argument("run_id", type=run_arg, help="a run id, or its first characters")
         group = parser.add_mutually_exclusive_group()
         group.add_argument("--json", action="store_true")
         group.add_argument("--follow", action="store_true")

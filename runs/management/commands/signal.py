@@ -2,6 +2,7 @@ import json
 
 from django.core.management.base import BaseCommand, CommandError
 
+from runs.management.targets import run_arg
 from runs.sdk import StepguardError, send_signal
 
 
@@ -9,7 +10,7 @@ class Command(BaseCommand):
     help = "Send a signal to a run; the next ctx.wait_for_event for that name consumes it."
 
     def add_arguments(self, parser):
-        parser.add_argument("run_id")
+        parser.add_argument("run_id", type=run_arg, help="a run id, or its first characters")
         parser.add_argument("name")
         parser.add_argument("--payload", default="null", help="payload as JSON (default null)")
         parser.add_argument("--user", default="cli", help="recorded as the sender")

@@ -14,6 +14,31 @@
     document.body.dispatchEvent(new CustomEvent(type));
   }
   window.stepguardFire = fire;
+
+  // Relative times (<time data-ago>, the `ago` filter) keep ticking, said as the server says
+  // them (timeline.how_far): "41 s ago" under a minute, then the largest unit.
+  var UNITS = [["year", 365 * 86400], ["month", 30 * 86400], ["week", 7 * 86400],
+               ["day", 86400], ["hour", 3600], ["minute", 60]];
+  function howFar(ms) {
+    var s = Math.round(ms / 1000), a = Math.abs(s);
+    if (a < 60) return s >= 0 ? s + " s ago" : "in " + (-s) + " s";
+    for (var i = 0; i < UNITS.length; i++) {
+      var n = Math.floor(a / UNITS[i][1]);
+      if (n >= 1) {
+        var text = n + " " + UNITS[i][0] + (n === 1 ? "" : "s");
+        return s > 0 ? text + " ago" : "in " + text;
+      }
+    }
+  }
+  function tick() {
+    var now = Date.now();
+    document.querySelectorAll("time[data-ago]").forEach(function (el) {
+      var at = Date.parse(el.getAttribute("datetime"));
+      if (!isNaN(at)) el.textContent = howFar(now - at);
+    });
+  }
+  window.stepguardTick = tick;
+  setInterval(tick, 5000);
   var TOPICS = {
     events: ["sg:changed"], workers: ["sg:changed"], approvals: ["sg:nav"],
     killswitch: ["sg:nav", "sg:holds"], holds: ["sg:holds"]
@@ -91,7 +116,8 @@
   function connect() {
     var scheme = location.protocol === "https:" ? "wss://" : "ws://";
     var topics = document.querySelector("[data-live-workers]") ? "?workers=1" : "";
-    socket = new WebSocket(scheme + location.host + "/ws/live/" + topics);
+    // Under the path the pages are mounted at (runs.routing), as every page's body says.
+    socket = new WebSocket(scheme + location.host + document.body.dataset.root + "ws/live/" + topics);
     socket.onopen = function () { retry = 0; };
     socket.onmessage = function (m) {
       var data = {};

@@ -22,7 +22,7 @@
     else if (e.key === "/") {
       var search = document.querySelector("input[name='q']");
       if (search) { search.focus(); e.preventDefault(); }
-      else { window.location.href = "/?focus=search"; }
+      else { window.location.href = document.body.dataset.root + "?focus=search"; }  // the runs list
     }
   });
   if (new URLSearchParams(window.location.search).get("focus") === "search") {

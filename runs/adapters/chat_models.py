@@ -1,0 +1,297 @@
+"""LangChain chat models called inside a step, metered as that step's model calls.
+
+Steps do not nest, so a LangChain chat model called inside a step (a LangGraph node run by
+`runs.adapters.langgraph.durable`) cannot be a step of its own. Under `metering(ctx)` every
+call a chat model makes is governed as `ctx.llm` governs its step: it carries an
+Idempotency-Key derived from the step's (the same when the step is re-sent after a crash),
+its estimate is checked against the run's budget first (and its answer capped to what the
+budget has left), the SDK's own retries are off (the step's retry policy is the only one), a
+request the provider refused fails the step without a retry, and the tokens and USD of its
+usage are recorded on the step, which becomes an `llm` step. Outside `metering` a chat model
+behaves exactly as LangChain's.
+
+LangChain has no hook that may change a request, so the chat model's two generation entry
+points and its two streaming ones are wrapped, once, when this module is imported.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import functools
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import BaseMessage, convert_to_openai_messages
+
+from runs.engine import llm as llm_engine
+from runs.engine.budget import Amount, Metered, Usage
+from runs.engine.records import CURRENT_STEP
+from runs.engine.store import over_budget
+from runs.models import Run, StepKind
+
+__all__ = ["metering"]
+
+
+@dataclass
+class Meter:
+    """The model calls one execution of a step made: counted for their keys, summed for the
+    step's record."""
+
+    run_id: Any
+    #: The run as read before the step (an async workflow's event loop cannot read it).
+    run: Run | None = None
+    calls: int = 0
+    usage: Usage = field(default_factory=Usage)
+    models: list[str] = field(default_factory=list)
+
+    def key(self) -> str:
+        running = CURRENT_STEP.get()
+        if running is None:  # pragma: no cover - metering is only entered inside a step
+            raise RuntimeError("a metered chat model call outside a step")
+        self.calls += 1
+        return f"{running.idempotency_key}:{self.calls}"
+
+    def add(self, usage: Usage) -> None:
+        breakdowns = [b for b in (self.usage.breakdown, usage.breakdown) if b]
+        self.usage = Usage(
+            self.usage.tokens_in + usage.tokens_in,
+            self.usage.tokens_out + usage.tokens_out,
+            self.usage.usd + usage.usd,
+            breakdown=breakdowns[-1] if len(breakdowns) == 1 else _merged(breakdowns),
+        )
+
+    def metered(self, value: Any) -> Any:
+        """The step's output, with what its model calls spent if it made any."""
+        if not self.calls:
+            return value
+        return Metered(value, self.usage, kind=StepKind.LLM)
+
+    def check(self, model: str, request: dict) -> int | None:
+        """Refuse the call (OverBudget: the run pauses) if its estimate, on top of what this
+        step's calls already spent, would overspend the run; the answer cap the budget leaves,
+        or None when the run has no budget."""
+        run = copy.copy(self.run) if self.run is not None else Run.objects.get(pk=self.run_id)
+        # This step's earlier calls are not on the run row yet: they land with the step.
+        run.tokens_in += self.usage.tokens_in
+        run.tokens_out += self.usage.tokens_out
+        run.cost_micros += self.usage.micros
+        cap = llm_engine.answer_cap(model, request, run)
+        if cap is not None:
+            request = {**request, "max_tokens": min(cap, request.get("max_tokens") or cap)}
+        guess = llm_engine.estimate(model, request)
+        if (refusal := over_budget(run, Amount(guess.micros, guess.tokens))) is not None:
+            raise refusal
+        return request.get("max_tokens") if cap is not None else None
+
+
+_METER: contextvars.ContextVar[Meter | None] = contextvars.ContextVar(
+    "stepguard_chat_meter", default=None
+)
+
+
+@contextmanager
+def metering(ctx: Any, run: Run | None = None) -> Iterator[Meter]:
+    """Meter the chat-model calls made in this block (inside the step `ctx` is running),
+    against `run` as read before the step if given (async), else as read before each call."""
+    meter = Meter(run_id=ctx.run_id, run=run)
+    token = _METER.set(meter)
+    try:
+        yield meter
+    finally:
+        _METER.reset(token)
+
+
+def _model_name(model: BaseChatModel) -> str:
+    return str(getattr(model, "model_name", None) or getattr(model, "model", None) or "")
+
+
+def _request(model: BaseChatModel, messages: list[BaseMessage], kwargs: dict) -> dict:
+    request: dict[str, Any] = {
+        "model": _model_name(model),
+        "messages": convert_to_openai_messages(messages),
+    }
+    if kwargs.get("tools"):
+        request["tools"] = kwargs["tools"]
+    limit = kwargs.get("max_tokens") or getattr(model, "max_tokens", None)
+    if isinstance(limit, int):
+        request["max_tokens"] = limit
+    return request
+
+
+def _quiet(model: BaseChatModel) -> BaseChatModel:
+    """A copy of `model` whose client does not retry (openai and anthropic retry twice by
+    default, unrecorded, inside one attempt of the step). The copy shares the connections."""
+    if getattr(model, "root_client", None) is not None or getattr(model, "root_async_client", None):
+        update: dict[str, Any] = {"max_retries": 0}
+        if (root := getattr(model, "root_client", None)) is not None:
+            root = root.with_options(max_retries=0)
+            update |= {"root_client": root, "client": root.chat.completions}
+        if (root := getattr(model, "root_async_client", None)) is not None:
+            root = root.with_options(max_retries=0)
+            update |= {"root_async_client": root, "async_client": root.chat.completions}
+        return model.model_copy(update=update)
+    if "max_retries" in type(model).model_fields:
+        copy = model.model_copy(update={"max_retries": 0})
+        for cached in ("_client_params", "_client", "_async_client"):  # built from max_retries
+            copy.__dict__.pop(cached, None)
+        return copy
+    return model
+
+
+def _usage(model: str, message: Any) -> Usage:
+    """What a LangChain message's `usage_metadata` cost, priced from the model its response
+    names. LangChain counts cache reads and writes inside the input tokens, for both
+    providers: they are split out to be priced at their own rates."""
+    meta = getattr(message, "usage_metadata", None) or {}
+    details = meta.get("input_token_details") or {}
+    read, write = details.get("cache_read") or 0, details.get("cache_creation") or 0
+    usage = {
+        "input_tokens": max((meta.get("input_tokens") or 0) - read - write, 0),
+        "cache_read_input_tokens": read,
+        "cache_creation_input_tokens": write,
+        "output_tokens": meta.get("output_tokens") or 0,
+        "output_tokens_details": {
+            "reasoning_tokens": (meta.get("output_token_details") or {}).get("reasoning") or 0
+        },
+    }
+    response = getattr(message, "response_metadata", None) or {}
+    answered_as = response.get("model_name") or response.get("model") or model
+    return llm_engine.usage_of({"model": answered_as, "usage": usage}, model)
+
+
+def _merged(breakdowns: list[dict]) -> dict:
+    """One breakdown for a step's several calls: tokens and USD summed per kind."""
+    kinds: dict[str, dict] = {}
+    for b in breakdowns:
+        for kind, v in (b.get("kinds") or {}).items():
+            seen = kinds.setdefault(kind, {"tokens": 0, "usd": "0"})
+            seen["tokens"] += v["tokens"]
+            seen["usd"] = str(Decimal(seen["usd"]) + Decimal(v["usd"]))
+    priced = all(b.get("priced") for b in breakdowns)
+    return {"model": breakdowns[-1].get("model"), "priced": priced, "kinds": kinds}
+
+
+def _prepared(meter: Meter, model: BaseChatModel, messages: list, kwargs: dict) -> dict:
+    """The call's keyword arguments with its idempotency key and the budget's answer cap;
+    raises OverBudget (the run pauses) before a call the budget cannot take."""
+    name = _model_name(model)
+    cap = meter.check(name, _request(model, messages, kwargs))
+    headers = {"Idempotency-Key": meter.key(), **(kwargs.get("extra_headers") or {})}
+    return {**kwargs, "extra_headers": headers} | ({"max_tokens": cap} if cap else {})
+
+
+def _streamed(model: BaseChatModel, kwargs: dict) -> dict:
+    """Ask for the usage of a streamed answer (ChatOpenAI leaves it out by default)."""
+    if "stream_usage" in type(model).model_fields and "stream_usage" not in kwargs:
+        return {**kwargs, "stream_usage": True}
+    return kwargs
+
+
+def _refused(exc: Exception) -> None:
+    if (refusal := llm_engine.rejected(exc)) is not None:
+        raise refusal from exc
+
+
+def _install() -> None:
+    generate = BaseChatModel._generate_with_cache
+    agenerate = BaseChatModel._agenerate_with_cache
+    stream = BaseChatModel.stream
+    astream = BaseChatModel.astream
+
+    @functools.wraps(generate)
+    def _generate_with_cache(self, messages, stop=None, run_manager=None, **kwargs):
+        meter = _METER.get()
+        if meter is None:
+            return generate(self, messages, stop, run_manager, **kwargs)
+        kwargs = _prepared(meter, self, messages, kwargs)
+        try:
+            result = generate(_quiet(self), messages, stop, run_manager, **kwargs)
+        except Exception as exc:
+            _refused(exc)
+            raise
+        for generation in result.generations:
+            meter.add(_usage(_model_name(self), generation.message))
+        return result
+
+    @functools.wraps(agenerate)
+    async def _agenerate_with_cache(self, messages, stop=None, run_manager=None, **kwargs):
+        meter = _METER.get()
+        if meter is None:
+            return await agenerate(self, messages, stop, run_manager, **kwargs)
+        kwargs = _prepared(meter, self, messages, kwargs)
+        try:
+            result = await agenerate(_quiet(self), messages, stop, run_manager, **kwargs)
+        except Exception as exc:
+            _refused(exc)
+            raise
+        for generation in result.generations:
+            meter.add(_usage(_model_name(self), generation.message))
+        return result
+
+    @functools.wraps(stream)
+    def _stream(self, input, config=None, *, stop=None, **kwargs) -> Iterator:
+        meter = _METER.get()
+        if meter is None:
+            yield from stream(self, input, config, stop=stop, **kwargs)
+            return
+        messages = self._convert_input(input).to_messages()
+        kwargs = _prepared(meter, self, messages, _streamed(self, kwargs))
+        chunks = stream(_quiet(self), input, config, stop=stop, **kwargs)
+        last = None
+        while True:
+            hidden = _METER.set(None)  # a stream that falls back to invoke is not metered twice
+            try:
+                chunk = next(chunks)
+            except StopIteration:
+                break
+            except Exception as exc:
+                _refused(exc)
+                raise
+            finally:
+                _METER.reset(hidden)
+            last = chunk if last is None else last + chunk
+            yield chunk
+        if last is not None:
+            meter.add(_usage(_model_name(self), last))
+
+    @functools.wraps(astream)
+    async def _astream(self, input, config=None, *, stop=None, **kwargs) -> AsyncIterator:
+        meter = _METER.get()
+        if meter is None:
+            async for chunk in astream(self, input, config, stop=stop, **kwargs):
+                yield chunk
+            return
+        messages = self._convert_input(input).to_messages()
+        kwargs = _prepared(meter, self, messages, _streamed(self, kwargs))
+        chunks = astream(_quiet(self), input, config, stop=stop, **kwargs)
+        last = None
+        while True:
+            hidden = _METER.set(None)
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except Exception as exc:
+                _refused(exc)
+                raise
+            finally:
+                _METER.reset(hidden)
+            last = chunk if last is None else last + chunk
+            yield chunk
+        if last is not None:
+            meter.add(_usage(_model_name(self), last))
+
+    BaseChatModel._generate_with_cache = _generate_with_cache  # type: ignore[method-assign]
+    BaseChatModel._agenerate_with_cache = _agenerate_with_cache  # type: ignore[method-assign]
+    BaseChatModel.stream = _stream  # type: ignore[method-assign]
+    BaseChatModel.astream = _astream  # type: ignore[method-assign]
+
+
+if not getattr(BaseChatModel, "_stepguard_metered", False):
+    _install()
+    BaseChatModel._stepguard_metered = True  # type: ignore[attr-defined]

@@ -1,0 +1,511 @@
+"""Claims: the statements that take runnable runs for one worker, and the rows a worker keeps.
+
+Every statement a worker sends is here (the worker process, `worker.py`, has threads, signals
+and the loop, and no SQL). On PostgreSQL a claim is one statement built from named queries
+(`CLAIM_DUE`, `CLAIM_LIMITED`, then `TAKE_CLAIMED`, as Procrastinate names its queries); on
+SQLite a compare-and-swap on `(lease_epoch, event_seq)` per run (`_claim_one`). Due runs that a
+hold covers are parked (`_park_held`), runs past the poison bound failed (`_fail_poisoned`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from functools import reduce
+from operator import or_
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import F, Min, Q
+from django.utils import timezone
+
+from runs.engine import flow, holds
+from runs.engine.budget import release_reservations
+from runs.engine.outage import outage
+from runs.engine.registry import WorkflowDef
+from runs.engine.store import Lease, append_event, wake_parent
+from runs.engine.wakeup import doorbell
+from runs.logcontext import event_written
+from runs.models import GLOBAL, Event, EventType, Policy, Run, RunStatus, Worker
+
+log = logging.getLogger("stepguard.worker")
+
+WAKEABLE = (RunStatus.PENDING, RunStatus.WAITING, RunStatus.OVER_BUDGET)
+RUN_TABLE = f'"{Run._meta.db_table}"'
+EVENT_TABLE = f'"{Event._meta.db_table}"'
+#: The halted policies' scopes, and one NULL row if any run has a hold of its own
+#: (`runs_run_halted_idx`): what `_park_held` needs to know whether to sweep at all.
+HELD_SCOPES = (
+    f'SELECT scope FROM "{Policy._meta.db_table}" WHERE halted_at IS NOT NULL'
+    f" UNION ALL SELECT NULL FROM (SELECT 1 FROM {RUN_TABLE} WHERE halted_at IS NOT NULL"
+    " LIMIT 1) AS held"
+)
+
+
+_COVERED = holds.covered_sql()
+_LIMITED_ORDER = "aged DESC, CASE WHEN aged THEN 0 ELSE priority END DESC, wake_at"
+_RUN_COLUMNS = ", ".join(f'r."{f.column}"' for f in Run._meta.concrete_fields)
+
+#: Lock up to `limit` runnable runs of ours (`{mine}`: one (workflow, version) pair each), in
+#: CTEs ending in `c` (id, was): runs whose worker died and runs due for longer than the
+#: priority aging time first, oldest first, then the other due runs by priority; each part
+#: in the order of its own partial index. Held runs, poison runs and limited workflows' runs
+#: are left out. Completed by TAKE_CLAIMED.
+CLAIM_DUE = f"""
+            WITH aged AS (
+                SELECT id, status AS was, 0 AS grp, 0 AS prio, wake_at AS at FROM {RUN_TABLE}
+                WHERE status = ANY(%s) AND wake_at < %s AND ({{mine}})
+                  AND NOT (workflow = ANY(%s))
+                  AND NOT {_COVERED}
+                ORDER BY wake_at
+                LIMIT %s
+                FOR UPDATE SKIP LOCKED
+            ), due AS (
+                SELECT id, status AS was, 1 AS grp, -priority AS prio, wake_at AS at
+                FROM {RUN_TABLE}
+                WHERE status = ANY(%s) AND wake_at <= %s AND wake_at >= %s AND ({{mine}})
+                  AND NOT (workflow = ANY(%s))
+                  AND NOT {_COVERED}
+                ORDER BY priority DESC, wake_at
+                LIMIT %s
+                FOR UPDATE SKIP LOCKED
+            ), lost AS (
+                SELECT id, status AS was, 0 AS grp, 0 AS prio, lease_until AS at FROM {RUN_TABLE}
+                WHERE status = %s AND lease_until < %s AND ({{mine}})
+                  AND recoveries + 1 < %s
+                  AND NOT {_COVERED}
+                ORDER BY lease_until
+                LIMIT %s
+                FOR UPDATE SKIP LOCKED
+            ), c AS (
+                SELECT id, was FROM (
+                    SELECT * FROM lost UNION ALL SELECT * FROM aged UNION ALL SELECT * FROM due
+                ) AS all_
+                ORDER BY grp, prio, at LIMIT %s
+            )"""
+
+#: Lock the due runs of one limited workflow that its running runs leave room for (per key
+#: too: `row_number()` per key), in CTEs ending in `c` (id, was). Completed by TAKE_CLAIMED.
+CLAIM_LIMITED = f"""
+            WITH running AS (
+                SELECT concurrency_key AS k, count(*) AS n FROM {RUN_TABLE}
+                WHERE workflow = %s AND status = %s GROUP BY concurrency_key
+            ), room AS (
+                SELECT GREATEST(0, LEAST(%s::int,
+                    COALESCE(%s::int - (SELECT COALESCE(sum(n), 0) FROM running), %s::int)
+                )) AS n
+            ), locked AS (
+                SELECT id, status AS was, concurrency_key AS k, priority, wake_at,
+                    (status = ANY(%s) AND wake_at < %s) AS aged
+                FROM {RUN_TABLE}
+                WHERE workflow = %s AND status = ANY(%s) AND wake_at <= %s AND ({{mine}})
+                  AND NOT {_COVERED}
+                  AND concurrency_key NOT IN (
+                      SELECT k FROM running WHERE %s::int IS NOT NULL AND n >= %s::int
+                  )
+                ORDER BY (wake_at < %s) DESC,
+                    CASE WHEN wake_at < %s THEN 0 ELSE priority END DESC, wake_at
+                LIMIT %s
+                FOR UPDATE SKIP LOCKED
+            ), ranked AS (
+                SELECT l.id, l.was, l.aged, l.priority, l.wake_at,
+                    row_number() OVER (PARTITION BY l.k ORDER BY {_LIMITED_ORDER})
+                        + COALESCE(r.n, 0) AS load
+                FROM locked l LEFT JOIN running r ON r.k = l.k
+            ), c AS (
+                SELECT id, was FROM ranked
+                WHERE %s::int IS NULL OR load <= %s::int
+                ORDER BY {_LIMITED_ORDER}
+                LIMIT (SELECT n FROM room)
+            )"""
+
+#: Take the leases of the runs `c` chose and append their claim events, in the statement
+#: that chose them.
+TAKE_CLAIMED = f""", u AS (
+                UPDATE {RUN_TABLE} r SET
+                    status = %s, worker_id = %s, lease_until = %s,
+                    lease_epoch = r.lease_epoch + 1, event_seq = r.event_seq + 1,
+                    recoveries = r.recoveries + CASE WHEN c.was = %s THEN 1 ELSE 0 END,
+                    started_at = CASE WHEN r.lease_epoch = 0 THEN %s ELSE r.started_at END
+                FROM c WHERE r.id = c.id
+                RETURNING {_RUN_COLUMNS}, c.was
+            ), e AS (
+                INSERT INTO {EVENT_TABLE}
+                    (run_id, seq, step_key, type, actor, payload, created_at)
+                SELECT id, event_seq, '',
+                    CASE was WHEN %s THEN %s WHEN %s THEN %s ELSE %s END,
+                    'system', jsonb_build_object('worker', %s::text, 'epoch', lease_epoch), %s
+                FROM u
+            )
+            SELECT * FROM u ORDER BY wake_at
+        """
+
+
+def runnable_filter(now) -> Q:
+    """Due pending or waiting runs, and running runs whose worker stopped heartbeating."""
+    return Q(status__in=WAKEABLE, wake_at__lte=now) | Q(
+        status=RunStatus.RUNNING, lease_until__lt=now
+    )
+
+
+class Claims:
+    """One worker's claims: which runs are its own (`mine`, its workflows at their versions),
+    and every statement it sends about them and about itself."""
+
+    def __init__(self, worker_id: uuid.UUID, lease: timedelta, definitions: Iterable[WorkflowDef]):
+        definitions = list(definitions)
+        self.worker_id = worker_id
+        self.lease = lease
+        self.mine_refs = sorted((d.name, d.version) for d in definitions)
+        self.mine = reduce(or_, (Q(workflow=d.name, version=d.version) for d in definitions))
+        self.names = {d.name for d in definitions}
+        self._turn = 0  # which limited workflow's claim goes first (_claim_limited)
+        self.code_limits = flow.code_limits(self.names)  # fixed once imported
+        mine = " OR ".join(["(workflow = %s AND version = %s)"] * len(self.mine_refs))
+        self._claim_due = CLAIM_DUE.format(mine=mine)
+        self._claim_limited_sql = CLAIM_LIMITED.format(mine=mine)
+
+    def claim(self, limit: int) -> list[Run]:
+        now = timezone.now()
+        stopped, limits = flow.policies(self.names, self.code_limits)
+        if connection.vendor == "postgresql":
+            # Limited workflows first: their limits bound what they take, and behind an
+            # unlimited backlog they would never get a thread.
+            claimed = self._claim_limited(limit, limits, now) if limits else []
+            if len(claimed) < limit:
+                claimed += self._claim_in_one_statement(limit - len(claimed), now, sorted(limits))
+            outage.ok()  # the database answered
+            if len(claimed) < limit:
+                # Nothing more is runnable now: the due runs left are held or poison runs,
+                # which the statement skips. Park the held ones; fail the poison ones.
+                self._park_held(now)
+                self._fail_poisoned(now)
+            return claimed
+        self._park_held(now)
+        outage.ok()  # the database answered
+        if stopped:
+            return []  # the kill switch: nothing starts
+        claimed = self._claim_limited(limit, limits, now) if limits else []
+        if len(claimed) >= limit:
+            return claimed
+        limit -= len(claimed)
+        claimed_ids = []
+        with transaction.atomic():
+            candidates = list(
+                Run.objects.select_for_update(skip_locked=True)
+                .filter(runnable_filter(now) & self.mine)
+                .exclude(workflow__in=limits, status__in=WAKEABLE)
+                .filter(holds.uncovered())
+                .order_by(*flow.claim_order(now))
+                .values_list("id", "status", "lease_epoch", "event_seq", "recoveries")[:limit]
+            )
+            for run_id, status, epoch, event_seq, recoveries in candidates:
+                if self._claim_one(run_id, status, epoch, event_seq, recoveries, now):
+                    claimed_ids.append((run_id, epoch + 1))
+        return claimed + self._adopt(claimed_ids)
+
+    def _claim_limited(self, free: int, limits: dict[str, flow.Limit], now) -> list[Run]:
+        """Claim due runs of limited workflows, each workflow under its lock, within what its
+        running runs leave of its limits (per key too)."""
+        claimed_ids: list = []
+        claimed: list[Run] = []
+        due = (
+            Run.objects.filter(self.mine, workflow__in=limits)
+            .filter(status__in=WAKEABLE, wake_at__lte=now)
+            .values_list("workflow", flat=True)
+            .order_by()
+            .distinct()
+        )
+        names = sorted(set(due))
+        self._turn += 1  # each claim starts with the next one: none waits behind the others
+        for i in range(len(names)):
+            name = names[(self._turn + i) % len(names)]
+            limit = limits[name]
+            if free <= 0:
+                break
+            if connection.vendor == "postgresql":
+                with transaction.atomic():
+                    flow.lock(name)
+                    taken = self._claim_limited_in_one_statement(name, limit, free, now)
+                claimed += taken
+                free -= len(taken)
+                continue
+            with transaction.atomic():
+                flow.lock(name)
+                running = flow.running(name)
+                room = (
+                    free if limit.total is None else min(free, limit.total - sum(running.values()))
+                )
+                if room <= 0:
+                    continue
+                per_key = limit.per_key
+                full = [k for k, n in running.items() if per_key is not None and n >= per_key]
+                candidates = (
+                    Run.objects.filter(
+                        self.mine, workflow=name, status__in=WAKEABLE, wake_at__lte=now
+                    )
+                    .exclude(concurrency_key__in=full)
+                    .filter(holds.uncovered())
+                    .order_by(*flow.claim_order(now))
+                    .values_list(
+                        "id", "status", "lease_epoch", "event_seq", "recoveries", "concurrency_key"
+                    )[: room * 4 + 8]
+                )
+                for run_id, status, epoch, event_seq, recoveries, key in candidates:
+                    if room <= 0:
+                        break
+                    if per_key is not None and running.get(key, 0) >= per_key:
+                        continue
+                    if self._claim_one(run_id, status, epoch, event_seq, recoveries, now):
+                        claimed_ids.append((run_id, epoch + 1))
+                        running[key] = running.get(key, 0) + 1
+                        room -= 1
+                        free -= 1
+        return claimed + self._adopt(claimed_ids)
+
+    def _adopt(self, claimed_ids: list) -> list[Run]:
+        """The runs our claims took, read back; one taken over since is dropped."""
+        if not claimed_ids:
+            return []
+        epochs = dict(claimed_ids)
+        runs = Run.objects.filter(id__in=epochs, worker=self.worker_id)
+        # Whatever was taken over between our commit and this read is dropped, not adopted.
+        return [run for run in runs if run.lease_epoch == epochs[run.id]]
+
+    def _claim_in_one_statement(self, limit: int, now, limited: list[str]) -> list[Run]:
+        """PostgreSQL: lock up to `limit` runnable runs (SKIP LOCKED: workers never wait on
+        each other), take their leases and append their claim events, in one statement.
+
+        Due runs and runs whose worker died are looked up apart, each in the order of its own
+        partial index, so a claim reads about `limit` rows however long the queue is: runs
+        whose worker died and runs due for longer than the priority aging time first, oldest
+        first, then the other due runs by priority. Held runs and poison runs (recovered too
+        often) are left to `claim`'s slow path; due runs of the `limited` workflows to
+        `_claim_limited`.
+        """
+        chosen = self._claim_due
+        poison = 2 * settings.STEPGUARD_MAX_RECOVERIES
+        refs = [part for ref in self.mine_refs for part in ref]
+        old = flow.aged(now)
+        params = [
+            list(WAKEABLE), old, *refs, limited, limit,
+            list(WAKEABLE), now, old, *refs, limited, limit,
+            RunStatus.RUNNING, now, *refs, poison, limit,
+            limit,
+        ]  # fmt: skip
+        return self._take_chosen(chosen, params, now)
+
+    def _take_chosen(self, chosen: str, params: list, now) -> list[Run]:
+        """Complete a claim statement whose CTEs end in `c` (id, was: the status it had):
+        take those runs' leases and append their claim events, in the same statement."""
+        sql = chosen + TAKE_CLAIMED
+        params = [
+            *params,
+            RunStatus.RUNNING, self.worker_id, now + self.lease, RunStatus.RUNNING, now,
+            RunStatus.RUNNING, EventType.RUN_RECOVERED,
+            RunStatus.WAITING, EventType.RUN_WOKEN, EventType.RUN_CLAIMED,
+            str(self.worker_id), now,
+        ]  # fmt: skip
+        runs = list(Run.objects.raw(sql, params))
+        kinds = {RunStatus.RUNNING: EventType.RUN_RECOVERED, RunStatus.WAITING: EventType.RUN_WOKEN}
+        for run in runs:
+            doorbell.ring(run.id)
+            was = run.was  # type: ignore[attr-defined]  # a column of the claim statement
+            event_written(run.id, kinds.get(was, EventType.RUN_CLAIMED))
+        return runs
+
+    def _claim_limited_in_one_statement(
+        self, name: str, limit: flow.Limit, free: int, now
+    ) -> list[Run]:
+        """PostgreSQL: claim due runs of one limited workflow in one statement, after its lock
+        (taken by the caller in a statement of its own, so that this one's snapshot sees every
+        claim committed before it). The count of its running runs per key, the room they leave
+        (`row_number()` per key for the per-key limit), the leases and the events: all here."""
+        chosen = self._claim_limited_sql
+        refs = [part for ref in self.mine_refs for part in ref]
+        old = flow.aged(now)
+        params = [
+            name, RunStatus.RUNNING,
+            free, limit.total, free,
+            list(WAKEABLE), old,
+            name, list(WAKEABLE), now, *refs,
+            limit.per_key, limit.per_key,
+            old, old,
+            free * 4 + 8,
+            limit.per_key, limit.per_key,
+        ]  # fmt: skip
+        return self._take_chosen(chosen, params, now)
+
+    def _fail_poisoned(self, now) -> None:
+        """Fail the due runs past twice the poison-run bound (see `_claim_one`)."""
+        poisoned = Run.objects.filter(
+            self.mine,
+            holds.uncovered(),
+            status=RunStatus.RUNNING,
+            lease_until__lt=now,
+            recoveries__gte=2 * settings.STEPGUARD_MAX_RECOVERIES - 1,
+        ).values_list("id", "status", "lease_epoch", "event_seq", "recoveries")[:50]
+        for candidate in poisoned:
+            with transaction.atomic():
+                self._claim_one(*candidate, now)
+
+    def _park_held(self, now) -> None:
+        """Runs a hold covers that are due or whose worker died: mark them halted, never run
+        them. Also catches a run requeued at the instant a hold was placed (the hold's own
+        parking saw it running)."""
+        scopes = self._held_scopes()
+        if scopes is None:
+            return  # no hold anywhere: no run is covered, the sweep would read every due run
+        due = Q(status=RunStatus.RUNNING, lease_until__lt=now) | Q(
+            status__in=WAKEABLE, wake_at__lte=now
+        )
+        # Unordered, so the LIMIT stops the scan at the 50th covered run; and, unless the kill
+        # switch is on, only among runs a hold can cover (implied by `covered`, but indexable).
+        stuck = Run.objects.filter(due, holds.covered()).order_by()
+        if GLOBAL not in scopes:
+            stuck = stuck.filter(
+                Q(halted_at__isnull=False) | Q(workflow__in=scopes) | Q(parent__isnull=False)
+            )
+        for run_id, epoch, event_seq in stuck.values_list("id", "lease_epoch", "event_seq")[:50]:
+            with transaction.atomic():
+                parked = (
+                    Run.objects.filter(pk=run_id, lease_epoch=epoch, event_seq=event_seq)
+                    .filter(due, holds.covered())
+                    .update(
+                        status=RunStatus.HALTED,
+                        worker=None,
+                        lease_until=None,
+                        lease_epoch=F("lease_epoch") + 1,
+                        event_seq=F("event_seq") + 1,
+                    )
+                )
+                if parked:
+                    held_by = [h.as_json() for h in holds.holds_on(Run.objects.get(pk=run_id))]
+                    append_event(
+                        run_id, event_seq + 1, EventType.RUN_HALTED,
+                        reason="a hold covers the run", held_by=held_by,
+                    )  # fmt: skip
+
+    def _held_scopes(self) -> set[str] | None:
+        """The scopes of the workflow holds and the kill switch in force, or None when nothing
+        at all is held (no such hold and no run's own): one statement over the policies and
+        the partial index of held runs, whatever the runs table holds."""
+        with connection.cursor() as cursor:
+            cursor.execute(HELD_SCOPES)
+            rows = cursor.fetchall()
+        if not rows:
+            return None
+        return {scope for (scope,) in rows if scope is not None}
+
+    def _claim_one(self, run_id, status, epoch, event_seq, recoveries, now) -> bool:
+        # Compare-and-swap on (epoch, event_seq): on SQLite there is no row lock, so this is
+        # what makes two workers' claims of one run exclusive.
+        current = Run.objects.filter(
+            runnable_filter(now), pk=run_id, lease_epoch=epoch, event_seq=event_seq
+        )
+        recovering = status == RunStatus.RUNNING
+        # Past the poison-run bound the run is claimed to be failed with its compensations
+        # (see executor.execute); past twice the bound even those kept killing workers, so it
+        # is failed here, where nothing of it runs.
+        if recovering and recoveries + 1 >= 2 * settings.STEPGUARD_MAX_RECOVERIES:
+            reason = (
+                f"its worker was lost {recoveries + 1} times in a row without progress, "
+                "its compensations included (STEPGUARD_MAX_RECOVERIES)"
+            )
+            updated = current.update(
+                status=RunStatus.FAILED,
+                error={"code": "worker_lost", "type": "WorkerLost", "message": reason},
+                finished_at=now,
+                worker=None,
+                lease_until=None,
+                lease_epoch=F("lease_epoch") + 1,
+                event_seq=F("event_seq") + 1,
+            )
+            if updated:
+                release_reservations(run_id)
+                append_event(run_id, event_seq + 1, EventType.RUN_FAILED, reason=reason)
+                wake_parent(run_id, RunStatus.FAILED)
+                log.error("run %s failed: %s", run_id, reason)
+            return False
+        updated = current.update(
+            status=RunStatus.RUNNING,
+            worker=self.worker_id,
+            lease_until=now + self.lease,
+            lease_epoch=F("lease_epoch") + 1,
+            event_seq=F("event_seq") + 1,
+            recoveries=F("recoveries") + (1 if recovering else 0),
+            started_at=now if epoch == 0 else F("started_at"),
+        )
+        if not updated:
+            return False
+        append_event(
+            run_id,
+            event_seq + 1,
+            EventType.RUN_RECOVERED
+            if recovering
+            else (EventType.RUN_WOKEN if status == RunStatus.WAITING else EventType.RUN_CLAIMED),
+            worker=str(self.worker_id),
+            epoch=epoch + 1,
+        )
+        return True
+
+    # -- the worker's own rows -----------------------------------------------------------------
+
+    def register(self, concurrency: int, workflows: list[str]) -> Worker:
+        now = timezone.now()
+        return Worker.objects.create(
+            id=self.worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            concurrency=concurrency,
+            workflows=workflows,
+            started_at=now,
+            heartbeat_at=now,
+        )
+
+    def mark_stopped(self) -> None:
+        Worker.objects.filter(pk=self.worker_id).update(stopped_at=timezone.now())
+
+    def next_wake(self, now: datetime) -> datetime | None:
+        """When the first of our timers comes due after `now`, if any."""
+        return Run.objects.filter(self.mine, status__in=WAKEABLE, wake_at__gt=now).aggregate(
+            due=Min("wake_at")
+        )["due"]
+
+    def extend(self, leases: list[Lease]) -> None:
+        """Extend every held lease (compare-and-swap on its epoch) and the worker's heartbeat."""
+        now = timezone.now()
+        for lease in leases:
+            if lease.lost.is_set():
+                continue
+            extended = Run.objects.filter(
+                pk=lease.run_id, lease_epoch=lease.epoch, status=RunStatus.RUNNING
+            ).update(lease_until=now + self.lease)
+            if not extended:
+                # Usually the run just finished, waits or was released while this thread was
+                # still unwinding; a takeover by another worker is the rare case.
+                lease.lost.set()
+                log.info("run %s: lease no longer held by this worker", lease.run_id)
+        Worker.objects.filter(pk=self.worker_id).update(heartbeat_at=now)
+
+    def renew(self, run_id: uuid.UUID, lease: Lease) -> Run | None:
+        """The run as it is now with its lease renewed, or None (and `lease` lost) when it is
+        no longer ours."""
+        ours = Run.objects.filter(pk=run_id, lease_epoch=lease.epoch, status=RunStatus.RUNNING)
+        if not ours.update(lease_until=timezone.now() + self.lease):
+            lease.lost.set()
+            return None
+        return ours.first()
+
+    def unknown_pending(self) -> list[tuple[str, str]]:
+        """Workflows (name, version) with pending runs that this worker does not have."""
+        return list(
+            Run.objects.filter(status=RunStatus.PENDING)
+            .exclude(self.mine)
+            .values_list("workflow", "version")
+            .distinct()[:20]
+        )

@@ -1,0 +1,3 @@
+"""docs/install.md's `--import myapp.agents`."""
+
+from myagents.trips import *  # noqa: F403

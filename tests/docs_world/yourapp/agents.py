@@ -1,0 +1,3 @@
+"""docs/deploy.md's and docs/operations.md's `--import yourapp.agents`."""
+
+from myagents.trips import *  # noqa: F403

@@ -1,0 +1,313 @@
+"""Every shell command README.md and docs/*.md show, run as a reader would paste it (issue 33).
+
+Each fenced `sh`/`bash` block runs line by line (a line ending in a backslash goes on) in one
+terminal (a bash of its own: variables and exports hold for the rest of the block), at a
+reader's pace (the next line once the worker has caught up), in the world the docs assume: a
+checkout with development settings (`make run`'s var/stepguard.env: examples.settings, DEBUG,
+SQLite), the users `ada` and `otto`, and the reader's code next to it (`myagents.trips`,
+`myapp.agents`, `yourapp.agents`: tests/docs_world/). What a reader fills in is filled in:
+`RUN_ID` (a run waiting for a signal), `APPROVAL_ID` (a pending approval), `...` values, the
+port; the server at 127.0.0.1:8000 is the world's, and curl fails on an HTTP error. Commands that
+do not exit (workers, servers, `--follow`) pass when they are still up a few seconds after they
+start, or ended well.
+
+A block that cannot run here says so just above it, in the Markdown source:
+`<!-- docs-test: skip: the reason -->`. Those are listed by the last test, so they stay few.
+"""
+
+import contextlib
+import json
+import os
+import queue
+import re
+import secrets
+import shlex
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, wait_until
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(
+    r"(?:^<!-- docs-test: (?P<mark>.*?) -->\n)?^```(?:sh|bash)\n(?P<body>.*?)^```$", re.M | re.S
+)
+#: Commands that serve until stopped.
+SERVES = re.compile(r"\b(runworker|serve|runserver)\b|--follow\b")
+#: Commands a reader runs elsewhere: in the Makefile's own terms (tests/test_commands.py runs
+#: `make run`), or to install packages (tests/test_install.py builds and installs the wheel).
+ELSEWHERE = re.compile(r"^(make |pip |\.venv/)")
+WORLD = Path(__file__).parent / "docs_world"
+
+
+def blocks() -> list:
+    found = []
+    for path in DOCS:
+        text = path.read_text()
+        for match in FENCE.finditer(text):
+            line = text.count("\n", 0, match.start("body")) + 1
+            name = f"{path.relative_to(ROOT)}:{line}"
+            found.append((name, match["body"], match["mark"] or ""))
+    return found
+
+
+def commands(body: str) -> list[str]:
+    """The block's commands: continuation lines and quoted text over several lines joined,
+    blank and comment lines left out."""
+    out, pending = [], ""
+    for line in body.splitlines():
+        pending += line
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        try:
+            shlex.split(pending, comments=True)
+        except ValueError:  # a quotation still open: the command goes on
+            pending += "\n"
+            continue
+        if pending.strip() and not pending.lstrip().startswith("#"):
+            out.append(pending.strip())
+        pending = ""
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Terminal:
+    """A bash the test types into, one command at a time, as a reader at a terminal."""
+
+    def __init__(self, env: dict):
+        self.proc = subprocess.Popen(
+            ["bash", "--noprofile", "--norc"], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def type(self, command: str, timeout: float = 120) -> tuple[int, str]:
+        """Run `command`; its exit status and what it printed."""
+        marker = f"__done_{secrets.token_hex(4)}__"
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{command}\necho; echo {marker} $?\n")
+        self.proc.stdin.flush()
+        output, deadline = [], time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"{command!r} still running after {timeout} s") from None
+            if line.startswith(marker):
+                return int(line.split()[1]), "".join(output)
+            output.append(line)
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+
+class World:
+    """The reader's terminal: a shell in the checkout with make run's development settings."""
+
+    def __init__(self, home: Path):
+        self.home = home
+        var = home / "var"
+        var.mkdir()
+        (var / "stepguard.env").write_text("DJANGO_SETTINGS_MODULE=examples.settings\nDEBUG=1\n")
+        bin_dir = Path(sys.executable).parent
+        # curl as a reader sees it: an HTTP error is a failure of the command, with its body.
+        tools = home / "bin"
+        tools.mkdir()
+        (tools / "curl").write_text('#!/bin/sh\nexec /usr/bin/curl --fail-with-body "$@"\n')
+        (tools / "curl").chmod(0o755)
+        self.env = {
+            "PATH": f"{tools}:{bin_dir}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(home),
+            "LANG": "C.UTF-8",
+            "STEPGUARD_VAR_DIR": str(var),
+            "STEPGUARD_WORKFLOW_MODULES": "myagents.trips",
+            "PYTHONPATH": str(WORLD),
+            "DJANGO_SUPERUSER_PASSWORD": secrets.token_urlsafe(12),
+            "HOOK_SECRET": secrets.token_urlsafe(16),  # docs/operations.md's --secret-env
+        }
+        self.shell("python manage.py migrate -v 0")
+        self.shell(
+            'python manage.py shell -c "from django.contrib.auth import get_user_model; '
+            "[get_user_model().objects.create_superuser(n, f'{n}@example.com', 'pw') "
+            "for n in ('ada', 'otto')]\""
+        )
+        self.db = var / "stepguard.sqlite3"
+        self.log = home / "worker.log"
+        with self.log.open("w") as out:
+            self.worker = subprocess.Popen(
+                ["python", "manage.py", "runworker", "--concurrency", "4"],
+                cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def settle(self, timeout: float = 30) -> None:
+        """A reader's pace: the next command once the worker has done what the last one
+        started (no run due and not yet taken, none running)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.one(
+            "SELECT count(*) FROM runs_run WHERE status = 'running' OR (status = 'pending' "
+            "AND (wake_at IS NULL OR wake_at <= strftime('%Y-%m-%d %H:%M:%f', 'now')))"
+        ):
+            time.sleep(0.2)
+
+    def serving(self) -> int:
+        """The world's web server (the docs' 127.0.0.1:8000), started the first time it is
+        needed; its port."""
+        if not hasattr(self, "server"):
+            port = free_port()
+            self.server = subprocess.Popen(
+                ["python", "manage.py", "serve", "--port", str(port)], cwd=ROOT, env=self.env,
+                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            self.port = port
+
+            def answers() -> bool:
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
+                    return True
+                return False
+
+            wait_until(answers, timeout=60, what="the world's web server")
+        return self.port
+
+    def shell(self, command: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", "-c", command], cwd=ROOT, env=self.env, capture_output=True, text=True,
+            timeout=timeout,
+        )  # fmt: skip
+
+    def one(self, sql: str, *params) -> object:
+        with sqlite3.connect(self.db, timeout=30) as db:
+            row = db.execute(sql, params).fetchone()
+        return row[0] if row else None
+
+    def run_waiting(self, **input) -> str:
+        """A new run of book-trip, once it waits (for a signal, or an approval)."""
+        out = self.shell(f"python manage.py startrun book-trip --input '{json.dumps(input)}'")
+        assert out.returncode == 0, out.stderr
+        run_id = re.search(r"[0-9a-f]{8}-[0-9a-f-]{27}", out.stdout + out.stderr)[0]
+        wait_until(
+            lambda: (
+                self.one("SELECT status FROM runs_run WHERE id = ?", run_id.replace("-", ""))
+                == "waiting"
+            ),
+            timeout=60,
+            what=lambda: f"run {run_id} waiting; the worker's log:\n{self.log.read_text()}",
+        )
+        return run_id
+
+    def fill(self, command: str, block: dict) -> str:
+        """What a reader types in place of the docs' placeholders (one run per block)."""
+        if "RUN_ID" in command or "RUN=..." in command:
+            if "run" not in block:
+                block["run"] = self.run_waiting(wait=True)
+            run_id = block["run"]
+            command = command.replace("RUN_ID", run_id).replace("RUN=...", f"RUN={run_id}")
+        if "APPROVAL_ID" in command:
+            run_id = self.run_waiting(approve=True)
+            approval = self.one(
+                "SELECT id FROM approvals_approvalrequest WHERE run_id = ?", run_id.replace("-", "")
+            )
+            command = command.replace("APPROVAL_ID", str(approval))
+        command = command.replace("SECRET_KEY=...", f"SECRET_KEY={secrets.token_urlsafe(50)}")
+        command = command.replace(
+            "DATABASE_URL=postgres://...", f"DATABASE_URL=sqlite:///{self.db}"
+        )
+        command = re.sub(r"--port \d+", f"--port {free_port()}", command)
+        if "127.0.0.1:8000" in command:
+            command = command.replace("127.0.0.1:8000", f"127.0.0.1:{self.serving()}")
+        command = re.sub(r"\brunserver\b(?! \S*\d)", f"runserver 127.0.0.1:{free_port()}", command)
+        if command.endswith("createsuperuser"):  # asks for a name and password
+            name = f"root{secrets.token_hex(4)}"
+            command += f" --noinput --username {name} --email {name}@example.com"
+        return command
+
+    def close(self):
+        if hasattr(self, "server"):
+            self.server.terminate()
+            self.server.wait(30)
+        self.worker.send_signal(signal.SIGTERM)
+        try:
+            self.worker.wait(30)
+        except subprocess.TimeoutExpired:
+            self.worker.kill()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    world = World(tmp_path_factory.mktemp("reader"))
+    yield world
+    world.close()
+
+
+@pytest.mark.parametrize(("name", "body", "mark"), blocks(), ids=[b[0] for b in blocks()])
+def test_every_command_in_the_docs_runs_as_written(world, name, body, mark):
+    if mark.startswith("skip"):
+        pytest.skip(f"{name}: {mark}")
+    terminal = Terminal(world.env)
+    failures: list[str] = []
+    block: dict = {}
+    try:
+        for written in commands(body):
+            if ELSEWHERE.match(written):
+                continue
+            world.settle()
+            command = world.fill(written, block)
+            if SERVES.search(command) and "--dry-run" not in command:
+                # Up for a few seconds (124: stopped by timeout), or ended well.
+                command = f"timeout -k 10 6 bash -c {shlex.quote(command)}; [ $? = 124 ]"
+            status, output = terminal.type(command)
+            if status != 0:
+                failures.append(f"$ {written}\nexited {status}:\n{output[-3000:]}")
+    finally:
+        terminal.close()
+        world.shell("python manage.py unhalt --all --user otto --reason 'docs test: next block'")
+    assert not failures, f"{name}:\n\n" + "\n\n".join(failures)
+
+
+def test_the_blocks_not_run_are_few_and_say_why():
+    skipped = [(name, mark) for name, _, mark in blocks() if mark]
+    assert all(mark.startswith("skip: ") and len(mark) > 12 for _, mark in skipped), skipped
+    assert len(skipped) <= 3, skipped
+
+
+def test_serve_says_first_how_to_open_it_when_production_settings_redirect_to_https(tmp_path):
+    """`stepguard serve` with production settings answers plain HTTP with a redirect to an
+    https:// that nothing serves on a laptop: its first lines say so, and what to set."""
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "SECRET_KEY": secrets.token_urlsafe(50),
+        "ALLOWED_HOSTS": "127.0.0.1",
+        "STEPGUARD_VAR_DIR": str(tmp_path),
+    }
+    proc = subprocess.Popen(
+        ["stepguard", "serve", "--port", "0"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        first = [proc.stdout.readline() for _ in range(2)] if proc.stdout else []
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert first[0].startswith("Serving http://127.0.0.1:0/"), first
+    assert "redirected to HTTPS" in first[1] and "DEBUG=1" in first[1], first

@@ -1,0 +1,319 @@
+"""The engine's pure pieces, each with the invariant it carries; no database (pytest-django
+refuses one to a test not marked for it).
+
+The budget and cancel conditions of a fenced write exist twice, as SQL (the check) and as
+Python over the run row (the explanation of a refusal): here both are evaluated over the same
+rows, in an in-memory SQLite of the Python standard library, and must agree on every one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sqlite3
+import threading
+import uuid
+from dataclasses import FrozenInstanceError
+from datetime import UTC, datetime
+
+import pytest
+
+from runs.engine import deltas
+from runs.engine.bridge import Turnstile
+from runs.engine.budget import NOTHING, Amount
+from runs.engine.store import (
+    CONDITIONS,
+    Fence,
+    Lease,
+    Spend,
+    _in_budget,
+    _not_cancelled,
+    fence_statement,
+)
+from runs.models import Run
+
+DEADLINE = 10.0
+
+# --- Amount -----------------------------------------------------------------------------------
+
+
+def test_an_amount_adds_only_amounts():
+    assert Amount(3, 5) + Amount(1, 2) == Amount(4, 7)
+    with pytest.raises(TypeError):
+        Amount(3, 5) + (1, 2)  # type: ignore[operator]  # noqa: RUF005
+    with pytest.raises(TypeError):
+        Amount(3, 5) + 1  # type: ignore[operator]
+
+
+def test_an_amount_is_a_value():
+    amount = Amount(3, 5)
+    with pytest.raises(FrozenInstanceError):
+        amount.micros = 4  # type: ignore[misc]
+    assert amount == Amount(micros=3, tokens=5) and hash(amount) == hash(Amount(3, 5))
+    assert Amount() == NOTHING
+
+
+def test_an_amount_is_true_when_it_counts_anything():
+    assert not NOTHING
+    assert Amount(1, 0) and Amount(0, 1)
+
+
+def test_beyond_is_what_is_needed_on_top_and_never_negative():
+    assert Amount(10, 10).beyond(Amount(4, 20)) == Amount(6, 0)
+    assert Amount(1, 1).beyond(NOTHING) == Amount(1, 1)
+    for a, b in itertools.product([NOTHING, Amount(2, 7), Amount(9, 1)], repeat=2):
+        # held + what is reserved on top covers what is wanted, and never more than needed
+        wanted, held = a, b
+        reserved = held + wanted.beyond(held)
+        assert reserved.micros == max(wanted.micros, held.micros)
+        assert reserved.tokens == max(wanted.tokens, held.tokens)
+
+
+# --- fence_statement --------------------------------------------------------------------------
+
+
+def _lease() -> Lease:
+    return Lease(run_id=uuid.uuid4(), epoch=7)
+
+
+def _placeholders(sql: str) -> int:
+    return sql.count("%s")
+
+
+@pytest.mark.parametrize(
+    "checks",
+    [
+        Fence(),
+        Fence(events=3, progress=True),
+        Fence(starting=True),
+        Fence(starting=True, compensating=True),
+        Fence(starting=True, estimate=Amount(5, 6), held=Amount(1, 2), possibly=Amount(3, 4)),
+        Fence(spend=Spend(10, 2, 3, Amount(4, 5))),
+        Fence(possibly=Amount(1, 1)),
+    ],
+)
+def test_fence_statement_binds_one_parameter_per_placeholder(checks):
+    sql, params = fence_statement(_lease(), checks)
+    assert _placeholders(sql) == len(params)
+    assert sql.startswith("UPDATE ") and sql.endswith(" RETURNING event_seq")
+    assert params[0] == checks.events
+
+
+def test_every_fenced_write_checks_the_lease_and_only_a_start_checks_more():
+    lease = _lease()
+    sql, params = fence_statement(lease, Fence(spend=Spend(1, 1, 1), progress=True))
+    assert sql.split(" WHERE ", 1)[1] == (
+        "id = %s AND lease_epoch = %s AND status = %s RETURNING event_seq"
+    )
+    assert params[-3:][1:] == [7, "running"]
+    started, _ = fence_statement(lease, Fence(starting=True))
+    assert "cancel_requested_at IS NULL" in started
+    assert "halted_at" in started and "budget_micros" in started
+
+
+def test_a_compensation_is_checked_against_holds_only():
+    sql, _ = fence_statement(_lease(), Fence(starting=True, compensating=True))
+    assert "cancel_requested_at" not in sql and "budget_micros" not in sql
+    assert "halted_at" in sql  # halts stop everything, undoing included
+
+
+def test_a_start_reserves_its_estimate_and_a_finish_gives_back_what_it_held():
+    sql, params = fence_statement(_lease(), Fence(starting=True, estimate=Amount(5, 6)))
+    assert "reserved_micros = reserved_micros + %s" in sql and params[1:3] == [5, 6]
+    sql, params = fence_statement(_lease(), Fence(spend=Spend(10, 2, 3, Amount(4, 5))))
+    assert "cost_micros = cost_micros + %s" in sql
+    assert params[1:8] == [10, 2, 3, 4, 4, 5, 5]
+
+
+# --- the SQL and refusal pairs ----------------------------------------------------------------
+
+_COLUMNS = (
+    "budget_micros",
+    "budget_tokens",
+    "cost_micros",
+    "tokens_in",
+    "tokens_out",
+    "reserved_micros",
+    "reserved_tokens",
+    "possibly_spent_micros",
+    "possibly_spent_tokens",
+    "cancel_requested_at",
+)
+
+
+def _sql_accepts(db: sqlite3.Connection, row: dict, condition, checks: Fence) -> bool:
+    db.execute("DELETE FROM runs_run")
+    db.execute(
+        f"INSERT INTO runs_run ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+        list(row.values()),
+    )
+    more, params = condition.sql(checks)
+    found = db.execute("SELECT 1 FROM runs_run WHERE 1 = 1" + more.replace("%s", "?"), params)
+    return found.fetchone() is not None
+
+
+def _rows():
+    limits = [None, 0, 10]
+    for budget, cost, reserved, possibly in itertools.product(limits, [0, 4, 10], [0, 3], [0, 2]):
+        yield {
+            "budget_micros": budget,
+            "budget_tokens": None,
+            "cost_micros": cost,
+            "tokens_in": 0,
+            "tokens_out": 0,
+            "reserved_micros": reserved,
+            "reserved_tokens": 0,
+            "possibly_spent_micros": possibly,
+            "possibly_spent_tokens": 0,
+            "cancel_requested_at": None,
+        }
+        yield {
+            "budget_micros": None,
+            "budget_tokens": budget,
+            "cost_micros": 0,
+            "tokens_in": cost // 2,
+            "tokens_out": cost - cost // 2,
+            "reserved_micros": 0,
+            "reserved_tokens": reserved,
+            "possibly_spent_micros": 0,
+            "possibly_spent_tokens": possibly,
+            "cancel_requested_at": None,
+        }
+
+
+def _fences():
+    for estimate, held, possibly in itertools.product([0, 1, 6], [0, 3], [0, 1]):
+        yield Fence(
+            starting=True,
+            estimate=Amount(estimate, estimate),
+            held=Amount(held, held),
+            possibly=Amount(possibly, possibly),
+        )
+
+
+@pytest.fixture
+def runs_table():
+    db = sqlite3.connect(":memory:")
+    db.execute(f"CREATE TABLE runs_run ({', '.join(_COLUMNS)})")
+    yield db
+    db.close()
+
+
+def test_the_budget_check_and_its_explanation_agree(runs_table):
+    (budget,) = [c for c in CONDITIONS if c.refusal is _in_budget]
+    seen = {True: 0, False: 0}
+    for row, checks in itertools.product(_rows(), _fences()):
+        accepted = _sql_accepts(runs_table, row, budget, checks)
+        explained = _in_budget(Run(**row), checks)
+        assert accepted == (explained is None), (row, checks, explained)
+        seen[accepted] += 1
+    assert seen[True] and seen[False]  # both sides of the line were crossed
+
+
+def test_the_cancel_check_and_its_explanation_agree(runs_table):
+    (cancel,) = [c for c in CONDITIONS if c.refusal is _not_cancelled]
+    row = dict.fromkeys(_COLUMNS, 0) | {"budget_micros": None, "budget_tokens": None}
+    for at in (None, datetime(2026, 1, 1, tzinfo=UTC)):
+        row["cancel_requested_at"] = at and at.isoformat()
+        accepted = _sql_accepts(runs_table, row, cancel, Fence(starting=True))
+        explained = _not_cancelled(Run(cancel_requested_at=at), Fence(starting=True))
+        assert accepted == (explained is None)
+
+
+def test_each_condition_applies_to_starts_only():
+    for condition in CONDITIONS:
+        assert not condition.applies(Fence())
+        assert not condition.applies(Fence(spend=Spend(1), progress=True))
+        assert condition.applies(Fence(starting=True))
+
+
+# --- the turnstile ----------------------------------------------------------------------------
+
+
+def _enter_in_threads(turnstile: Turnstile, tickets: list[int], order: list[int]) -> list:
+    def call(ticket: int) -> None:
+        if turnstile.enter(ticket, releasable=False):
+            order.append(ticket)
+            turnstile.leave()
+
+    threads = [threading.Thread(target=call, args=(t,)) for t in tickets]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join(DEADLINE)
+        assert not thread.is_alive()
+
+
+def test_the_turnstile_lets_calls_in_in_ticket_order_whatever_the_threads_do():
+    turnstile = Turnstile()
+    tickets = [turnstile.ticket() for _ in range(8)]
+    order: list[int] = []
+    _join(_enter_in_threads(turnstile, list(reversed(tickets)), order))
+    assert order == tickets
+
+
+def test_an_abandoned_ticket_holds_no_one_up():
+    turnstile = Turnstile()
+    tickets = [turnstile.ticket() for _ in range(4)]
+    turnstile.abandon(tickets[1])
+    order: list[int] = []
+    threads = _enter_in_threads(turnstile, [t for t in tickets if t != 1], order)
+    _join(threads)
+    assert order == [0, 2, 3]
+    assert turnstile.enter(tickets[1], releasable=False) is False
+
+
+def test_a_released_context_is_taken_by_the_next_ticket_and_given_back():
+    turnstile = Turnstile()
+    first, second = turnstile.ticket(), turnstile.ticket()
+    assert turnstile.enter(first, releasable=True)
+    assert turnstile.releasable() and not turnstile.released()
+    order: list[int] = []
+    threads = _enter_in_threads(turnstile, [second], order)
+    turnstile.release()  # first waits (its async call) while second goes in
+    assert turnstile.released()
+    _join(threads)
+    assert order == [second]
+    turnstile.reacquire()
+    assert not turnstile.released()
+    turnstile.leave()
+
+
+# --- deltas -----------------------------------------------------------------------------------
+
+
+def _expanded(stored_by_seq: dict[int, dict], seq: int) -> dict:
+    conversations = deltas.Conversations(run_id=None)
+    conversations._stored = {s: [v] for s, v in stored_by_seq.items()}  # the rows it would load
+    return conversations.expanded(seq, [stored_by_seq[seq]])[0]
+
+
+def test_a_request_stored_against_the_one_before_reads_back_whole():
+    first = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "system": "be brief"}
+    second = {
+        "model": "m",
+        "messages": [*first["messages"], {"role": "assistant", "content": "hello"}],
+        "system": "be brief",
+    }
+    stored_first = deltas.against(first, None)
+    stored_second = deltas.against(second, (3, first))
+    assert stored_second["messages"] == {"$after": 3, "$keep": 1, "$new": second["messages"][1:]}
+    assert stored_second["system"] == {"$after": 3}
+    assert stored_second[deltas.HASH] == deltas.fingerprint(second)
+    assert _expanded({3: stored_first, 8: stored_second}, 8) == second
+
+
+def test_a_delta_never_points_forward_or_at_a_request_it_was_not_made_against():
+    request = {"messages": [1, 2, 3]}
+    stored = deltas.against(request, (5, {"messages": [9]}))
+    assert stored["messages"] == [1, 2, 3]  # nothing in common: stored whole
+    forged = {"messages": {"$after": 9, "$keep": 1, "$new": []}, deltas.HASH: "x"}
+    assert _expanded({4: forged}, 4)["messages"] == forged["messages"]  # 9 is not before 4
+
+
+def test_the_fingerprint_does_not_depend_on_key_order():
+    assert deltas.fingerprint({"a": 1, "b": [2]}) == deltas.fingerprint({"b": [2], "a": 1})
+    assert deltas.fingerprint({"a": 1}) != deltas.fingerprint({"a": 2})
