@@ -62,7 +62,8 @@ from django.utils import timezone  # noqa: E402
 from psycopg import sql  # noqa: E402
 
 from bench.workflows import noop, short_workflow  # noqa: E402  (bench.short registers)
-from runs.engine.executor import Lease, execute  # noqa: E402
+from runs.engine.lifecycle import execute  # noqa: E402
+from runs.engine.store import Lease  # noqa: E402
 from runs.engine.worker import WorkerProcess  # noqa: E402
 from runs.models import TERMINAL_STATUSES, Run, RunStatus, Worker  # noqa: E402
 from runs.sdk import RunContext, start_run, workflow  # noqa: E402

@@ -24,8 +24,9 @@ from runs.cron import check_cron, check_name, zone
 from runs.engine import registry, starts
 from runs.engine.agent import AgentLoopExhausted, Tool, ToolTimeout
 from runs.engine.budget import Metered, Usage
-from runs.engine.executor import NOT_FOUND, Decision, RetryPolicy, RunContext
-from runs.engine.records import CURRENT_STEP
+from runs.engine.context import RunContext
+from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision
+from runs.engine.retry import RetryPolicy
 from runs.engine.serialization import to_json
 from runs.engine.store import run_event
 from runs.engine.waits import Ask

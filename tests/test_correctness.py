@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from approvals.models import ApprovalRequest
-from runs.engine.executor import Lease, execute
+from runs.engine.lifecycle import execute
 from runs.engine.serialization import to_json
+from runs.engine.store import Lease
 from runs.errors import Halted, OperationError, OverBudget
 from runs.models import BudgetLedger, Event, Run, RunStatus, Step, StepStatus
 from runs.operations import cancel_run, fork_run, halt, set_budget, unhalt
@@ -433,7 +434,7 @@ def test_a_failed_run_retried_by_a_person_under_a_workflow_halt_is_halted(drive,
 
 
 def test_a_run_released_at_shutdown_under_a_halt_is_halted_not_pending(db, cast):
-    from runs.engine.executor import release
+    from runs.engine.lifecycle import release
     from runs.engine.worker import WorkerProcess
 
     run = start_run("ledger", {"steps": 2})

@@ -20,6 +20,7 @@ import pytest
 from runs.engine import deltas
 from runs.engine.bridge import Turnstile
 from runs.engine.budget import NOTHING, Amount
+from runs.engine.context import Execution, RunContext
 from runs.engine.store import (
     CONDITIONS,
     Fence,
@@ -317,3 +318,18 @@ def test_a_delta_never_points_forward_or_at_a_request_it_was_not_made_against():
 def test_the_fingerprint_does_not_depend_on_key_order():
     assert deltas.fingerprint({"a": 1, "b": [2]}) == deltas.fingerprint({"b": [2], "a": 1})
     assert deltas.fingerprint({"a": 1}) != deltas.fingerprint({"a": 2})
+
+
+def test_workflow_code_sees_the_public_calls_and_the_runs_identity_and_nothing_of_the_engine():
+    calls = {
+        "step", "transaction", "llm", "tool", "agent_loop", "approval", "approvals", "child",
+        "children", "sleep", "sleep_until", "wait_for_event", "now", "random", "uuid", "patched",
+        "idempotency_key",
+    }  # fmt: skip
+    identity = {"run_id", "workflow", "version", "input", "attempt", "worker_id"}
+    assert {name for name in dir(RunContext) if not name.startswith("_")} == calls | identity
+    private = {n for n in vars(RunContext) if n.startswith("_") and not n.startswith("__")}
+    assert private == {"_execution"}
+    # Each call is the engine's own, signature and docstring included (one-line delegations).
+    for name in calls - {"idempotency_key"}:
+        assert getattr(RunContext, name).__doc__ == getattr(Execution, name).__doc__, name

@@ -11,7 +11,8 @@ from django.test.utils import CaptureQueriesContext
 from approvals.models import ApprovalRequest
 from runs.engine import budget, flow, registry
 from runs.engine.budget import forget_cached_scopes, shared_budget_scopes
-from runs.engine.executor import Lease, RunContext
+from runs.engine.context import Execution
+from runs.engine.store import Lease
 from runs.errors import ApprovalRevoked, StepMisuse
 from runs.models import Event, Run, RunStatus, Step, StepStatus
 from runs.sdk import OutputNotSerializable, UnknownWorkflow, start_run
@@ -269,7 +270,7 @@ def two_new_steps():
     Run.objects.filter(pk=run.pk).update(
         status=RunStatus.RUNNING, lease_until=run.created_at + timedelta(hours=1)
     )
-    ctx = RunContext(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch))
+    ctx = Execution(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch))
     shared_budget_scopes()  # cached for a second: steps do not look budgets up each time
     # ... and held for the whole measure: on a busy host two steps may take more than a second,
     # and the count would then include a look-up no step made (13 for 12 on a loaded SQLite).
@@ -398,7 +399,7 @@ def prepared_after_eight_steps() -> int:
     Run.objects.filter(pk=run.pk).update(
         status=RunStatus.RUNNING, lease_until=run.created_at + timedelta(hours=1)
     )
-    ctx = RunContext(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch))
+    ctx = Execution(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch))
     for i in range(8):
         ctx.step(f"s{i}", int, i)
     with connection.cursor() as cursor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -197,11 +197,8 @@ def _refused(exc: Exception) -> None:
         raise refusal from exc
 
 
-def _install() -> None:
-    generate = BaseChatModel._generate_with_cache
-    agenerate = BaseChatModel._agenerate_with_cache
-    stream = BaseChatModel.stream
-    astream = BaseChatModel.astream
+def _metered_generate(generate: Callable) -> Callable:
+    """`invoke` and friends, metered inside a durable node."""
 
     @functools.wraps(generate)
     def _generate_with_cache(self, messages, stop=None, run_manager=None, **kwargs):
@@ -218,6 +215,12 @@ def _install() -> None:
             meter.add(_usage(_model_name(self), generation.message))
         return result
 
+    return _generate_with_cache
+
+
+def _metered_agenerate(agenerate: Callable) -> Callable:
+    """`ainvoke` and friends, metered inside a durable node."""
+
     @functools.wraps(agenerate)
     async def _agenerate_with_cache(self, messages, stop=None, run_manager=None, **kwargs):
         meter = _METER.get()
@@ -232,6 +235,12 @@ def _install() -> None:
         for generation in result.generations:
             meter.add(_usage(_model_name(self), generation.message))
         return result
+
+    return _agenerate_with_cache
+
+
+def _metered_stream(stream: Callable) -> Callable:
+    """`stream`, metered from its chunks inside a durable node."""
 
     @functools.wraps(stream)
     def _stream(self, input, config=None, *, stop=None, **kwargs) -> Iterator:
@@ -258,6 +267,12 @@ def _install() -> None:
             yield chunk
         if last is not None:
             meter.add(_usage(_model_name(self), last))
+
+    return _stream
+
+
+def _metered_astream(astream: Callable) -> Callable:
+    """`astream`, metered from its chunks inside a durable node."""
 
     @functools.wraps(astream)
     async def _astream(self, input, config=None, *, stop=None, **kwargs) -> AsyncIterator:
@@ -286,10 +301,17 @@ def _install() -> None:
         if last is not None:
             meter.add(_usage(_model_name(self), last))
 
-    BaseChatModel._generate_with_cache = _generate_with_cache  # type: ignore[method-assign]
-    BaseChatModel._agenerate_with_cache = _agenerate_with_cache  # type: ignore[method-assign]
-    BaseChatModel.stream = _stream  # type: ignore[method-assign]
-    BaseChatModel.astream = _astream  # type: ignore[method-assign]
+    return _astream
+
+
+def _install() -> None:
+    for name, metered in (
+        ("_generate_with_cache", _metered_generate),
+        ("_agenerate_with_cache", _metered_agenerate),
+        ("stream", _metered_stream),
+        ("astream", _metered_astream),
+    ):
+        setattr(BaseChatModel, name, metered(getattr(BaseChatModel, name)))
 
 
 if not getattr(BaseChatModel, "_stepguard_metered", False):

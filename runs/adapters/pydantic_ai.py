@@ -180,7 +180,7 @@ class StepguardAgent(WrapperAgent[AgentDepsT, OutputDataT]):
             finally:
                 self._bridged = None
 
-        return run_async(run, self.ctx, None)
+        return run_async(run, self.ctx._execution, None)  # the engine behind the façade
 
     def run_stream_sync(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         raise StepMisuse(

@@ -13,7 +13,7 @@ from uuid import UUID
 
 from django.db import connection
 
-from runs.engine.context import RunContext
+from runs.engine.context import Execution
 from runs.engine.loop import engine_loop
 from runs.engine.records import CURRENT_STEP
 from runs.errors import StepMisuse
@@ -103,7 +103,7 @@ class AsyncRunContext:
     of workflow share one engine and one set of semantics.
     """
 
-    def __init__(self, ctx: RunContext, loop: asyncio.AbstractEventLoop, db: ThreadPoolExecutor):
+    def __init__(self, ctx: Execution, loop: asyncio.AbstractEventLoop, db: ThreadPoolExecutor):
         self._ctx, self._loop, self._db = ctx, loop, db
         self.run_id, self.workflow, self.version = ctx.run_id, ctx.workflow, ctx.version
         self.input, self.attempt = ctx.input, ctx.attempt
@@ -206,7 +206,7 @@ class AsyncRunContext:
         return await self._call(self._ctx.agent_loop, **options)
 
 
-def run_async(fn: Callable, ctx: RunContext, input: Any) -> Any:
+def run_async(fn: Callable, ctx: Execution, input: Any) -> Any:
     """Run an async workflow on the process's event loop (runs/engine/loop.py) until it
     returns, its checkpoints written from database threads of its own."""
     db = ThreadPoolExecutor(MAX_CONCURRENT_STEPS, thread_name_prefix="stepguard-db")

@@ -68,43 +68,7 @@ class ModelCalls(ContextState):
         guess = llm_engine.estimate(model, request) if estimate is True else (estimate or None)
 
         def invoke():
-            idem = self.idempotency_key
-            self._answered_now.pop(idem, None)
-            if llm_engine.price_of(model) is None:
-                self._refuse_unpriced(model)  # before paying; flagged after, by the answer
-            kwargs = request
-            if accepts(call, "extra_headers"):  # the SDKs' create() methods do
-                headers = {"Idempotency-Key": self.idempotency_key}
-                headers |= request.get("extra_headers") or {}
-                kwargs = {**request, "extra_headers": headers}
-            try:
-                if streaming:
-                    helper, kwargs = llm_engine.stream_call(call, kwargs)
-                    manager = llm_engine.without_sdk_retries(helper)(**kwargs)
-                    relay = self._relay(on_delta)
-                    response = self._await(llm_engine.consume(manager, relay))
-                elif raw := llm_engine.parsed_call(llm_engine.without_sdk_retries(call)):
-                    answer = self._await(raw(**kwargs))
-                    try:
-                        response = answer.parse()
-                    except Exception as exc:  # the answer came, and was paid: its usage too
-                        data = answer.http_response.json()
-                        self._answered_now[idem] = llm_engine.answered(exc, model, data)
-                        raise
-                else:
-                    response = self._await(llm_engine.without_sdk_retries(call)(**kwargs))
-            except Exception as exc:
-                if idem not in self._answered_now:
-                    self._answered_now[idem] = llm_engine.answered(exc, model)
-                if (refused := llm_engine.rejected(exc)) is not None:
-                    raise refused from exc
-                raise
-            data = llm_engine.as_json(response)
-            usage = llm_engine.usage_of(data, model)
-            if usage.breakdown is not None and not usage.breakdown["priced"]:
-                self._unpriced(key, str(usage.breakdown["model"] or model))
-            tracing.model_call(data, usage)
-            return Metered(data, usage)
+            return self._send(key, call, model, request, streaming, on_delta)
 
         recorded = llm_engine.recorded_request(request | ({"stream": True} if streaming else {}))
         seq, described = self._seq, None
@@ -122,6 +86,55 @@ class ModelCalls(ContextState):
         trusted = isinstance(described, list) if described is not None else None
         self._last_request = (seq, recorded, trusted)
         return output if cls is None else llm_engine.typed_response(cls, output)
+
+    def _send(
+        self,
+        key: str,
+        call: Callable,
+        model: str,
+        request: dict,
+        streaming: bool,
+        on_delta: Callable[[str], Any] | None,
+    ) -> Metered:
+        """One attempt of a model call: sent with the step's idempotency key and the SDK's own
+        retries off (the step retries); the answer and its usage, or what it cost if it failed."""
+        idem = self.idempotency_key
+        self._answered_now.pop(idem, None)
+        if llm_engine.price_of(model) is None:
+            self._refuse_unpriced(model)  # before paying; flagged after, by the answer
+        kwargs = request
+        if accepts(call, "extra_headers"):  # the SDKs' create() methods do
+            headers = {"Idempotency-Key": self.idempotency_key}
+            headers |= request.get("extra_headers") or {}
+            kwargs = {**request, "extra_headers": headers}
+        try:
+            if streaming:
+                helper, kwargs = llm_engine.stream_call(call, kwargs)
+                manager = llm_engine.without_sdk_retries(helper)(**kwargs)
+                relay = self._relay(on_delta)
+                response = self._await(llm_engine.consume(manager, relay))
+            elif raw := llm_engine.parsed_call(llm_engine.without_sdk_retries(call)):
+                answer = self._await(raw(**kwargs))
+                try:
+                    response = answer.parse()
+                except Exception as exc:  # the answer came, and was paid: its usage too
+                    data = answer.http_response.json()
+                    self._answered_now[idem] = llm_engine.answered(exc, model, data)
+                    raise
+            else:
+                response = self._await(llm_engine.without_sdk_retries(call)(**kwargs))
+        except Exception as exc:
+            if idem not in self._answered_now:
+                self._answered_now[idem] = llm_engine.answered(exc, model)
+            if (refused := llm_engine.rejected(exc)) is not None:
+                raise refused from exc
+            raise
+        data = llm_engine.as_json(response)
+        usage = llm_engine.usage_of(data, model)
+        if usage.breakdown is not None and not usage.breakdown["priced"]:
+            self._unpriced(key, str(usage.breakdown["model"] or model))
+        tracing.model_call(data, usage)
+        return Metered(data, usage)
 
     def _request_base(self) -> tuple[int, dict] | None:
         """The run's previous model call to store this one's request against, if its stored

@@ -13,7 +13,7 @@ from runs.errors import StepFailed
 log = logging.getLogger("stepguard.executor")
 
 if TYPE_CHECKING:
-    from runs.engine.context import RunContext
+    from runs.engine.context import Execution
 
 
 class Compensation(ContextState):
@@ -52,7 +52,7 @@ class Compensation(ContextState):
         return done
 
 
-def run_compensations(ctx: RunContext) -> tuple[list[str], dict | None]:
+def run_compensations(ctx: Execution) -> tuple[list[str], dict | None]:
     """Returns the undone step keys and, if an undo failed, its error. Control flow passes."""
     try:
         return ctx._compensate(), None

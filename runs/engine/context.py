@@ -1,14 +1,16 @@
-"""RunContext: what a workflow function receives, assembled from the engine's concerns.
+"""RunContext, what a workflow function receives, and Execution, the engine behind it.
 
-Each concern lives in its own module (replay, steps, model calls, waits, checkpoints,
-compensation); this class only holds the state they share for one execution of one run.
+`Execution` is one execution of one run, assembled from the engine's concerns, one module each
+(replay, steps, model calls, waits, checkpoints, compensation); it holds the state they share.
+`RunContext` is a façade of one-line delegations to it: workflow code sees the public calls
+and the run's identity, never the engine's private methods and state.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from runs.engine.budget import Usage
 from runs.engine.calls import ModelCalls
@@ -22,12 +24,8 @@ from runs.errors import StepguardError
 from runs.models import Run, Step, StepStatus
 
 
-class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
-    """What a workflow function receives: the only door to durable steps and waits.
-
-    Workflow code between steps re-runs on every resume, so it must be deterministic: take the
-    time, randomness and ids from `ctx.now()`, `ctx.random()` and `ctx.uuid()`.
-    """
+class Execution(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
+    """One execution of one run: the engine's concerns and the state they share."""
 
     def __init__(self, run: Run, history: dict[int, Step], lease: Lease):
         self.run_id: str = str(run.id)
@@ -75,3 +73,67 @@ class RunContext(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         self._left_started = any(s.status == StepStatus.STARTED for s in history.values())
         #: The step whose failure ended the run's last attempt, if one did: run again.
         self._failed_step = (run.error or {}).get("step") if run.error else None
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class _Delegate(Generic[P, R]):
+    """A RunContext method that calls the Execution's method of the same name: the façade
+    keeps the engine's signature and docstring (for type checkers and help()) without a copy."""
+
+    def __init__(self, method: Callable[Concatenate[Any, P], R]):
+        self.name = method.__name__
+        self.__doc__ = method.__doc__
+
+    @overload
+    def __get__(self, ctx: None, owner: Any = None) -> _Delegate[P, R]: ...
+    @overload
+    def __get__(self, ctx: RunContext, owner: Any = None) -> Callable[P, R]: ...
+    def __get__(self, ctx: RunContext | None, owner: Any = None) -> Any:
+        return self if ctx is None else getattr(ctx._execution, self.name)
+
+
+class RunContext:
+    """What a workflow function receives: the only door to durable steps and waits.
+
+    Workflow code between steps re-runs on every resume, so it must be deterministic: take the
+    time, randomness and ids from `ctx.now()`, `ctx.random()` and `ctx.uuid()`.
+    """
+
+    __slots__ = ("_execution", "attempt", "input", "run_id", "version", "worker_id", "workflow")
+
+    def __init__(self, execution: Execution):
+        self._execution = execution
+        self.run_id: str = execution.run_id
+        self.workflow: str = execution.workflow
+        self.version: str = execution.version
+        self.input: Any = execution.input
+        self.attempt: int = execution.attempt
+        self.worker_id: str = execution.worker_id
+
+    def __repr__(self) -> str:
+        return f"<RunContext run={self.run_id} workflow={self.workflow!r}>"
+
+    @property
+    def idempotency_key(self) -> str:
+        """`<run id>:<step key>` of the running step (Execution.idempotency_key)."""
+        return self._execution.idempotency_key
+
+    step = _Delegate(Execution.step)
+    transaction = _Delegate(Execution.transaction)
+    llm = _Delegate(Execution.llm)
+    tool = _Delegate(Execution.tool)
+    agent_loop = _Delegate(Execution.agent_loop)
+    approval = _Delegate(Execution.approval)
+    approvals = _Delegate(Execution.approvals)
+    child = _Delegate(Execution.child)
+    children = _Delegate(Execution.children)
+    sleep = _Delegate(Execution.sleep)
+    sleep_until = _Delegate(Execution.sleep_until)
+    wait_for_event = _Delegate(Execution.wait_for_event)
+    now = _Delegate(Execution.now)
+    random = _Delegate(Execution.random)
+    uuid = _Delegate(Execution.uuid)
+    patched = _Delegate(Execution.patched)

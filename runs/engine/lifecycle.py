@@ -22,7 +22,7 @@ from runs.engine import holds, registry
 from runs.engine.bridge import run_async
 from runs.engine.budget import NOTHING, Amount, next_day_start, release_reservations
 from runs.engine.compensation import run_compensations
-from runs.engine.context import RunContext
+from runs.engine.context import Execution, RunContext
 from runs.engine.outage import is_disconnect
 from runs.engine.records import INTERRUPTED, brief, error_record
 from runs.engine.replay import REPLAY_FIELDS
@@ -112,7 +112,7 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
         return _database_error(run, exc, "loading checkpoints")
     except LeaseLost:
         return Outcome.LOST
-    ctx = RunContext(run, history, lease)
+    ctx = Execution(run, history, lease)
     ctx._trace = trace_parent
     if run.recoveries >= settings.STEPGUARD_MAX_RECOVERIES:
         started = next((s.key for s in history.values() if s.status == StepStatus.STARTED), None)
@@ -334,8 +334,8 @@ def release(lease: Lease, reason: str) -> bool:
     return True
 
 
-def run_sync(fn: Callable, ctx: RunContext, input: Any) -> Any:
-    return fn(ctx, input)
+def run_sync(fn: Callable, ctx: Execution, input: Any) -> Any:
+    return fn(RunContext(ctx), input)
 
 
 def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> Outcome:
@@ -373,7 +373,7 @@ def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> Outcome:
         return Outcome.LOST
 
 
-def _cancelled(run: Run, ctx: RunContext, lease: Lease) -> Outcome:
+def _cancelled(run: Run, ctx: Execution, lease: Lease) -> Outcome:
     ctx._cancel_requested = True
     try:
         undone, failure = run_compensations(ctx)
@@ -410,7 +410,7 @@ def _cancelled(run: Run, ctx: RunContext, lease: Lease) -> Outcome:
     return Outcome.CANCELLED
 
 
-def _fail(run: Run, ctx: RunContext, lease: Lease, exc: BaseException) -> Outcome:
+def _fail(run: Run, ctx: Execution, lease: Lease, exc: BaseException) -> Outcome:
     error = error_record(exc)
     retryable = getattr(exc, "retryable", True)
     try:
@@ -463,7 +463,7 @@ def _fail(run: Run, ctx: RunContext, lease: Lease, exc: BaseException) -> Outcom
 
 def _interrupted(
     run: Run,
-    ctx: RunContext,
+    ctx: Execution,
     lease: Lease,
     stop: LeaseLost | Released | Cancelled | Halted | OverBudget,
 ) -> Outcome:

@@ -725,16 +725,7 @@ def _fenced_write(
     if update_step is not None and lease.pending and lease.pending.step_id == update_step[0]:
         flush(lease)  # one statement must not update the same step row twice
     if connection.vendor != "postgresql":
-        with atomic(lease):
-            seq = fence(lease, checks)
-            step_id = None
-            if insert_step is not None:
-                step_id = Step.objects.create(run_id=lease.run_id, **insert_step).pk
-            elif update_step is not None:
-                step_id = update_step[0]
-                Step.objects.filter(pk=step_id).update(**update_step[1])
-            append_event(lease.run_id, seq, type_, key, **payload)
-        return step_id
+        return _fenced_write_plain(lease, event, checks, insert_step, update_step)
     run_id = db_id(lease.run_id)
     pending = lease.pending
     sql, params = fence_statement(lease, _with_pending(lease, checks))
@@ -742,23 +733,9 @@ def _fenced_write(
         sql, params = _carrying(pending, lease, sql, params, 1, "")
     else:
         sql = f"WITH f AS ({sql}) "
-    if insert_step is not None:
-        columns, placeholders, values = _prep(Step, {**_step_defaults(), **insert_step})
-        sql += (
-            f", s AS (INSERT INTO {_STEP} (run_id, {', '.join(columns)}) "
-            f"SELECT %s::uuid, {', '.join(placeholders)} FROM f RETURNING id)"
-        )
-        params += [run_id, *values]
-    elif update_step is not None:
-        columns, placeholders, values = _prep(Step, update_step[1])
-        sets = ", ".join(f"{c} = {p}" for c, p in zip(columns, placeholders, strict=True))
-        sql += (
-            f", s AS (UPDATE {_STEP} SET {sets} "
-            "WHERE id = %s AND EXISTS (SELECT 1 FROM f) RETURNING id)"
-        )
-        params += [*values, update_step[0]]
-    else:
-        sql += ", s AS (SELECT NULL::bigint AS id)"
+    step_sql, step_params = _step_cte(run_id, insert_step, update_step)
+    sql += step_sql
+    params += step_params
     event_columns, event_placeholders, event_values = _prep(
         Event, _event_fields(key, type_, payload)
     )
@@ -795,6 +772,50 @@ def _fenced_write(
     lease.pending = None
     transaction.on_commit(lambda: doorbell.ring(lease.run_id), robust=True)
     return step_id
+
+
+def _fenced_write_plain(
+    lease: Lease,
+    event: tuple[str, str, dict],
+    checks: Fence,
+    insert_step: dict | None,
+    update_step: tuple[int, dict] | None,
+) -> int | None:
+    """`_fenced_write` as a transaction of separate statements (SQLite)."""
+    type_, key, payload = event
+    with atomic(lease):
+        seq = fence(lease, checks)
+        step_id = None
+        if insert_step is not None:
+            step_id = Step.objects.create(run_id=lease.run_id, **insert_step).pk
+        elif update_step is not None:
+            step_id = update_step[0]
+            Step.objects.filter(pk=step_id).update(**update_step[1])
+        append_event(lease.run_id, seq, type_, key, **payload)
+    return step_id
+
+
+def _step_cte(
+    run_id: Any, insert_step: dict | None, update_step: tuple[int, dict] | None
+) -> tuple[str, list]:
+    """The step row's part of the fenced statement (`s`, its id), written only if the fence
+    (`f`) passed."""
+    if insert_step is not None:
+        columns, placeholders, values = _prep(Step, {**_step_defaults(), **insert_step})
+        sql = (
+            f", s AS (INSERT INTO {_STEP} (run_id, {', '.join(columns)}) "
+            f"SELECT %s::uuid, {', '.join(placeholders)} FROM f RETURNING id)"
+        )
+        return sql, [run_id, *values]
+    if update_step is not None:
+        columns, placeholders, values = _prep(Step, update_step[1])
+        sets = ", ".join(f"{c} = {p}" for c, p in zip(columns, placeholders, strict=True))
+        sql = (
+            f", s AS (UPDATE {_STEP} SET {sets} "
+            "WHERE id = %s AND EXISTS (SELECT 1 FROM f) RETURNING id)"
+        )
+        return sql, [*values, update_step[0]]
+    return ", s AS (SELECT NULL::bigint AS id)", []
 
 
 def record_shapers(run_id, shapers: Iterable[tuple[Any, str]]) -> None:

@@ -322,60 +322,8 @@ class Waits(ContextState):
         failure: ChildFailed | None = None
         with atomic(self._lease):
             event_seq, now = self._enter_wait()
-            events: list[tuple[str, str, dict]] = []
-            for e in entries:
-                if e.key in plans:
-                    definition, data = plans[e.key]
-                    child = create_run(
-                        workflow=definition.name,
-                        version=definition.version,
-                        input=data,
-                        key=f"{self.run_id}:{e.key}",
-                        parent_id=self._lease.run_id,
-                        priority=definition.priority,
-                        concurrency_key=definition.key_for(data),
-                        **default_run_budget(definition.name),
-                    )
-                    e.record = self._new_step(
-                        e.seq, e.key, StepKind.CHILD, StepStatus.WAITING,
-                        input={"workflow": definition.ref, "run_id": str(child.id)},
-                    )  # fmt: skip
-                    events.append((EventType.CHILD_STARTED, e.key, {"child": str(child.id)}))
-            keys = {
-                f"{self.run_id}:{e.key}": e
-                for e in entries
-                if e.step.status != StepStatus.COMPLETED
-            }
-            waiting = False
-            for child in Run.objects.filter(key__in=keys).only(
-                "id", "key", "status", "output", "error"
-            ):
-                e = keys[child.key or ""]  # filtered on key above
-                if child.status == RunStatus.COMPLETED:
-                    Step.objects.filter(pk=e.step.pk).update(
-                        status=StepStatus.COMPLETED, output=child.output, finished_at=now
-                    )
-                    e.step.status, e.step.output = StepStatus.COMPLETED, child.output
-                    events.append((EventType.STEP_COMPLETED, e.key, {"child": str(child.id)}))
-                elif child.status in (RunStatus.FAILED, RunStatus.CANCELLED):
-                    message = (child.error or {}).get("message", child.status)
-                    error = ChildFailed(f"child run {child.id} ({e.key}) {child.status}: {message}")
-                    Step.objects.filter(pk=e.step.pk).update(
-                        status=StepStatus.FAILED,
-                        error={**error.as_record(), "child": str(child.id)},
-                        run_attempt=self.attempt,
-                        finished_at=now,
-                    )
-                    e.step.status = StepStatus.FAILED
-                    events.append(
-                        (
-                            EventType.STEP_FAILED,
-                            e.key,
-                            {"child": str(child.id), "error": brief(error)},
-                        )
-                    )
-                else:
-                    waiting = True
+            events = self._start_children(entries, plans)
+            waiting = self._settle_children(entries, now, events)
             failed = [e for e in entries if e.step.status == StepStatus.FAILED]
             if failed:
                 failure = ChildFailed(
@@ -392,6 +340,63 @@ class Waits(ContextState):
         if waiting:
             raise Suspended("waiting for child runs")
         return [e.step.output for e in entries]
+
+    def _start_children(self, entries: list[Child], plans: dict) -> list[tuple[str, str, dict]]:
+        """Create the child runs not started yet, each with its waiting step; their events."""
+        events: list[tuple[str, str, dict]] = []
+        for e in entries:
+            if e.key not in plans:
+                continue
+            definition, data = plans[e.key]
+            child = create_run(
+                workflow=definition.name,
+                version=definition.version,
+                input=data,
+                key=f"{self.run_id}:{e.key}",
+                parent_id=self._lease.run_id,
+                priority=definition.priority,
+                concurrency_key=definition.key_for(data),
+                **default_run_budget(definition.name),
+            )
+            e.record = self._new_step(
+                e.seq, e.key, StepKind.CHILD, StepStatus.WAITING,
+                input={"workflow": definition.ref, "run_id": str(child.id)},
+            )  # fmt: skip
+            events.append((EventType.CHILD_STARTED, e.key, {"child": str(child.id)}))
+        return events
+
+    def _settle_children(self, entries: list[Child], now: datetime, events: list) -> bool:
+        """Record each child that has ended on its step (completed or failed), appending the
+        events; whether any is still running."""
+        keys = {
+            f"{self.run_id}:{e.key}": e for e in entries if e.step.status != StepStatus.COMPLETED
+        }
+        waiting = False
+        for child in Run.objects.filter(key__in=keys).only(
+            "id", "key", "status", "output", "error"
+        ):
+            e = keys[child.key or ""]  # filtered on key above
+            if child.status == RunStatus.COMPLETED:
+                Step.objects.filter(pk=e.step.pk).update(
+                    status=StepStatus.COMPLETED, output=child.output, finished_at=now
+                )
+                e.step.status, e.step.output = StepStatus.COMPLETED, child.output
+                events.append((EventType.STEP_COMPLETED, e.key, {"child": str(child.id)}))
+            elif child.status in (RunStatus.FAILED, RunStatus.CANCELLED):
+                message = (child.error or {}).get("message", child.status)
+                error = ChildFailed(f"child run {child.id} ({e.key}) {child.status}: {message}")
+                Step.objects.filter(pk=e.step.pk).update(
+                    status=StepStatus.FAILED,
+                    error={**error.as_record(), "child": str(child.id)},
+                    run_attempt=self.attempt,
+                    finished_at=now,
+                )
+                e.step.status = StepStatus.FAILED
+                payload = {"child": str(child.id), "error": brief(error)}
+                events.append((EventType.STEP_FAILED, e.key, payload))
+            else:
+                waiting = True
+        return waiting
 
     def _timer(self, key: str, deadline: Callable[[datetime], datetime]) -> None:
         key, seq, record = self._enter(key)
