@@ -36,8 +36,8 @@ from bench.steps import (
     progress,
     table,
 )
+from runs.engine.fences import Lease
 from runs.engine.lifecycle import execute
-from runs.engine.store import Lease
 from runs.engine.worker import WorkerProcess
 from runs.models import Step, StepStatus
 from runs.sdk import RunContext, start_run, workflow

@@ -124,7 +124,8 @@ from django.test import Client, override_settings  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
 from runs import queries  # noqa: E402
-from runs.engine.store import Fence, Lease, create_run, fenced_write  # noqa: E402
+from runs.engine.fences import Fence, Lease  # noqa: E402
+from runs.engine.store import create_run, fenced_write  # noqa: E402
 from runs.engine.wakeup import doorbell  # noqa: E402
 from runs.models import Event, Run, RunStatus, Step, StepKind, StepStatus  # noqa: E402
 

@@ -15,8 +15,8 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
+from runs.engine.fences import Lease
 from runs.engine.lifecycle import execute
-from runs.engine.store import Lease
 from runs.engine.worker import WorkerProcess
 from runs.models import Run, RunStatus
 from tests import workflows

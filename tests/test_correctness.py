@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from approvals.models import ApprovalRequest
+from runs.engine.fences import Lease
 from runs.engine.lifecycle import execute
 from runs.engine.serialization import to_json
-from runs.engine.store import Lease
 from runs.errors import Halted, OperationError, OverBudget
 from runs.models import BudgetLedger, Event, Run, RunStatus, Step, StepStatus
 from runs.operations import cancel_run, fork_run, halt, set_budget, unhalt

@@ -21,7 +21,7 @@ from runs.engine import deltas
 from runs.engine.bridge import Turnstile
 from runs.engine.budget import NOTHING, Amount
 from runs.engine.context import Execution, RunContext
-from runs.engine.store import (
+from runs.engine.fences import (
     CONDITIONS,
     Fence,
     Lease,

@@ -15,8 +15,8 @@ from decimal import Decimal
 import pytest
 from django.db import connection, connections
 
+from runs.engine.fences import Lease
 from runs.engine.lifecycle import execute
-from runs.engine.store import Lease
 from runs.engine.worker import WorkerProcess
 from runs.models import Event, Run, RunStatus, Step
 from runs.operations import cancel_run, halt, set_budget, unhalt

@@ -91,8 +91,8 @@ from approvals.models import ApprovalRequest
 from approvals.services import decide, revoke
 from runs.engine import calls, checkpoints, compensation, lifecycle, replay, steps, waits, wakeup
 from runs.engine.budget import forget_cached_scopes
+from runs.engine.fences import Lease
 from runs.engine.lifecycle import execute
-from runs.engine.store import Lease
 from runs.engine.worker import WorkerProcess, runnable_filter
 from runs.errors import DecisionError, OperationError
 from runs.models import BudgetLedger, Event, Policy, Run, Step, StepKind

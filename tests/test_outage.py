@@ -11,8 +11,8 @@ import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext, override_settings
 
+from runs.engine.fences import Lease
 from runs.engine.outage import Outage, is_disconnect
-from runs.engine.store import Lease
 from runs.engine.worker import WorkerProcess
 from runs.models import Event, RunStatus, Step
 from runs.sdk import start_run

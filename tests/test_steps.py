@@ -12,7 +12,7 @@ from approvals.models import ApprovalRequest
 from runs.engine import budget, flow, registry
 from runs.engine.budget import forget_cached_scopes, shared_budget_scopes
 from runs.engine.context import Execution
-from runs.engine.store import Lease
+from runs.engine.fences import Lease
 from runs.errors import ApprovalRevoked, StepMisuse
 from runs.models import Event, Run, RunStatus, Step, StepStatus
 from runs.sdk import OutputNotSerializable, UnknownWorkflow, start_run

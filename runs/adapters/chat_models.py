@@ -30,8 +30,8 @@ from langchain_core.messages import BaseMessage, convert_to_openai_messages
 
 from runs.engine import llm as llm_engine
 from runs.engine.budget import Amount, Metered, Usage
+from runs.engine.fences import over_budget
 from runs.engine.records import CURRENT_STEP
-from runs.engine.store import over_budget
 from runs.models import Run, StepKind
 
 __all__ = ["metering"]

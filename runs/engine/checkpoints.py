@@ -12,19 +12,11 @@ from django.utils import timezone
 
 from runs.engine import holds
 from runs.engine.budget import NOTHING, Amount, Usage, book_shared, scopes_for
+from runs.engine.fences import Completion, Fence, Spend
 from runs.engine.records import brief, error_record
 from runs.engine.retry import retryable
 from runs.engine.state import ContextState
-from runs.engine.store import (
-    Completion,
-    Fence,
-    Spend,
-    append_event,
-    atomic,
-    complete_later,
-    fence,
-    fenced_write,
-)
+from runs.engine.store import append_event, atomic, complete_later, fence, fenced_write
 from runs.errors import REPLAYED, StepFailed, StepguardError
 from runs.models import EventType, Run, RunStatus, Step, StepStatus
 

@@ -25,9 +25,10 @@ from django.utils import timezone
 
 from runs.engine import flow, holds
 from runs.engine.budget import release_reservations
+from runs.engine.fences import Lease
 from runs.engine.outage import outage
 from runs.engine.registry import WorkflowDef
-from runs.engine.store import Lease, append_event, wake_parent
+from runs.engine.store import append_event, wake_parent
 from runs.engine.wakeup import doorbell
 from runs.logcontext import event_written
 from runs.models import GLOBAL, Event, EventType, Policy, Run, RunStatus, Worker

@@ -16,9 +16,9 @@ from runs.engine.budget import Usage
 from runs.engine.calls import ModelCalls
 from runs.engine.checkpoints import Checkpoints
 from runs.engine.compensation import Compensation
+from runs.engine.fences import Lease
 from runs.engine.replay import Replay
 from runs.engine.steps import Steps
-from runs.engine.store import Lease
 from runs.engine.waits import Waits
 from runs.errors import StepguardError
 from runs.models import Run, Step, StepStatus

@@ -7,7 +7,7 @@ ancestor's workflow's, or the kill switch. Lifting one hold lifts no other; a ru
 when none covers it.
 
 The same predicate, `covered_sql`, is used by every statement that decides whether a run may
-go on: the step start (store.fence_statement), the claim, and every write that pauses,
+go on: the step start (fences.fence_statement), the claim, and every write that pauses,
 releases or requeues a run, so a hold placed or lifted concurrently is never lost.
 """
 

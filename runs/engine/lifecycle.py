@@ -23,13 +23,12 @@ from runs.engine.bridge import run_async
 from runs.engine.budget import NOTHING, Amount, next_day_start, release_reservations
 from runs.engine.compensation import run_compensations
 from runs.engine.context import Execution, RunContext
+from runs.engine.fences import Fence, Lease
 from runs.engine.outage import is_disconnect
 from runs.engine.records import INTERRUPTED, brief, error_record
 from runs.engine.replay import REPLAY_FIELDS
 from runs.engine.serialization import to_json
 from runs.engine.store import (
-    Fence,
-    Lease,
     append_event,
     atomic,
     fence,

@@ -9,8 +9,9 @@ from uuid import UUID
 
 from django.utils import timezone
 
+from runs.engine.fences import Fence
 from runs.engine.state import ContextState
-from runs.engine.store import Fence, append_event, atomic, fence
+from runs.engine.store import append_event, atomic, fence
 from runs.errors import (
     REPLAYED,
     Cancelled,

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     from runs.engine.bridge import AsyncRunContext, Turnstile
     from runs.engine.budget import Usage
     from runs.engine.checkpoints import Reservation
+    from runs.engine.fences import Fence, Lease
     from runs.engine.records import Decision, Running
     from runs.engine.retry import RetryPolicy
-    from runs.engine.store import Fence, Lease
     from runs.errors import StepguardError
     from runs.models import Step
 

@@ -21,6 +21,7 @@ from runs import tracing
 from runs.engine import rates
 from runs.engine.budget import NOTHING, Amount, Metered, Usage, reserve_shared, scopes_for, to_usd
 from runs.engine.checkpoints import Reservation
+from runs.engine.fences import Fence, Spend
 from runs.engine.llm import retry_after
 from runs.engine.loop import engine_loop
 from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, brief
@@ -35,7 +36,7 @@ from runs.engine.step_starts import (
     possibly_spent,
     start_row,
 )
-from runs.engine.store import Fence, Spend, append_event, atomic, fence, fenced_write, flush
+from runs.engine.store import append_event, atomic, fence, fenced_write, flush
 from runs.errors import (
     ApprovalRevoked,
     Cancelled,

@@ -23,9 +23,10 @@ from runs import logcontext
 from runs.engine import registry
 from runs.engine.chores import Chore, ChoreContext
 from runs.engine.claims import HELD_SCOPES, WAKEABLE, Claims, runnable_filter
+from runs.engine.fences import Lease
 from runs.engine.lifecycle import execute, release
 from runs.engine.outage import is_disconnect, outage, reconnect, wait_for_database
-from runs.engine.store import Lease, completion_writer
+from runs.engine.store import completion_writer
 from runs.engine.wakeup import Listener, is_postgres
 from runs.models import Run, Worker
 
