@@ -13,7 +13,7 @@ from django.views.decorators.http import require_POST
 from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.services import decide, mark_four_eyes
 from runs import bounded
-from runs.views import _act, json_download, viewer_required, with_context
+from runs.views import do_action, json_download, viewer_required, with_context
 
 INBOX_PAGE = 50
 
@@ -80,4 +80,6 @@ def decide_view(request, approval_id: int):
     if not url_has_allowed_host_and_scheme(back, {request.get_host()}, request.is_secure()):
         back = reverse("stepguard:approvals")
     done = f"Approval {approval_id}: {decision} recorded."
-    return _act(request, lambda: decide(approval_id, decision, request.user, comment), back, done)
+    return do_action(
+        request, lambda: decide(approval_id, decision, request.user, comment), back, done
+    )

@@ -258,7 +258,7 @@ def start_view(request):
             version=version or None, started_by=request.user,
         )  # fmt: skip
 
-    response = _act(
+    response = do_action(
         request, start, reverse("stepguard:runs"),
         lambda _: f"Started {created['run'].workflow} run {str(created['run'].pk)[:8]}.",
     )  # fmt: skip
@@ -727,7 +727,7 @@ def json_download(value, filename: str) -> HttpResponse:
     return response
 
 
-def _act(request, action, back: str, done: str | Callable[[Any], str] = ""):
+def do_action(request, action, back: str, done: str | Callable[[Any], str] = ""):
     """Do `action`; say what went wrong, or (`done`, or `done` of what the action returned)
     what it did: no action goes unconfirmed."""
     try:
@@ -763,7 +763,9 @@ def run_action(request, run_id: UUID, action: str):
         raise Http404(f"no action {action!r}")
     back = reverse("stepguard:run", args=[run_id])
     done = f"Run {str(run_id)[:8]} {DONE[action]}."
-    return _act(request, lambda: actions[action](str(run_id), request.user, reason), back, done)
+    return do_action(
+        request, lambda: actions[action](str(run_id), request.user, reason), back, done
+    )
 
 
 @viewer_required
@@ -908,7 +910,7 @@ def budget_scope(request):
             plain_usd(value, "the daily budget" if name == "usd" else "the run budget")
         operations.set_budget(target, request.user, reason, **amounts)
 
-    return _act(request, set_it, reverse("stepguard:budgets"), "Budgets set.")
+    return do_action(request, set_it, reverse("stepguard:budgets"), "Budgets set.")
 
 
 #: An amount of USD as people type one: digits, and at most 6 decimals (micro-dollars).
@@ -949,7 +951,7 @@ def halt_scope(request, action: str):
         back = reverse("stepguard:halts")
     label = "Everything" if target == "all" else f"Workflow {request.POST['workflow']}"
     done = f"{label} {'halted' if action == 'halt' else 'unhalted'}."
-    return _act(request, lambda: act(target, request.user, reason), back, done)
+    return do_action(request, lambda: act(target, request.user, reason), back, done)
 
 
 #: What an operator types to turn the kill switch on from the dashboard.
@@ -974,7 +976,7 @@ def budget_view(request, run_id: UUID):
         operations.set_budget(str(run_id), request.user, reason, usd=usd)
 
     done = f"Budget of run {str(run_id)[:8]} set to {f'${usd}' if usd else 'none'}."
-    return _act(request, set_it, back, done)
+    return do_action(request, set_it, back, done)
 
 
 def _lowered_budget(run_id: UUID, usd: str) -> dict | None:
@@ -1125,7 +1127,7 @@ def fork_view(request, run_id: UUID):
         edits = fork_form_edits(request.POST, run_id)
         created["run"] = operations.fork_run(str(run_id), step, request.user, reason, **edits)
 
-    response = _act(request, fork, reverse("stepguard:run", args=[run_id]))
+    response = do_action(request, fork, reverse("stepguard:run", args=[run_id]))
     if "run" in created:
         messages.success(request, f"Forked run {str(run_id)[:8]} from step {step}.")
     if "run" in created:
@@ -1175,7 +1177,7 @@ def notifications_page(request):
 def notifications_add(request):
     """Add a channel from the form: kind, target, event types (checkboxes), workflow, secret."""
     post = request.POST
-    return _act(
+    return do_action(
         request,
         lambda: notifications.add_channel(
             request.user,
@@ -1195,7 +1197,7 @@ def notifications_add(request):
 @login_required
 @require_POST
 def notifications_remove(request, channel_id: int):
-    return _act(
+    return do_action(
         request,
         lambda: notifications.remove_channel(request.user, channel_id),
         reverse("stepguard:notifications"),
@@ -1262,7 +1264,7 @@ def _positive(value: str, what: str) -> int | None:
 def flow_limits(request):
     """A workflow's limits from its row's form; an empty field goes back to the code's."""
     post = request.POST
-    return _act(
+    return do_action(
         request,
         lambda: operations.set_limits(
             post.get("workflow", ""),
@@ -1303,7 +1305,7 @@ def flow_rate(request):
                  if n is not None]  # fmt: skip
         return f"Rate limit of {resource} set: {' and '.join(parts)} per {limit.window_seconds} s."
 
-    return _act(request, act, reverse("stepguard:flow") + "#rate-limits", done)
+    return do_action(request, act, reverse("stepguard:flow") + "#rate-limits", done)
 
 
 @login_required
@@ -1324,7 +1326,7 @@ def flow_schedule(request):
             input=data, catchup=post.get("catchup", "skip"),
         )  # fmt: skip
 
-    return _act(
+    return do_action(
         request, act, reverse("stepguard:flow") + "#schedules",
         lambda schedule: f"Schedule {schedule.name} saved: {schedule.workflow} at "
         f"{schedule.cron} ({schedule.timezone}).",
@@ -1342,7 +1344,7 @@ def flow_schedule_action(request, name: str, action: str):
     if action not in actions:
         raise Http404(f"no action {action!r}")
     done = {"pause": "paused", "resume": "resumed", "remove": "removed"}[action]
-    return _act(
+    return do_action(
         request, actions[action], reverse("stepguard:flow") + "#schedules",
         f"Schedule {name} {done}.",
     )  # fmt: skip
