@@ -607,6 +607,13 @@ class ChannelOut(Schema):
     signed: bool
     created_by: str
     created_at: datetime
+    paused_at: datetime | None = None
+    paused_by: str | None = None
+    pause_reason: str | None = None
+
+
+class PauseIn(In):
+    reason: str = Field("", max_length=500, pattern=TEXT, examples=["receiver down for upgrade"])
 
 
 class DeliveryOut(Schema):
@@ -659,6 +666,42 @@ def remove_channel(request, channel_id: int = Path(..., ge=1, le=2**62)):
     """Stop a channel: no new deliveries; its past ones stay listed."""
     channel = notifications.remove_channel(request.user, channel_id)
     return notifications.describe(channel, request.user)
+
+
+@router.post(
+    "/notifications/channels/{channel_id}/pause",
+    response={200: ChannelOut, **ERRORS_422},
+    tags=["notifications"],
+)
+def pause_channel(request, body: PauseIn, channel_id: int = Path(..., ge=1, le=2**62)):
+    """Send nothing on a channel until it is resumed: its events meanwhile are not delivered,
+    later either, and its deliveries under way stop retrying. Audited."""
+    channel = notifications.pause_channel(request.user, channel_id, body.reason)
+    return notifications.describe(channel, request.user)
+
+
+@router.post(
+    "/notifications/channels/{channel_id}/resume",
+    response={200: ChannelOut, **ERRORS_422},
+    tags=["notifications"],
+)
+def resume_channel(request, channel_id: int = Path(..., ge=1, le=2**62)):
+    """Send on a paused channel again, from now on. Audited."""
+    channel = notifications.resume_channel(request.user, channel_id)
+    return notifications.describe(channel, request.user)
+
+
+@router.post(
+    "/notifications/channels/{channel_id}/test",
+    response={201: DeliveryOut, **ERRORS_422},
+    tags=["notifications"],
+)
+def test_channel(request, channel_id: int = Path(..., ge=1, le=2**62)):
+    """Send a test message on a channel as every notification is sent (signed, keyed,
+    retried): the delivery returned shows how it went (`GET /notifications/deliveries`)."""
+    delivery = notifications.send_test(request.user, channel_id)
+    delivery.step = None
+    return Status(201, notifications.delivery_row(delivery))
 
 
 @router.get(

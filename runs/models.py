@@ -379,7 +379,11 @@ class EventType(models.TextChoices):
     RUNS_PRUNED = "runs.pruned", "finished runs were pruned"
     SCOPE_HALTED = "scope.halted", "a workflow or everything was halted"
     SCOPE_UNHALTED = "scope.unhalted", "a workflow or everything was unhalted"
-    NOTIFICATIONS_CHANGED = "notifications.changed", "a notification channel was added or removed"
+    NOTIFICATIONS_CHANGED = (
+        "notifications.changed",
+        "a notification channel was added, removed, paused or resumed",
+    )
+    NOTIFICATION_TEST = "notification.test", "a test notification was sent to a channel"
     LIMITS_SET = "limits.set", "a workflow's concurrency limits were set"
     RATE_LIMIT_SET = "rate_limit.set", "a resource's rate limit was set or removed"
     STEP_THROTTLED = "step.throttled", "a step waits for a rate limit's capacity"
@@ -774,12 +778,22 @@ class NotificationChannel(models.Model):
     scanned_until = models.DateTimeField()
     removed_at = models.DateTimeField(null=True, blank=True)
     removed_by = models.CharField(max_length=150, blank=True, default="")
+    # Paused: nothing is sent (the events meanwhile are not delivered later, and deliveries
+    # under way stop retrying), until resumed. Audited like adding and removing.
+    paused_at = models.DateTimeField(null=True, blank=True)
+    paused_by = models.CharField(max_length=150, blank=True, default="")
+    pause_reason = models.CharField(max_length=500, blank=True, default="")
+    resumed_at = models.DateTimeField(null=True, blank=True)  # events before it: never sent
 
     class Meta:
         ordering = ["id"]
         constraints = [
             models.CheckConstraint(
                 condition=Q(kind__in=ChannelKind.values), name="runs_channel_kind_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(paused_at__isnull=True) | ~Q(paused_by=""),
+                name="runs_channel_paused_by_someone",
             ),
         ]
 

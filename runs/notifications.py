@@ -172,12 +172,71 @@ def remove_channel(user, channel_id: int) -> NotificationChannel:
     """Stop a channel: no new deliveries; those under way finish, and the history stays."""
     actor = _actor(user, "runs.delete_notificationchannel", "remove notification channels")
     with transaction.atomic():
-        channel = NotificationChannel.objects.select_for_update().filter(pk=channel_id).first()
-        if channel is None or channel.removed_at is not None:
-            raise NotFound(f"no notification channel #{channel_id}")
+        channel = _live_channel(channel_id)
         channel.removed_at, channel.removed_by = timezone.now(), actor
         channel.save(update_fields=["removed_at", "removed_by"])
         audit(actor, EventType.NOTIFICATIONS_CHANGED, removed=describe(channel))
+    return channel
+
+
+def pause_channel(user, channel_id: int, reason: str = "") -> NotificationChannel:
+    """Stop sending on a channel (a receiver down for maintenance, a noisy one): its events
+    meanwhile are not delivered, later either, and its deliveries under way stop retrying."""
+    actor = _actor(user, "runs.add_notificationchannel", "pause notification channels")
+    reason = reason.strip()
+    if len(reason) > 500:
+        raise OperationError("a reason is at most 500 characters")
+    with transaction.atomic():
+        channel = _live_channel(channel_id)
+        if channel.paused_at is not None:
+            raise OperationError(
+                f"channel #{channel_id} is already paused (by {channel.paused_by})"
+            )
+        channel.paused_at, channel.paused_by, channel.pause_reason = timezone.now(), actor, reason
+        channel.save(update_fields=["paused_at", "paused_by", "pause_reason"])
+        audit(actor, EventType.NOTIFICATIONS_CHANGED, paused=describe(channel), reason=reason)
+    return channel
+
+
+def resume_channel(user, channel_id: int) -> NotificationChannel:
+    """Send on a paused channel again, from now on: what happened while it was paused is not
+    sent (a backlog of stale alerts would bury the live ones)."""
+    actor = _actor(user, "runs.add_notificationchannel", "resume notification channels")
+    with transaction.atomic():
+        channel = _live_channel(channel_id)
+        if channel.paused_at is None:
+            raise OperationError(f"channel #{channel_id} is not paused")
+        channel.paused_at, channel.paused_by, channel.pause_reason = None, "", ""
+        channel.scanned_until = channel.resumed_at = timezone.now()
+        fields = ["paused_at", "paused_by", "pause_reason", "scanned_until", "resumed_at"]
+        channel.save(update_fields=fields)
+        audit(actor, EventType.NOTIFICATIONS_CHANGED, resumed=describe(channel))
+    return channel
+
+
+def send_test(user, channel_id: int) -> NotificationDelivery:
+    """Send a test message on a channel, the way every notification goes (a delivery run:
+    signed, keyed, retried), so its result shows with the channel's deliveries."""
+    actor = _actor(user, "runs.add_notificationchannel", "test notification channels")
+    with transaction.atomic():
+        channel = _live_channel(channel_id)
+        if channel.paused_at is not None:
+            raise OperationError(f"channel #{channel_id} is paused: resume it to test it")
+        event = Event.objects.create(
+            run=None, seq=0, type=EventType.NOTIFICATION_TEST, actor=actor,
+            payload={"target": f"channel #{channel.pk}", "reason": f"a test sent by {actor}"},
+            created_at=timezone.now(),
+        )  # fmt: skip
+        if not _start_delivery(channel, event.pk, event.type):
+            raise OperationError(f"channel #{channel_id}: the test could not be started")
+    return NotificationDelivery.objects.get(channel=channel, event_id=event.pk)
+
+
+def _live_channel(channel_id: int) -> NotificationChannel:
+    """The channel, locked for the change, unless removed."""
+    channel = NotificationChannel.objects.select_for_update().filter(pk=channel_id).first()
+    if channel is None or channel.removed_at is not None:
+        raise NotFound(f"no notification channel #{channel_id}")
     return channel
 
 
@@ -210,6 +269,9 @@ def describe(channel: NotificationChannel, user=None) -> dict:
         "signed": bool(channel.secret),
         "created_by": channel.created_by,
         "created_at": channel.created_at.isoformat(),
+        "paused_at": channel.paused_at.isoformat() if channel.paused_at else None,
+        "paused_by": channel.paused_by or None,
+        "pause_reason": channel.pause_reason or None,
     }
 
 
@@ -222,10 +284,12 @@ def sweep(now=None) -> int:
     second delivery of one event to one channel impossible."""
     now = now or timezone.now()
     started = 0
-    for channel in NotificationChannel.objects.filter(removed_at__isnull=True):
+    for channel in NotificationChannel.objects.filter(removed_at__isnull=True, paused_at=None):
         events = Event.objects.filter(
             type__in=channel.events,
-            created_at__gte=max(channel.scanned_until - MARGIN, channel.created_at),
+            created_at__gte=max(
+                channel.scanned_until - MARGIN, channel.resumed_at or channel.created_at
+            ),
             created_at__lte=now,
         ).exclude(pk__in=NotificationDelivery.objects.filter(channel=channel).values("event_id"))
         # A delivery's own events are never notified: a failing webhook would feed itself.
@@ -371,6 +435,8 @@ def signature(secret: str, timestamp: str, body: bytes) -> str:
 def send(channel_id: int, event_id: int, key: str) -> dict:
     """Deliver, or raise DeliveryFailed saying whether trying again could help."""
     channel = NotificationChannel.objects.get(pk=channel_id)
+    if channel.paused_at is not None:  # a retry of a dead receiver's delivery stops here too
+        return {"skipped": f"the channel was paused by {channel.paused_by}"}
     event = Event.objects.select_related("run").filter(pk=event_id).first()
     if event is None:
         return {"skipped": "the event is gone (its run was pruned)"}

@@ -39,6 +39,11 @@ urlpatterns = [
         views.notifications_remove,
         name="notifications-remove",
     ),
+    path(
+        "notifications/<int:channel_id>/<str:action>",
+        views.notifications_channel,
+        name="notifications-channel",
+    ),
     path("flow", views.flow_page, name="flow"),
     path("flow/limits", views.flow_limits, name="flow-limits"),
     path("flow/rate", views.flow_rate, name="flow-rate"),

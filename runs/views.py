@@ -1147,6 +1147,9 @@ def _channel_row(channel: NotificationChannel, user) -> dict:
         "secret": bool(channel.secret),
         "created_by": channel.created_by,
         "created_at": channel.created_at,
+        "paused_at": channel.paused_at,
+        "paused_by": channel.paused_by,
+        "pause_reason": channel.pause_reason,
     }
 
 
@@ -1203,6 +1206,31 @@ def notifications_remove(request, channel_id: int):
         reverse("stepguard:notifications"),
         f"Channel {channel_id} removed.",
     )
+
+
+@login_required
+@require_POST
+def notifications_channel(request, channel_id: int, action: str):
+    """Pause, resume or test a channel."""
+    reason = request.POST.get("reason", "")
+    actions = {
+        "pause": (
+            lambda: notifications.pause_channel(request.user, channel_id, reason),
+            f"Channel {channel_id} paused: nothing is sent on it until it is resumed.",
+        ),
+        "resume": (
+            lambda: notifications.resume_channel(request.user, channel_id),
+            f"Channel {channel_id} resumed: its events are sent from now on.",
+        ),
+        "test": (
+            lambda: notifications.send_test(request.user, channel_id),
+            f"Test sent to channel {channel_id}: its delivery is the newest below.",
+        ),
+    }
+    if action not in actions:
+        raise Http404(f"no action {action!r}")
+    perform, done = actions[action]
+    return do_action(request, perform, reverse("stepguard:notifications"), done)
 
 
 # -- flow control ----------------------------------------------------------------------------------

@@ -178,6 +178,12 @@ def flow_content() -> None:
     operations.set_limits("ledger", "otto", "a test", max_running=3)
     operations.set_rate_limit("gpt-4o", "otto", "a test", requests=60, tokens=100_000)
     operations.save_schedule("otto", "nightly", workflow="ledger", cron="0 3 * * *")
+    # And the Notifications page's: a channel sending (test, pause, remove) and a paused one.
+    from runs import notifications
+
+    notifications.add_channel(None, "webhook", "https://hooks.example.com/a", ["run.failed"])
+    paused = notifications.add_channel(None, "email", "ops@example.com", ["run.failed"])
+    notifications.pause_channel(None, paused.pk, "mail relay moved")
 
 
 def login(page, server: str, username: str, next_path: str = "/") -> None:

@@ -673,3 +673,93 @@ def test_an_https_webhook_keeps_its_host_name_for_sni_and_the_certificate_check(
             notifications.send(other.pk, failed_event.pk, "key")
     finally:
         hook.close()
+
+
+def test_a_paused_channel_sends_nothing_and_resumed_sends_from_then_on_audited(drive, receiver):
+    hook = receiver()
+    channel = notifications.add_channel(None, "webhook", hook.url, ["run.failed"], secret=SECRET)
+    fail_a_run()
+    drive()
+    assert notifications.sweep() == 1  # a delivery under way when the channel is paused ...
+    notifications.pause_channel(None, channel.pk, "receiver down for an upgrade")
+    assert drive() == ["completed"]
+    assert hook.requests == []  # ... sends nothing (nor retries a dead receiver)
+    assert NotificationDelivery.objects.get().run.output == {
+        "skipped": "the channel was paused by cli"
+    }
+    with pytest.raises(OperationError, match="already paused"):
+        notifications.pause_channel(None, channel.pk)
+
+    fail_a_run()  # while paused: never sent, not even after the resume
+    drive()
+    assert notifications.sweep() == 0
+    notifications.resume_channel(None, channel.pk)
+    assert notifications.sweep() == 0
+    with pytest.raises(OperationError, match="not paused"):
+        notifications.resume_channel(None, channel.pk)
+
+    after = fail_a_run()
+    drive()
+    assert notifications.sweep() == 1
+    drive()
+    (request,) = hook.requests
+    assert valid(request) and json.loads(request["body"])["event"]["run_id"] == str(after.pk)
+    changes = Event.objects.filter(type=EventType.NOTIFICATIONS_CHANGED).order_by("id")
+    said = [sorted(set(e.payload) - {"added"}) for e in changes]
+    assert said == [[], ["paused", "reason"], ["resumed"]]
+    assert changes[1].payload["reason"] == "receiver down for an upgrade"
+
+
+def test_send_a_test_from_the_page_delivers_a_signed_test_and_viewers_may_not(
+    drive, receiver, client, cast
+):
+    hook = receiver()
+    channel = notifications.add_channel(None, "webhook", hook.url, ["run.failed"], secret=SECRET)
+    client.force_login(cast["vera"])
+    refused = client.post(f"/notifications/{channel.pk}/test")
+    assert refused.status_code == 403 and "may not test" in refused.content.decode()
+    assert not NotificationDelivery.objects.exists()
+
+    client.force_login(cast["otto"])
+    page = client.get("/notifications").content.decode()
+    assert f'aria-label="Send a test to channel {channel.pk}"' in page
+    answer = client.post(f"/notifications/{channel.pk}/test", follow=True)
+    assert f"Test sent to channel {channel.pk}" in answer.content.decode()
+    assert drive() == ["completed"]
+    (request,) = hook.requests
+    body = json.loads(request["body"])
+    assert valid(request) and request["headers"]["X-Stepguard-Event"] == "notification.test"
+    assert body["text"] == (
+        f"Stepguard: a test notification was sent to a channel: channel #{channel.pk} "
+        "a test sent by otto"
+    )
+    assert notifications.sweep() == 0  # a test goes to its one channel only
+
+    answer = client.post(f"/notifications/{channel.pk}/pause", {"reason": "noisy"}, follow=True)
+    page = answer.content.decode()
+    assert f"Channel {channel.pk} paused" in page and "noisy" in page
+    answer = client.post(f"/notifications/{channel.pk}/test", follow=True)
+    assert "is paused: resume it to test it" in answer.content.decode()
+    client.post(f"/notifications/{channel.pk}/resume")
+    assert NotificationChannel.objects.get(pk=channel.pk).paused_at is None
+
+
+def test_the_api_pauses_resumes_and_tests_a_channel_for_operators_only(client, cast, drive):
+    channel = notifications.add_channel(None, "email", "ops@example.com", ["run.failed"])
+    base = f"/api/notifications/channels/{channel.pk}"
+    client.force_login(cast["vera"])
+    assert client.post(f"{base}/pause", {}, content_type="application/json").status_code == 403
+    client.force_login(cast["otto"])
+    answer = client.post(f"{base}/pause", {"reason": "mail relay moved"}, "application/json")
+    assert answer.status_code == 200, answer.content
+    shown = answer.json()
+    assert shown["paused_by"] == "otto" and shown["pause_reason"] == "mail relay moved"
+    again = client.post(f"{base}/pause", {}, content_type="application/json")
+    assert again.status_code >= 400 and "already paused" in again.content.decode()
+    assert client.post(f"{base}/resume").json()["paused_at"] is None
+    answer = client.post(f"{base}/test")
+    assert answer.status_code == 201, answer.content
+    assert answer.json()["event_type"] == "notification.test"
+    assert drive() == ["completed"]
+    (sent,) = mail.outbox
+    assert "a test notification was sent to a channel" in sent.subject
