@@ -141,7 +141,7 @@ def _call(ctx: RunContext, key: str, args: Any, usage: Usage | None, fail: str |
     idem = ctx.idempotency_key
     probe.call_starts(ctx, key)
     # A step in doubt that a cancel re-sends (with its key) to learn what to undo.
-    probe.started(ctx, key, **info, resolving=ctx._execution._compensating)
+    probe.started(ctx, key, **info, resolving=ctx._execution._undo.running)
     calls = probe.calls[idem] = probe.calls.get(idem, 0) + 1
     if fail == "always" or (fail == "outage" and probe.outage) or (fail == "first" and calls == 1):
         probe.call_ends(idem, "raised")

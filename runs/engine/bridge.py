@@ -7,6 +7,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -95,6 +96,18 @@ class Turnstile:
         self._local.released = False
 
 
+@dataclass(frozen=True)
+class AsyncHost:
+    """What an execution of an async workflow runs on: the process's event loop, the turnstile
+    its steps take turns at, and the context its workflow function received (to start
+    concurrent steps from engine code, `Execution._concurrently`). Set by `run_async` for the
+    workflow's duration; None for a sync workflow."""
+
+    loop: asyncio.AbstractEventLoop
+    turnstile: Turnstile
+    context: AsyncRunContext
+
+
 class AsyncRunContext:
     """What an `async def` workflow receives: the same calls as RunContext, awaited.
 
@@ -132,8 +145,9 @@ class AsyncRunContext:
         running = CURRENT_STEP.get()
         if running is not None and running.owner == id(self._ctx):
             raise StepMisuse(f"a step was called inside step {running.key!r}; steps do not nest")
-        turnstile = self._ctx._turnstile
-        assert turnstile is not None  # run_async set it before handing this out
+        host = self._ctx._host
+        assert host is not None  # run_async set it before handing this out
+        turnstile = host.turnstile
         ticket = turnstile.ticket()
 
         def serve():
@@ -212,18 +226,19 @@ def run_async(fn: Callable, ctx: Execution, input: Any) -> Any:
     db = ThreadPoolExecutor(MAX_CONCURRENT_STEPS, thread_name_prefix="stepguard-db")
     loop = engine_loop()
 
+    async_ctx = AsyncRunContext(ctx, loop, db)
+
     async def main():
-        ctx._async = async_ctx = AsyncRunContext(ctx, loop, db)
         try:
             return await fn(async_ctx, input)
         finally:
             await async_ctx.drain()
 
-    ctx._loop, ctx._turnstile = loop, Turnstile()
+    ctx._host = AsyncHost(loop, Turnstile(), async_ctx)
     try:
         return asyncio.run_coroutine_threadsafe(main(), loop).result()
     finally:
-        ctx._loop = ctx._async = ctx._turnstile = None
+        ctx._host = None
         _close_connections(db)
         db.shutdown()
 

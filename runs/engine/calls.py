@@ -251,9 +251,10 @@ class ModelCalls(ContextState):
         """Run `jobs`, each making its own steps, as concurrent steps of an async workflow
         (positions in the order given, as asyncio.gather would); one after another in a sync
         workflow. The first exception, in order, is raised once all have ended."""
-        bridge, loop = self._async, self._loop
-        if bridge is None or loop is None or self._turnstile is None or len(jobs) < 2:
+        host = self._host
+        if host is None or len(jobs) < 2:
             return [job() for job in jobs]
+        bridge, loop = host.context, host.loop
 
         async def gather():
             steps = (bridge._enter(True, job) for job in jobs)

@@ -47,7 +47,7 @@ class Checkpoints(ContextState):
     def _start_fence(self) -> Fence:
         # Compensations run after a cancel was requested; every other step is refused then.
         # Halts and budgets stop both.
-        return Fence(starting=True, compensating=self._compensating)
+        return Fence(starting=True, compensating=self._undo.running)
 
     def _new_step(self, seq: int, key: str, kind: str, status: str, **fields) -> Step:
         return Step.objects.create(
@@ -102,7 +102,7 @@ class Checkpoints(ContextState):
             if (
                 defer
                 and event == EventType.STEP_COMPLETED
-                and not self._compensating
+                and not self._undo.running
                 and not self._recovering
                 and not settings.STEPGUARD_EAGER_COMPLETIONS
             ):

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from runs.engine.records import error_record
-from runs.engine.state import ContextState
 from runs.errors import StepFailed
 
 log = logging.getLogger("stepguard.executor")
@@ -16,23 +15,37 @@ if TYPE_CHECKING:
     from runs.engine.context import Execution
 
 
-class Compensation(ContextState):
-    """Remembers each completed step's undo; `_compensate` runs them in reverse."""
+class Compensations:
+    """One execution's undo list, owned by its Execution (`_undo`).
 
-    def _remember(self, key: str, compensate: Callable | None, output: Any) -> Any:
+    `done` holds each completed step's compensation with its output; `in_doubt` the steps
+    found `started` (they may have run) whose re-send a cancel refused, each with how to
+    resolve it first; `running` is set while the undo runs (its steps pass a cancel).
+    """
+
+    def __init__(self) -> None:
+        self.done: list[tuple[str, Callable, Any]] = []
+        self.in_doubt: dict[str, Callable[[], Any]] = {}
+        self.running = False
+
+    def remember(self, key: str, compensate: Callable | None, output: Any) -> Any:
+        """`output`, after noting its undo (if the step has one)."""
         if compensate is not None:
-            self._compensations.append((key, compensate, output))
+            self.done.append((key, compensate, output))
         return output
 
-    def _compensate(self) -> list[str]:
-        """Run the compensations of completed steps, newest first, each one a step itself.
+    def run(
+        self, run_id: str, seek: Callable[[str], None], undo: Callable[[str, Callable, Any], Any]
+    ) -> list[str]:
+        """Run the compensations of completed steps, newest first, each one a step itself
+        (`seek` puts the replay cursor at the undo's position, `undo` runs it as a step).
 
         A step that may have happened (found `started` after a crash, its re-send refused by
         the cancel) is first resolved as a recovery would: reconciled, or re-sent with its
         idempotency key so the service answers with what it did; then it is undone too.
         """
-        self._compensating = True
-        doubts, self._in_doubt = self._in_doubt, {}
+        self.running = True
+        doubts, self.in_doubt = self.in_doubt, {}
         for key, resolve in doubts.items():
             # Reconciled or re-sent with its key, and remembered if it happened; a StepFailed
             # means it did not (recorded as failed): nothing to undo. Any other error leaves
@@ -43,18 +56,25 @@ class Compensation(ContextState):
                 pass
             except Exception:
                 log.exception("run %s: step %r may have run and could not be resolved; "
-                              "it is not undone", self.run_id, key)  # fmt: skip
-        done = []
-        for key, undo, output in reversed(self._compensations):
-            self._seek_undo(key)
-            self._run_step(f"undo:{key}", undo, (output,), {}, internal=True)
-            done.append(key)
-        return done
+                              "it is not undone", run_id, key)  # fmt: skip
+        undone = []
+        for key, compensate, output in reversed(self.done):
+            seek(key)
+            undo(key, compensate, output)
+            undone.append(key)
+        return undone
 
 
 def run_compensations(ctx: Execution) -> tuple[list[str], dict | None]:
     """Returns the undone step keys and, if an undo failed, its error. Control flow passes."""
     try:
-        return ctx._compensate(), None
+        undo = ctx._run_step
+        return ctx._undo.run(
+            ctx.run_id,
+            ctx._seek_undo,
+            lambda key, compensate, output: undo(
+                f"undo:{key}", compensate, (output,), {}, internal=True
+            ),
+        ), None
     except Exception as exc:
         return [], error_record(exc)

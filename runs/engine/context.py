@@ -8,14 +8,13 @@ and the run's identity, never the engine's private methods and state.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from runs.engine.budget import Usage
 from runs.engine.calls import ModelCalls
 from runs.engine.checkpoints import Checkpoints
-from runs.engine.compensation import Compensation
+from runs.engine.compensation import Compensations
 from runs.engine.fences import Lease
 from runs.engine.replay import Replay
 from runs.engine.steps import Steps
@@ -23,11 +22,22 @@ from runs.engine.waits import Waits
 from runs.errors import StepguardError
 from runs.models import Run, Step, StepStatus
 
+if TYPE_CHECKING:
+    from runs.engine.bridge import AsyncHost
 
-class Execution(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
+
+class Execution(Steps, ModelCalls, Waits, Replay, Checkpoints):
     """One execution of one run: the engine's concerns and the state they share."""
 
-    def __init__(self, run: Run, history: dict[int, Step], lease: Lease):
+    def __init__(
+        self,
+        run: Run,
+        history: dict[int, Step],
+        lease: Lease,
+        *,
+        trace: Any = None,
+        give_up: StepguardError | None = None,
+    ):
         self.run_id: str = str(run.id)
         self.workflow: str = run.workflow
         self.version: str = run.version
@@ -44,24 +54,19 @@ class Execution(Steps, ModelCalls, Waits, Replay, Compensation, Checkpoints):
         #: Set past the poison-run bound: the first step not yet completed fails the run
         #: instead of being re-sent, so the compensations run without the step that kept
         #: killing workers.
-        self._give_up: StepguardError | None = None
-        self._compensations: list[tuple[str, Callable, Any]] = []
-        self._compensating = False
-        # A step found `started` (it may have run) whose re-send a cancel refused: resolved
-        # and then undone with the other compensations.
-        self._in_doubt: dict[str, Callable[[], Any]] = {}
+        self._give_up = give_up
+        self._undo = Compensations()  # the undo list, the steps in doubt, whether undoing
         self._answered: dict[Any, Usage] = {}
         self._answered_now: dict[str, Usage | None] = {}  # by idempotency key, from ctx.llm
         #: A run recovering from a lost worker completes each step at once: if the process
         #: keeps dying right after a step, that step must not be re-sent each time.
         self._recovering = run.recoveries > 0
-        self._trace = None  # the OpenTelemetry context steps descend from (runs/tracing.py)
+        self._trace = trace  # the OpenTelemetry context steps descend from (runs/tracing.py)
         self._patches: dict[str, bool] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._usd_budget = run.budget_micros is not None
         self._budgeted = self._usd_budget or run.budget_tokens is not None
-        self._turnstile = None  # an async workflow's: its steps may wait concurrently
-        self._async = None  # and what it receives, to start concurrent steps from here
+        #: An async workflow's event loop, turnstile and context (bridge.run_async sets it).
+        self._host: AsyncHost | None = None
         self._unpriced_models: set[str] = set()
         #: The run's last model call: (seq, its whole request, whether its stored form is known
         #: to expand to that request, None until checked); the next request is stored against it.

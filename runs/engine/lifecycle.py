@@ -111,15 +111,15 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
         return _database_error(run, exc, "loading checkpoints")
     except LeaseLost:
         return Outcome.LOST
-    ctx = Execution(run, history, lease)
-    ctx._trace = trace_parent
+    give_up = None
     if run.recoveries >= settings.STEPGUARD_MAX_RECOVERIES:
         started = next((s.key for s in history.values() if s.status == StepStatus.STARTED), None)
-        ctx._give_up = WorkerLost(
+        give_up = WorkerLost(
             f"its worker was lost {run.recoveries} times in a row without progress"
             + (f", each time during step {started!r}" if started else "")
             + " (STEPGUARD_MAX_RECOVERIES)"
         )
+    ctx = Execution(run, history, lease, trace=trace_parent, give_up=give_up)
     try:
         definition = registry.get(run.workflow, run.version)
         if inspect.iscoroutinefunction(definition.fn):

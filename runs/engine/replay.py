@@ -106,11 +106,11 @@ class Replay(ContextState):
                 record.run_attempt == self.attempt or not ended_it
             ):
                 self._raise_recorded(key, record.error or {})
-        if self._give_up is not None and not self._compensating:
+        if self._give_up is not None and not self._undo.running:
             if record is not None and record.key != key:
                 raise NonDeterminismError(seq=seq, recorded=record.key, requested=key)
             raise self._give_up
-        if self._cancel_requested and not self._compensating:
+        if self._cancel_requested and not self._undo.running:
             # Before the determinism check: after a cancel, the positions past this one hold
             # the compensations, not the steps the code would take next.
             raise Cancelled("cancel requested")
@@ -179,7 +179,7 @@ class Replay(ContextState):
             with atomic(self._lease):
                 # A marker spends nothing: halts and cancels stop it, a spent budget does not.
                 event_seq = fence(self._lease, Fence(starting=True, compensating=True))
-                if self._cancel_requested and not self._compensating:
+                if self._cancel_requested and not self._undo.running:
                     raise Cancelled("cancel requested")
                 self._new_step(
                     seq, key, StepKind.CALL, StepStatus.COMPLETED, finished_at=timezone.now()

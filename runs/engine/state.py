@@ -9,16 +9,16 @@ refuses a mixin whose definition no longer matches its declaration here.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
-    from runs.engine.bridge import AsyncRunContext, Turnstile
+    from runs.engine.bridge import AsyncHost
     from runs.engine.budget import Usage
     from runs.engine.checkpoints import Reservation
+    from runs.engine.compensation import Compensations
     from runs.engine.fences import Fence, Lease
     from runs.engine.records import Decision, Running
     from runs.engine.retry import RetryPolicy
@@ -45,19 +45,15 @@ class ContextState:
     _cancel_requested: bool
     _forked_from: Any
     _give_up: StepguardError | None
-    _compensations: list[tuple[str, Callable, Any]]
-    _compensating: bool
-    _in_doubt: dict[str, Callable[[], Any]]
+    _undo: Compensations
     _answered: dict[Any, Usage]  # usage of attempts that failed after an answer, by step
     _answered_now: dict[str, Usage | None]  # the answer the attempt failing now came after
     _recovering: bool
     _trace: Any
     _patches: dict[str, bool]
-    _loop: asyncio.AbstractEventLoop | None
     _usd_budget: bool
     _budgeted: bool
-    _turnstile: Turnstile | None
-    _async: AsyncRunContext | None
+    _host: AsyncHost | None
     _unpriced_models: set[str]
     _last_request: tuple[int, dict, bool | None] | None
 
@@ -170,6 +166,3 @@ class ContextState:
             timeout: float | timedelta | None = None,
         ) -> Decision: ...
         def _sleep(self, seconds: float) -> None: ...
-
-        # Compensation (compensation.py)
-        def _remember(self, key: str, compensate: Callable | None, output: Any) -> Any: ...

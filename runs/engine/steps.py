@@ -131,21 +131,21 @@ class Steps(ContextState):
             and may_have_run(record)
             and compensate is not None
             and on_ambiguous == "resend"
-            and not self._compensating
+            and not self._undo.running
         )
         if in_doubt:
             # If a cancel refuses the re-send, the cancel resolves it (reconciles or re-sends
             # it with its key, as a compensation) and then undoes it: it may have happened.
-            self._in_doubt[key] = lambda: self._at(key, seq, record, fn, args, kwargs, options)
+            self._undo.in_doubt[key] = lambda: self._at(key, seq, record, fn, args, kwargs, options)
         try:
             self._admit(key, seq, record)
             output = self._at(key, seq, record, fn, args, kwargs, options)
         except Cancelled:
             raise
         except BaseException:
-            self._in_doubt.pop(key, None)
+            self._undo.in_doubt.pop(key, None)
             raise
-        self._in_doubt.pop(key, None)
+        self._undo.in_doubt.pop(key, None)
         return output
 
     def _at(
@@ -157,13 +157,14 @@ class Steps(ContextState):
         if record is not None and record.status == StepStatus.COMPLETED:
             # A step copied from the run this one was forked from did its side effect there:
             # this run undoes only what it did itself.
-            return self._remember(key, None if record.inherited else o.compensate, record.output)
+            undo = None if record.inherited else o.compensate
+            return self._undo.remember(key, undo, record.output)
         idem = f"{self.run_id}:{key}"
         tries = 0  # the tries of this retry sequence so far: a durable retry delay goes on with it
         if record is not None:
             found = self._recover(record, seq, key, idem, o)
             if found is not NOT_FOUND:
-                return self._remember(key, o.compensate, found)
+                return self._undo.remember(key, o.compensate, found)
             if record.status == StepStatus.WAITING:
                 tries = (record.error or {}).get("tries", record.attempt)
                 if record.wake_at is not None and record.wake_at > timezone.now():
@@ -175,11 +176,11 @@ class Steps(ContextState):
             record, seq, key, o.kind, idem, input, self.attempt, self.worker_id
         )
         rate = None
-        if o.resource and not self._compensating:
+        if o.resource and not self._undo.running:
             tokens = o.estimate.tokens_in + o.estimate.tokens_out if o.estimate else 0
             rate = rates.Grant(o.resource, tokens)
-        possibly = possibly_spent(record, o.kind, self._compensating, fields, payload)
-        shared = [] if self._compensating else scopes_for(self.workflow)
+        possibly = possibly_spent(record, o.kind, self._undo.running, fields, payload)
+        shared = [] if self._undo.running else scopes_for(self.workflow)
         hold = Hold.of(record, o.estimate, shared, timezone.now().date())
         fields |= hold.columns()
         ending = rate.ended_on_error() if rate is not None else nullcontext()
@@ -198,7 +199,7 @@ class Steps(ContextState):
                 rate=rate,
             )  # fmt: skip
             output = self._call(call, attempt, tries)
-        return self._remember(key, o.compensate, output)
+        return self._undo.remember(key, o.compensate, output)
 
     def _recover(self, record: Step, seq: int, key: str, idem: str, options: StepOptions) -> Any:
         """A step an earlier execution left unfinished: the outcome its ambiguous-outcome policy
@@ -215,7 +216,7 @@ class Steps(ContextState):
             if reconcile is not None
             else self._ask(record, idem)
         )
-        if found is NOT_FOUND and self._compensating:
+        if found is NOT_FOUND and self._undo.running:
             # A cancel resolving it: it never happened, nothing to undo.
             gone = Cancelled("the run was cancelled before this step happened")
             held = Reservation.of(record)
@@ -383,7 +384,7 @@ class Steps(ContextState):
         """While this thread only waits (an async call, a retry delay), let the async
         workflow's other steps use the run's context (see bridge.Turnstile). The step's own
         state lives in its task's CURRENT_STEP, which the others do not see."""
-        turnstile = self._turnstile
+        turnstile = self._host.turnstile if self._host is not None else None
         if turnstile is None or not (force or turnstile.releasable()) or turnstile.released():
             yield
             return
