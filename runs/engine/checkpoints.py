@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import date, datetime
 from typing import Any, NoReturn
@@ -63,22 +64,48 @@ class Checkpoints(ContextState):
         )
 
     def _restart(self, step_pk, key, payload, attempt: int, held, approval) -> None:
+        """An in-place retry's start: the next attempt on the step's row, checked as any start
+        is (`_write_start`) against what the step already reserves."""
         # A step's times are its last attempt's: a retry's duration is not all of them.
         fields = {"attempt": attempt, "started_at": timezone.now()}
-        if approval is None:
-            retrying = replace(self._start_fence, held=held.reserved)
-            fenced_write(
-                self._lease,
-                (EventType.STEP_RETRYING, key, payload),
-                retrying,
-                update_step=(step_pk, fields),
-            )
-            return
+        self._write_start(
+            (EventType.STEP_RETRYING, key, payload),
+            replace(self._start_fence, held=held.reserved),
+            update=(step_pk, fields),
+            approval=approval,
+        )
+
+    def _write_start(
+        self,
+        event: tuple[str, str, dict],
+        checks: Fence,
+        *,
+        insert: dict | None = None,
+        update: tuple[Any, dict] | None = None,
+        approval: Any = None,
+        take_shared: Callable[[], None] | None = None,
+    ) -> Any:
+        """Every start of a step (first, resumed, re-sent, retried in place) is written here:
+        its row (`insert`, or `update` of the row by id) and its event, fenced by `checks`
+        (the lease, the halt, the cancel, the run's budget) in one statement. What the fence
+        cannot say (the approval, the shared daily ledgers: `take_shared`) needs a transaction
+        around it, where it is checked after the run row is locked. The row's id."""
+        if approval is None and take_shared is None:
+            return fenced_write(self._lease, event, checks, insert_step=insert, update_step=update)
+        type_, key, payload = event
         with atomic(self._lease):
-            event_seq = fence(self._lease, replace(self._start_fence, held=held.reserved))
+            event_seq = fence(self._lease, checks)
+            if take_shared is not None:
+                take_shared()
             self._check_approval(approval)
-            Step.objects.filter(pk=step_pk).update(**fields)
-            append_event(self._lease.run_id, event_seq, EventType.STEP_RETRYING, key, **payload)
+            if insert is not None:
+                step_pk = Step.objects.create(run_id=self._lease.run_id, **insert).pk
+            else:
+                assert update is not None
+                step_pk = update[0]
+                Step.objects.filter(pk=step_pk).update(**update[1])
+            append_event(self._lease.run_id, event_seq, type_, key, **payload)
+        return step_pk
 
     def _finish_step(
         self, step_pk, key, payload, fields, usage: Usage | None, held, *, defer=False,

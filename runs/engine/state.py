@@ -114,6 +114,16 @@ class ContextState:
         @property
         def _start_fence(self) -> Fence: ...
         def _new_step(self, seq: int, key: str, kind: str, status: str, **fields: Any) -> Step: ...
+        def _write_start(
+            self,
+            event: tuple[str, str, dict],
+            checks: Fence,
+            *,
+            insert: dict | None = None,
+            update: tuple[Any, dict] | None = None,
+            approval: Any = None,
+            take_shared: Callable[[], None] | None = None,
+        ) -> Any: ...
         def _restart(
             self, step_pk: Any, key: str, payload: Any, attempt: int, held: Any, approval: Any
         ) -> None: ...

@@ -36,7 +36,7 @@ from runs.engine.step_starts import (
     possibly_spent,
     start_row,
 )
-from runs.engine.store import append_event, atomic, fence, fenced_write, flush
+from runs.engine.store import append_event, atomic, fence, flush
 from runs.errors import (
     ApprovalRevoked,
     Cancelled,
@@ -236,26 +236,16 @@ class Steps(ContextState):
         starting = replace(
             self._start_fence, estimate=hold.delta, held=hold.held, possibly=possibly
         )
+        shared = hold.shared or hold.moving
         try:
-            if options.approval is None and not hold.shared and not hold.moving:
-                return fenced_write(
-                    self._lease,
-                    (EventType.STEP_STARTED, key, payload),
-                    replace(starting, durable=options.durable),
-                    insert_step=fields if record is None else None,
-                    update_step=None if record is None else (record.pk, fields),
-                )
-            with atomic(self._lease):
-                event_seq = fence(self._lease, starting)
-                hold.take_shared()
-                self._check_approval(options.approval)
-                if record is None:
-                    step_pk = Step.objects.create(run_id=self._lease.run_id, **fields).pk
-                else:
-                    step_pk = record.pk
-                    Step.objects.filter(pk=step_pk).update(**fields)
-                append_event(self._lease.run_id, event_seq, EventType.STEP_STARTED, key, **payload)
-            return step_pk
+            return self._write_start(
+                (EventType.STEP_STARTED, key, payload),
+                replace(starting, durable=options.durable),
+                insert=fields if record is None else None,
+                update=None if record is None else (record.pk, fields),
+                approval=options.approval,
+                take_shared=hold.take_shared if shared else None,
+            )
         except ApprovalRevoked as exc:
             pk = record.pk if record is not None else None
             self._record_failure(pk, seq, key, idem, options.kind, 1, exc, hold.old)
