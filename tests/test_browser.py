@@ -789,6 +789,7 @@ def test_a_model_call_reads_as_a_conversation_with_its_raw_json_a_click_away(
 
     run = start_run("llm-chat", {"prompt": "Why do steps need keys?"})
     assert drive() == ["completed"]
+    page.set_viewport_size({"width": 1440, "height": 900})
     login(page, server, "vera", f"/runs/{run.pk}")
     expect(page.locator("#step-0 time")).to_have_text(re.compile(r"^\d\d:\d\d:\d\d\.\d{3}$"))
     expect(page.locator("th.waterfall .axis .tick")).to_have_count(3)
@@ -798,6 +799,8 @@ def test_a_model_call_reads_as_a_conversation_with_its_raw_json_a_click_away(
     expect(panel.locator(".turn-user")).to_contain_text("Why do steps need keys?")
     expect(panel.locator(".turn-assistant")).not_to_be_empty()
     expect(panel).to_contain_text("gpt-4o-mini")
+    # Readable beside the timeline on a 1440 px screen (it was 416 px: ~45 characters a line).
+    assert panel.bounding_box()["width"] >= 560
     expect(panel.locator("dt", has_text="Tokens")).to_be_visible()
     raw = panel.get_by_text("Raw response")
     raw.click()
