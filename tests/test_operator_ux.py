@@ -264,3 +264,23 @@ def test_the_run_span_ends_with_the_run_when_the_live_header_refreshes(drive, cl
     assert span and "→ now" not in span[2], header[-400:]
     finished = Run.objects.get(pk=run.pk).finished_at
     assert int(span[1]) == int(finished.timestamp() * 1000)
+
+
+def test_what_an_approval_approves_is_shown_unfolded_in_the_inbox_and_on_the_run_page(
+    client, cast, drive
+):
+    """Item 5: the flight and its price, three levels down, are read without a click."""
+    booking = {"flight": {"number": "LH 454", "price": {"amount": "612.40", "currency": "EUR"}}}
+    run = start_run("approver", {"amount": 612, "booking": booking})
+    assert drive() == ["waiting"]
+    client.force_login(cast["ada"])
+    for path in ("/approvals", f"/runs/{run.pk}"):
+        page = client.get(path).content.decode()
+        card = page[page.index('class="card approval"') :]
+        card = card[: card.index("</article>")]
+        assert "LH 454" in card and "612.40" in card, path
+        assert re.findall(r'<details class="json"(?! open)', card) == [], path
+    # Elsewhere deep values still start folded (a step's output on the run page).
+    from runs.templatetags.timeline import json_tree
+
+    assert '<details class="json">' in json_tree(booking)

@@ -232,7 +232,8 @@ def approver(ctx: RunContext, input: dict):
             "ok",
             action="charge card",
             summary=f"charge {input['amount']} EUR",
-            payload={"amount": input["amount"]},
+            # What it approves may be nested (the flight and its price, inside the booking).
+            payload={k: v for k, v in input.items() if k in ("amount", "booking")},
             timeout=input.get("timeout"),
         )
     except (ApprovalRejected, ApprovalExpired) as exc:

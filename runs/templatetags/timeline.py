@@ -74,10 +74,12 @@ def as_json(value) -> str:
 
 
 @register.filter
-def json_tree(value) -> SafeString:
-    """Nested, collapsible JSON: objects and arrays are <details>, deeper levels start folded.
+def json_tree(value, unfolded: str = "") -> SafeString:
+    """Nested, collapsible JSON: objects and arrays are <details>, deeper levels start folded
+    (every level open with `json_tree:"unfolded"`: what an approval approves is read whole).
     Too big or too deep a value is shown as plain text instead (it stops building the tree)."""
     budget = [MAX_NODES]
+    open_depth = MAX_DEPTH if unfolded else OPEN_DEPTH
 
     class TooBig(Exception):
         pass
@@ -96,7 +98,7 @@ def json_tree(value) -> SafeString:
             )  # fmt: skip
             return format_html(
                 '<details class="json"{}><summary>{}</summary><ul>{}</ul></details>',
-                mark_safe(" open") if depth < OPEN_DEPTH else "",
+                mark_safe(" open") if depth < open_depth else "",
                 label,
                 items,
             )
