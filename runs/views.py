@@ -33,7 +33,7 @@ from django.views.decorators.http import require_POST
 
 from approvals.models import ApprovalStatus
 from approvals.services import mark_four_eyes
-from runs import bounded, notifications, operations, queries
+from runs import bounded, charts, notifications, operations, queries
 from runs.conversation import conversation, last_answer
 from runs.engine import flow, rates, registry
 from runs.engine.budget import to_micros, to_usd
@@ -480,6 +480,7 @@ def header_context(request, run: Run) -> dict:
         "total_usd": to_usd(run.cost_micros + children_cost),
         "percent": budget_percent(run),
         "usd": to_usd(run.cost_micros),
+        "spend_chart": charts.spend_over_time(run),
         "budget_usd": to_usd(run.budget_micros),
         "input": shown("input", run.input, reverse("stepguard:run-json", args=[run.pk, "input"])),
         "output": shown(
@@ -884,6 +885,8 @@ def budgets_page(request):
                 Run.objects.filter(status=RunStatus.OVER_BUDGET).order_by("-created_at")[:100]
             ),
             "can_budget": request.user.has_perm("runs.set_budget"),
+            "daily": charts.spend_per_day(),
+            "days": charts.DAYS,
         },
     )
 

@@ -284,3 +284,33 @@ def test_what_an_approval_approves_is_shown_unfolded_in_the_inbox_and_on_the_run
     from runs.templatetags.timeline import json_tree
 
     assert '<details class="json">' in json_tree(booking)
+
+
+def test_a_run_s_spend_over_time_and_each_workflow_s_spend_per_day_are_charted(client, cast, drive):
+    """Item 5: a small chart of a run's spend as its steps finished, and on the Budgets page
+    each workflow's spend per UTC day, each with a text alternative that gives the numbers."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from runs.models import Step
+
+    client.force_login(cast["vera"])
+    assert "Nothing spent in the last 14 days." in client.get("/budgets").content.decode()
+    run = start_run("many", {"steps": 3})
+    assert drive() == ["completed"]
+    page = client.get(f"/runs/{run.pk}").content.decode()
+    assert "Spend over time" not in page  # it spent nothing: no chart
+    yesterday = timezone.now() - timedelta(days=1)
+    Step.objects.filter(run=run, seq=0).update(cost_micros=1000, finished_at=yesterday)
+    Step.objects.filter(run=run, seq__gt=0).update(cost_micros=2500)
+    Run.objects.filter(pk=run.pk).update(cost_micros=6000)
+
+    page = client.get(f"/runs/{run.pk}").content.decode()
+    assert 'aria-label="Spend over time: $0.006 in 3 calls over' in page
+    assert '<svg class="chart spark"' in page
+    page = html.unescape(client.get("/budgets").content.decode())
+    today = timezone.now().date().isoformat()
+    assert f"many: $0.006 in the last 14 days, most on {today} ($0.005)" in page
+    bars = re.findall(r'<rect x="[^"]+" y="[^"]+" width="[^"]+" height="([^"]+)">', page)
+    assert len(bars) == 14 and bars[-1] == "46.0" and bars[-2] == "9.2"  # today, yesterday

@@ -1,0 +1,122 @@
+"""Small spend charts as inline SVG: a run's spend over time, and spend per workflow per day.
+
+Drawn on the server (no chart library, no script: the pages' CSP allows none inline), each
+with a text alternative that says what the chart shows, so a screen reader reads the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, time, timedelta
+
+from django.db.models import Sum
+from django.db.models.functions import TruncDate
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
+
+from runs.engine.budget import to_usd
+from runs.models import Run, Step
+
+WIDTH, HEIGHT = 240, 48
+DAYS = 14
+
+
+def _usd(micros: int) -> str:
+    return f"${to_usd(micros).normalize():f}"
+
+
+def spend_over_time(run: Run) -> SafeString | None:
+    """The run's recorded spend summed as its steps finished (a rising step line), or None
+    when it spent nothing (no query then)."""
+    if not run.cost_micros:
+        return None
+    rows = list(
+        Step.objects.filter(run=run, cost_micros__gt=0, finished_at__isnull=False)
+        .order_by("finished_at", "seq")
+        .values_list("finished_at", "cost_micros")
+    )
+    if not rows:
+        return None
+    start = min(run.started_at or run.created_at, rows[0][0])
+    end = max(run.finished_at or rows[-1][0], rows[-1][0])
+    span = max((end - start).total_seconds(), 0.001)
+    total = sum(micros for _, micros in rows)
+    x = lambda when: round((when - start).total_seconds() / span * WIDTH, 1)  # noqa: E731
+    y = lambda spent: round(HEIGHT - spent / total * (HEIGHT - 2) - 1, 1)  # noqa: E731
+    path, spent = [f"M0 {HEIGHT - 1}"], 0
+    for when, micros in rows:
+        path.append(f"H{x(when)}")
+        spent += micros
+        path.append(f"V{y(spent)}")
+    path.append(f"H{WIDTH}")
+    said = (
+        f"Spend over time: {_usd(total)} in {len(rows)} call{'s' if len(rows) != 1 else ''} "
+        f"over {span:.1f} s"
+    )
+    return format_html(
+        '<svg class="chart spark" viewBox="0 0 {} {}" width="{}" height="{}" role="img" '
+        'aria-label="{}"><title>{}</title><path d="{}"/></svg>',
+        WIDTH, HEIGHT, WIDTH, HEIGHT, said, said, " ".join(path),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DailySpend:
+    workflow: str
+    total_micros: int
+    chart: SafeString
+
+
+def spend_per_day(today: date | None = None, limit: int = 12) -> list[DailySpend]:
+    """Each workflow's recorded spend per UTC day over the last DAYS days (by when its steps
+    finished, as the page's "today" is), the biggest spenders first, as small bar charts."""
+    today = today or timezone.now().date()
+    first = today - timedelta(days=DAYS - 1)
+    rows = (
+        Step.objects.filter(
+            finished_at__gte=datetime.combine(first, time.min, tzinfo=UTC), cost_micros__gt=0
+        )
+        .annotate(day=TruncDate("finished_at"))
+        .values_list("run__workflow", "day")
+        .annotate(total=Sum("cost_micros"))
+        .order_by()
+    )
+    by_workflow: dict[str, dict[date, int]] = {}
+    for workflow, day, micros in rows:
+        by_workflow.setdefault(workflow, {})[day] = micros
+    ranked = sorted(by_workflow.items(), key=lambda item: (-sum(item[1].values()), item[0]))
+    top = max((m for _, days in ranked[:limit] for m in days.values()), default=0)
+    return [
+        DailySpend(workflow, sum(days.values()), _bars(workflow, days, first, top))
+        for workflow, days in ranked[:limit]
+    ]
+
+
+def _bars(workflow: str, days: dict[date, int], first: date, top: int) -> SafeString:
+    step = WIDTH / DAYS
+    bars = []
+    for i in range(DAYS):
+        day = first + timedelta(days=i)
+        micros = days.get(day, 0)
+        height = round(micros / top * (HEIGHT - 2), 1) if top else 0
+        bars.append(
+            (round(i * step + 1, 1), round(HEIGHT - height, 1), round(step - 2, 1), height,
+             f"{day.isoformat()}: {_usd(micros)}")
+        )  # fmt: skip
+    busiest = max(days.items(), key=lambda item: item[1])
+    said = (
+        f"{workflow}: {_usd(sum(days.values()))} in the last {DAYS} days, "
+        f"most on {busiest[0].isoformat()} ({_usd(busiest[1])})"
+    )
+    return format_html(
+        '<svg class="chart bars" viewBox="0 0 {} {}" width="{}" height="{}" role="img" '
+        'aria-label="{}"><title>{}</title>{}</svg>',
+        WIDTH, HEIGHT, WIDTH, HEIGHT, said, said,
+        format_html_join(
+            "", '<rect x="{}" y="{}" width="{}" height="{}"><title>{}</title></rect>', bars
+        ),
+    )  # fmt: skip
+
+
+__all__ = ["DailySpend", "spend_over_time", "spend_per_day"]
