@@ -763,3 +763,20 @@ def test_the_api_pauses_resumes_and_tests_a_channel_for_operators_only(client, c
     assert drive() == ["completed"]
     (sent,) = mail.outbox
     assert "a test notification was sent to a channel" in sent.subject
+
+
+def test_the_cli_pauses_resumes_and_tests_a_channel(drive, capsys):
+    channel = notifications.add_channel(None, "email", "ops@example.com", ["run.failed"])
+    call_command("notifications", "pause", str(channel.pk), "--reason", "relay moved")
+    assert capsys.readouterr().out.startswith(f"paused channel #{channel.pk}")
+    call_command("notifications", "list")
+    assert "[paused by cli]" in capsys.readouterr().out
+    with pytest.raises(CommandError, match="is paused: resume it to test it"):
+        call_command("notifications", "test", str(channel.pk))
+    call_command("notifications", "resume", str(channel.pk))
+    assert capsys.readouterr().out.startswith(f"resumed channel #{channel.pk}")
+    call_command("notifications", "test", str(channel.pk))
+    assert "test notification queued" in capsys.readouterr().out
+    assert drive() == ["completed"]
+    (sent,) = mail.outbox
+    assert "a test notification was sent to a channel" in sent.subject

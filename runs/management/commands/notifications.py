@@ -1,4 +1,5 @@
-"""`manage.py notifications add|list|remove`: where Stepguard tells people what happened."""
+"""`manage.py notifications add|list|remove|pause|resume|test`: where Stepguard tells people
+what happened."""
 
 import os
 
@@ -10,7 +11,7 @@ from runs.models import NOTIFIABLE, NotificationChannel
 
 
 class Command(BaseCommand):
-    help = "Add, list and remove notification channels (webhooks and email)."
+    help = "Add, list, remove, pause, resume and test notification channels (webhooks, email)."
 
     def add_arguments(self, parser):
         sub = parser.add_subparsers(dest="action", required=True)
@@ -31,6 +32,13 @@ class Command(BaseCommand):
         remove = sub.add_parser("remove", help="stop a channel (its deliveries stay listed)")
         remove.add_argument("id", type=int)
         remove.add_argument("--user", help="the person acting (checked for the permission)")
+        pause = sub.add_parser("pause", help="stop sending on a channel until it is resumed")
+        pause.add_argument("--reason", default="", help="why (shown on the page, audited)")
+        resume = sub.add_parser("resume", help="send on a paused channel again, from now on")
+        test = sub.add_parser("test", help="send a notification.test the way every one goes")
+        for each in (pause, resume, test):
+            each.add_argument("id", type=int)
+            each.add_argument("--user", help="the person acting (checked for the permission)")
 
     def handle(self, *args, action, **options):
         try:
@@ -61,8 +69,25 @@ class Command(BaseCommand):
         channel = notifications.remove_channel(options["user"], options["id"])
         self.stdout.write(f"removed channel #{channel.pk}: {self._line(channel)}")
 
+    def _pause(self, options):
+        channel = notifications.pause_channel(options["user"], options["id"], options["reason"])
+        self.stdout.write(f"paused channel #{channel.pk}: {self._line(channel)}")
+
+    def _resume(self, options):
+        channel = notifications.resume_channel(options["user"], options["id"])
+        self.stdout.write(f"resumed channel #{channel.pk}: {self._line(channel)}")
+
+    def _test(self, options):
+        delivery = notifications.send_test(options["user"], options["id"])
+        self.stdout.write(
+            f"test notification queued on channel #{options['id']} (delivery #{delivery.pk}); "
+            "its result shows in `notifications list` and on the Notifications page"
+        )
+
     @staticmethod
     def _line(channel) -> str:
         scope = f" (workflow {channel.workflow})" if channel.workflow else ""
         signed = ", signed" if channel.secret else ""
-        return f"{channel.kind} {channel.target}{scope}: {', '.join(channel.events)}{signed}"
+        paused = f" [paused by {channel.paused_by}]" if channel.paused_at else ""
+        events = ", ".join(channel.events)
+        return f"{channel.kind} {channel.target}{scope}: {events}{signed}{paused}"
