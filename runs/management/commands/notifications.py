@@ -30,13 +30,11 @@ class Command(BaseCommand):
         add.add_argument("--user", help="the person acting (checked for the permission)")
         sub.add_parser("list", help="the channels in use")
         remove = sub.add_parser("remove", help="stop a channel (its deliveries stay listed)")
-        remove.add_argument("id", type=int)
-        remove.add_argument("--user", help="the person acting (checked for the permission)")
         pause = sub.add_parser("pause", help="stop sending on a channel until it is resumed")
         pause.add_argument("--reason", default="", help="why (shown on the page, audited)")
         resume = sub.add_parser("resume", help="send on a paused channel again, from now on")
         test = sub.add_parser("test", help="send a notification.test the way every one goes")
-        for each in (pause, resume, test):
+        for each in (remove, pause, resume, test):
             each.add_argument("id", type=int)
             each.add_argument("--user", help="the person acting (checked for the permission)")
 
@@ -81,7 +79,7 @@ class Command(BaseCommand):
         delivery = notifications.send_test(options["user"], options["id"])
         self.stdout.write(
             f"test notification queued on channel #{options['id']} (delivery #{delivery.pk}); "
-            "its result shows in `notifications list` and on the Notifications page"
+            "its result shows with the channel's deliveries on the Notifications page"
         )
 
     @staticmethod
