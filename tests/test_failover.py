@@ -52,7 +52,7 @@ def standby_of(primary: Cluster) -> Cluster:
     standby = Cluster(primary.bin, home, _free_port())
     standby.run(
         "pg_basebackup", "-h", "127.0.0.1", "-p", str(primary.port), "-U", "postgres",
-        "-D", str(standby.data), "-R", "-X", "stream", "--no-sync",
+        "-D", str(standby.data), "-R", "-X", "stream", "--no-sync", "--checkpoint=fast",
     )  # fmt: skip
     with (standby.data / "postgresql.conf").open("a") as conf:
         conf.write(
