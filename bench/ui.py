@@ -2,11 +2,14 @@
 
     .venv/bin/python bench/ui.py                  (local PostgreSQL; DATABASE_URL overrides)
     .venv/bin/python bench/ui.py --latency-only   (skip the fill and the server times)
+    .venv/bin/python bench/ui.py --runs 1000000 --server-only   (issue 35's million runs)
 
-1. Server times. Fills its own database (`stepguard_bench_ui`) once with generate_series
-   (100,000 runs, 1,000,000 events), then times the runs list (first page, filtered pages, a
-   search, a deep keyset page) and a run page through Django's test client, and prints medians
-   and p95. Target: under 200 ms median. Then the run page of a 5,000-step run (10,000 events)
+1. Server times. Fills its own database (`stepguard_bench_ui`, or `stepguard_bench_ui_<N>` for
+   `--runs N`) once with generate_series (100,000 runs, 1,000,000 events by default), then
+   times the runs list (first page, filtered pages, key and short-id search, a workflow and
+   status that match nothing, a deep keyset page), a run page, the inbox, the audit page, the
+   API's runs list and /metrics through Django's test client, and prints medians and p95.
+   Target: under 200 ms median. Then the run page of a 5,000-step run (10,000 events)
    against a 10-step run's, the baseline measured in the same invocation: median server time,
    bytes, and their ratios. Both runs are written once with bulk_create (`bench.long`).
 
@@ -75,7 +78,11 @@ from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-NAME = "stepguard_bench_ui"
+# The history's size comes first: each size has a database of its own, filled once.
+_size = argparse.ArgumentParser(add_help=False)
+_size.add_argument("--runs", type=int, default=100_000)
+RUNS = _size.parse_known_args()[0].runs
+NAME = "stepguard_bench_ui" if RUNS == 100_000 else f"stepguard_bench_ui_{RUNS}"
 os.environ.setdefault("DATABASE_URL", f"postgres://postgres@127.0.0.1:5432/{NAME}")
 os.environ["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
 os.environ.setdefault("SECRET_KEY", "bench-only-not-a-secret")
@@ -87,7 +94,7 @@ os.environ.pop("REDIS_URL", None)
 
 import psycopg  # noqa: E402
 
-RUNS, EVENTS_PER_RUN, REPEATS = 100_000, 10, 15
+EVENTS_PER_RUN, REPEATS = 10, 15
 LONG_WORKFLOW, LONG_STEPS, SHORT_STEPS = "bench.long", 5_000, 10
 REDIS_URL = os.environ.get("STEPGUARD_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 LIVE_POLL = "0.5"  # STEPGUARD_LIVE_POLL for every daphne started here (the default)
@@ -183,8 +190,14 @@ def server_times(user) -> None:
         ("runs list, status=failed", "/", {"status": "failed"}),
         ("runs list, workflow=bench-7", "/", {"workflow": "bench-7"}),
         ("runs list, key search", "/", {"q": "k-4242"}),
-        ("runs list, page 1,000 (keyset)", "/", {"before": marker}),
+        ("runs list, short id search", "/", {"q": str(middle.pk)[:8]}),
+        ("runs list, workflow+status, none", "/", {"workflow": "bench-7", "status": "running"}),
+        (f"runs list, page {RUNS // 100:,} (keyset)", "/", {"before": marker}),
         ("run page (10 events)", f"/runs/{oldest.pk}", {}),
+        ("approvals inbox", "/approvals", {}),
+        ("audit page", "/audit", {}),
+        ("API runs list", "/api/runs", {}),
+        ("/metrics (summary cached)", "/metrics", {}),
     ]
     print(f"\n{RUNS:,} runs, {history.count() * EVENTS_PER_RUN:,} events; {REPEATS} requests each")
     print(f"  {'page':<34} {'median':>9} {'p95':>9}  target < 200 ms")
@@ -192,6 +205,10 @@ def server_times(user) -> None:
         median, high = timed(client, path, **params)
         verdict = "MET" if median < 200 else "MISSED"
         print(f"  {label:<34} {median:>7.1f}ms {high:>7.1f}ms  {verdict}")
+    # The summary's whole-table totals, computed at most once a minute (controlplane/metrics.py).
+    with override_settings(STEPGUARD_METRICS_SUMMARY_SECONDS=0):
+        median, high = timed(client, "/metrics")
+    print(f"  {'/metrics (summary recomputed)':<34} {median:>7.1f}ms {high:>7.1f}ms  once a minute")
 
 
 def long_run(steps: int) -> Run:
@@ -734,6 +751,15 @@ def main() -> None:
         action="store_true",
         help="skip the 100,000-run fill and the server times; only the websocket latency",
     )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=100_000,
+        help="runs in the history (10 events each; a database of its own per size)",
+    )
+    parser.add_argument(
+        "--server-only", action="store_true", help="only the fill and the server times"
+    )
     parser.add_argument("--events", type=int, default=50, help="events per configuration")
     parser.add_argument("--list-runs", type=int, default=30, help="new runs per configuration")
     args = parser.parse_args()
@@ -743,6 +769,8 @@ def main() -> None:
         fill()
         server_times(user)
         long_run_page(user)
+    if args.server_only:
+        return
     latency(user, args.events)
     list_latency(user, args.list_runs)
 

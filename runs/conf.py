@@ -78,6 +78,9 @@ STEPGUARD_PUBLIC_URL = os.environ.get("STEPGUARD_PUBLIC_URL", "")
 STEPGUARD_WEBHOOK_ALLOW = env_allow("STEPGUARD_WEBHOOK_ALLOW")
 # GET /metrics without an API key or a session, from these addresses or networks (Prometheus).
 STEPGUARD_METRICS_ALLOW = env_networks("STEPGUARD_METRICS_ALLOW")
+# /metrics' totals over everything stored (finished runs, steps, spend, deliveries) read whole
+# tables: computed at most once this often and shared through Django's cache (0: every scrape).
+STEPGUARD_METRICS_SUMMARY_SECONDS = env_float("STEPGUARD_METRICS_SUMMARY_SECONDS", 60.0)
 # The reverse proxies whose X-Forwarded-For is believed (controlplane/proxy.py, `serve`).
 STEPGUARD_TRUSTED_PROXIES = env_networks("STEPGUARD_TRUSTED_PROXIES")
 # Sessions end after this long without a request, or this long after login (in stand-alone

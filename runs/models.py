@@ -247,6 +247,11 @@ class Run(models.Model):
             # Unfiltered and per-workflow lists, and their keyset pages (created_at, id).
             models.Index(fields=["-created_at", "-id"], name="runs_run_created_idx"),
             models.Index(fields=["workflow", "-created_at"], name="runs_run_workflow_created_idx"),
+            # A workflow and a status together: a pair that matches nothing is an index probe,
+            # not a walk of the workflow's whole history (282 ms at a million runs).
+            models.Index(
+                fields=["workflow", "status", "-created_at"], name="runs_run_wf_status_created_idx"
+            ),
             # Retention (runs/retention.py): finished root runs, oldest first, keyset-paged.
             models.Index(
                 fields=["finished_at", "id"],

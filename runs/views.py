@@ -124,7 +124,9 @@ def runs_list(request):
     counted = Run.objects.all()
     if not filters.get("engine"):  # the engine's own runs count where they are shown
         counted = counted.exclude(workflow__startswith=queries.ENGINE_PREFIX)
-    counts = dict(counted.values_list("status").annotate(n=Count("id")))
+    counts = queries.status_counts(counted)
+    total = sum(n for n, _ in counts.values())
+    all_exact = all(exact for _, exact in counts.values())
     rows = list_rows(page)
     query = {k: v for k, v in filters.items() if v}
     older = urlencode({**query, "before": marker}) if marker else None
@@ -133,12 +135,16 @@ def runs_list(request):
         "runs/list.html",
         {
             "rows": rows,
-            "counts": [(s, counts.get(s, 0)) for s in RunStatus.values],
+            "counts": [
+                (s, n if exact else queries.about(n), exact) for s, (n, exact) in counts.items()
+            ],
             "filters": filters,
             "filter_query": urlencode(query),
             # Unfiltered, the counts say how many runs a bulk action would touch; filtered, the
             # page asks /runs/count after it renders (a substring search counts by a scan).
-            "total": sum(counts.values()),
+            "total": total if all_exact else queries.about(total),
+            "total_exact": all_exact,
+            "exact_up_to": f"{queries.EXACT_UP_TO:,}",
             "older_query": older,
             "statuses": RunStatus.values,
             "can_operate": request.user.has_perm("runs.halt_run"),
@@ -277,7 +283,9 @@ def runs_count(request):
         runs, _ = filtered_runs(request.GET)
     except BadFilter as exc:
         return HttpResponse(str(exc), content_type="text/plain", status=400)
-    n = runs.count()
+    n = runs.order_by().values("pk")[: queries.EXACT_UP_TO + 1].count()  # bulk takes ≤1,000
+    if n > queries.EXACT_UP_TO:
+        return HttpResponse(f"more than {queries.EXACT_UP_TO:,} runs", content_type="text/plain")
     return HttpResponse(f"{n} run{pluralize(n)}", content_type="text/plain")
 
 

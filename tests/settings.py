@@ -28,6 +28,7 @@ STEPGUARD_NOTIFY_SWEEP_SECONDS = 0.1
 STEPGUARD_NOTIFY_RETRY_SECONDS = 0.05
 # The suite's webhook receivers listen on 127.0.0.1; tests of refusal set the default, none.
 STEPGUARD_WEBHOOK_ALLOW = ["127.0.0.1"]
+STEPGUARD_METRICS_SUMMARY_SECONDS = 0.0  # figures right after each action (one test caches)
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast test logins
 
 # Under pytest-xdist each test process has its own database (pytest-django adds the worker's

@@ -1,0 +1,88 @@
+"""History that scales (issue 35 item 4): what the runs list and /metrics ask of the database
+does not grow with the whole history. The times at a million runs are bench/ui.py's; these tests
+hold the shapes that make them: capped counts, the indexes the searches use, a cached summary."""
+
+import re
+
+import pytest
+from django.core.cache import cache
+from django.db import connection, transaction
+
+from runs import queries
+from runs.models import Run, RunStatus
+from runs.sdk import start_run
+from tests import workflows  # noqa: F401  (registers "ledger")
+from tests.test_operations import scrape
+
+
+@pytest.fixture
+def few_runs(db):
+    """Five completed runs and one pending (marked, not executed: counting is the point)."""
+    done = [start_run("ledger", {"steps": 1}, key=f"order-{i}") for i in range(5)]
+    Run.objects.filter(pk__in=[r.pk for r in done]).update(status=RunStatus.COMPLETED)
+    start_run("ledger", {"steps": 1}, key="order-pending")
+
+
+def test_status_counts_are_exact_up_to_the_cap_and_estimated_above_it(
+    client, cast, few_runs, monkeypatch
+):
+    client.force_login(cast["otto"])
+    otto = client
+    counts = otto.get("/").content.decode()
+    assert re.search(r"completed</a>: 5 ", counts) and re.search(r"pending</a>: 1 ", counts)
+    assert "all 6 runs (no filter)" in counts
+
+    monkeypatch.setattr(queries, "EXACT_UP_TO", 3)
+    page = otto.get("/").content.decode()
+    assert re.search(r"pending</a>: 1 ", page)  # under the cap: still counted
+    if connection.vendor == "postgresql":  # above it, the planner's estimate, said to be one
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE runs_run")
+        page = otto.get("/").content.decode()
+        assert re.search(r"completed</a>: <abbr title=\"estimated[^\"]*\">≈5</abbr>", page), page
+        assert "all ≈6 runs (no filter)" in page
+    else:  # SQLite, the embedded engine, counts them all
+        assert re.search(r"completed</a>: 5 ", page)
+    assert otto.get("/runs/count", {"workflow": "ledger"}).content.decode() == "more than 3 runs"
+    assert otto.get("/runs/count", {"status": "pending"}).content.decode() == "1 run"
+
+
+@pytest.mark.postgres
+def test_key_and_short_id_search_and_a_workflow_status_pair_are_index_probes(few_runs):
+    """Forced off sequential scans, the plans name the indexes: a search by part of a key or
+    a short id reads the key's trigrams and the primary key's range, and a workflow and status
+    that match nothing probe their index, instead of reading every run."""
+
+    def plan(filters) -> str:
+        return queries.runs_matching(filters).order_by().values("pk").explain()
+
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        assert "runs_run_key_trgm_idx" in plan({"q": "der-3"})
+        assert "runs_run_key_trgm_idx" in plan({"q": "0a1b2c3d"})  # a short id, or a key part
+        assert "runs_run_pkey" in plan({"q": "0a1b2c3d"})
+        assert "runs_run_wf_status_created_idx" in plan({"workflow": "x", "status": "failed"})
+    assert [r.key for r in queries.runs_matching({"q": "DER-3"})] == ["order-3"]
+
+
+def test_metrics_finished_totals_come_from_a_cached_summary_and_live_runs_from_each_scrape(
+    client, few_runs, settings, django_assert_max_num_queries
+):
+    settings.STEPGUARD_METRICS_ALLOW = ["127.0.0.1"]
+    settings.STEPGUARD_METRICS_SUMMARY_SECONDS = 60
+    cache.delete("stepguard:metrics-summary")
+    completed = ("stepguard_runs", (("status", "completed"), ("workflow", "ledger")))
+    pending = ("stepguard_runs", (("status", "pending"), ("workflow", "ledger")))
+    first = scrape(client)
+    assert (first[completed], first[pending]) == (5, 1)
+
+    Run.objects.filter(key="order-0").update(status=RunStatus.FAILED)
+    start_run("ledger", {"steps": 1}, key="order-later")
+    with django_assert_max_num_queries(10):  # the summary's whole-table queries are not asked
+        second = scrape(client)
+    assert second[pending] == 2  # read on every scrape: what an alert on stuck runs needs
+    assert second[completed] == 5  # as of the summary
+    cache.delete("stepguard:metrics-summary")
+    third = scrape(client)
+    assert third[completed] == 4
+    assert third[("stepguard_runs", (("status", "failed"), ("workflow", "ledger")))] == 1
