@@ -140,10 +140,10 @@ FILL = f"""
 INSERT INTO runs_run (id, workflow, version, input, status, key, lease_epoch, attempt,
     max_attempts, recoveries, event_seq, tokens_in, tokens_out, cost_micros, reserved_micros,
     reserved_tokens, budget_warned, halted_by, halt_reason, cancel_requested_by, cancel_reason,
-    concurrency_key, priority, created_at, wake_at)
+    concurrency_key, priority, possibly_spent_micros, possibly_spent_tokens, created_at, wake_at)
 SELECT gen_random_uuid(), 'bench-' || (g % 20), '1', '{{}}'::jsonb,
        (ARRAY['completed','failed','waiting','pending','halted'])[1 + g % 5], 'k-' || g, 1, 1,
-       3, 0, {EVENTS_PER_RUN}, g % 1000, g % 500, g * 7, 0, 0, false, '', '', '', '', '', 0,
+       3, 0, {EVENTS_PER_RUN}, g % 1000, g % 500, g * 7, 0, 0, false, '', '', '', '', '', 0, 0, 0,
        now() - (g || ' seconds')::interval, now()
 FROM generate_series(1, {RUNS}) g;
 INSERT INTO runs_event (run_id, seq, type, step_key, actor, payload, created_at)
