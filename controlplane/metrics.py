@@ -4,10 +4,10 @@ The database is the one place that knows about every worker on every host, so a 
 from it is right however many processes there are, and nothing is lost when one dies. Most are
 gauges of what is stored now (prune makes them drop): graph them with `delta()`/`deriv()`, not
 `rate()`. What alerts watch (runs not finished, runnable runs and their age, approvals, halts,
-workers, the replica) is read on every scrape through indexes. The totals over everything
-stored (finished runs, steps by outcome and duration, spend, deliveries) read whole tables, so
-they come from a summary computed at most once per STEPGUARD_METRICS_SUMMARY_SECONDS (60 s)
-and shared through Django's cache. Scrape every 15 to 60 s.
+workers, the replica) is read on every scrape through indexes, counted up to CAP runs. The
+totals over everything stored (finished runs, steps by outcome and duration, spend,
+deliveries) read whole tables, so they come from a summary computed at most once per
+STEPGUARD_METRICS_SUMMARY_SECONDS (60 s) and shared through Django's cache. Scrape every 15 to 60 s.
 
 Readable with an API key (`Authorization: Bearer sg_...`) or a logged-in session of a person
 who may read runs (`runs.view_run`, as on every read-only page; 403 without it), or from an
@@ -43,7 +43,7 @@ from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
 from approvals.models import ApprovalRequest, ApprovalStatus
 from controlplane import security
 from controlplane.health import LIVE_LEASES
-from runs import replica
+from runs import queries, replica
 from runs.apikeys import check_key
 from runs.engine.worker import WAKEABLE
 from runs.models import (
@@ -67,6 +67,8 @@ WINDOW = timedelta(hours=1)
 SUMMARY_KEY = "stepguard:metrics-summary"
 #: The statuses of runs not finished, named (an IN the status index serves, not a NOT IN).
 LIVE_STATUSES = [s for s in RunStatus.values if s not in TERMINAL_STATUSES]
+#: What a scrape counts one by one before it takes the summary's figure.
+CAP = queries.EXACT_UP_TO
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -80,31 +82,35 @@ class DatabaseCollector:
     def collect(self):
         now = timezone.now()
         summary = self._summary(now)
-        yield from self._runs(now, summary.pop(0))
-        yield from summary
+        yield from self._runs(now, summary)
+        yield from summary["families"]
         yield from self._workers(now)
         yield from self._approvals_and_halts(now)
         yield from self._replica()
 
-    def _summary(self, now) -> list:
+    def _summary(self, now) -> dict:
         """The totals over everything stored, which read whole tables (at a million runs, the
         three counts took 278 ms per scrape): computed at most once per
         STEPGUARD_METRICS_SUMMARY_SECONDS and shared through Django's cache, so any number of
-        scrapers and web processes cost one computation per period. Its first element is the
-        finished runs by workflow and status (merged into stepguard_runs)."""
+        scrapers and web processes cost one computation per period. `runs` (every workflow
+        and status) and `runnable` back the per-scrape counts past their cap; `families` are
+        yielded as they are."""
         ttl = settings.STEPGUARD_METRICS_SUMMARY_SECONDS
         cached = cache.get(SUMMARY_KEY) if ttl > 0 else None
         if cached is None:
-            finished = (
-                Run.objects.filter(status__in=TERMINAL_STATUSES)
-                .values_list("workflow", "status")
-                .annotate(n=Count("id"))
-                .order_by()
-            )
-            cached = [list(finished), *self._steps(now), *self._spend(), *self._notifications()]
+            by_status = Run.objects.values_list("workflow", "status").annotate(n=Count("id"))
+            runnable = Run.objects.filter(
+                Q(status__in=WAKEABLE, wake_at__lte=now)
+                | Q(status=RunStatus.RUNNING, lease_until__lt=now)
+            ).count()
+            cached = {
+                "runs": list(by_status.order_by()),
+                "runnable": runnable,
+                "families": [*self._steps(now), *self._spend(), *self._notifications()],
+            }
             if ttl > 0:
                 cache.set(SUMMARY_KEY, cached, ttl)
-        return list(cached)
+        return cached
 
     def _replica(self):
         if not replica.configured():
@@ -120,33 +126,42 @@ class DatabaseCollector:
                 value=lag.seconds,
             )
 
-    def _runs(self, now, finished):
+    def _runs(self, now, summary):
+        """Runs by workflow and status, and the runnable ones, read on every scrape through
+        the status and wake-up indexes: what an alert on stuck or piling-up runs needs. Each
+        is counted up to CAP; a status or a backlog beyond it (a million runs with 600,000 not
+        finished: 200 ms a scrape) is taken from the summary, at most a period old."""
         runs = GaugeMetricFamily(
             "stepguard_runs",
-            "Runs stored, by workflow and status (the finished statuses as of the summary).",
+            "Runs stored, by workflow and status (finished ones, and any status with more "
+            "than 10,000 runs, as of the summary).",
             labels=["workflow", "status"],
         )
-        # The runs not finished are read on every scrape, through the status index: what an
-        # alert on stuck or piling-up runs needs, and bounded by the work in flight.
-        live = (
-            Run.objects.filter(status__in=LIVE_STATUSES)
+        capped = queries.capped_counts(Run.objects.all(), LIVE_STATUSES, CAP)
+        exact = [status for status, n in capped.items() if n <= CAP]
+        counted = (
+            Run.objects.filter(status__in=exact)
             .values_list("workflow", "status")
             .annotate(n=Count("id"))
             .order_by()
         )
-        for workflow, status, n in [*live, *finished]:
+        rows = [*counted, *((w, st, n) for w, st, n in summary["runs"] if st not in exact)]
+        for workflow, status, n in rows:
             runs.add_metric([workflow, status], n)
         yield runs
-        due = Run.objects.filter(status__in=WAKEABLE, wake_at__lte=now).aggregate(
-            n=Count("id"), oldest=Min("wake_at")
-        )
-        lapsed = Run.objects.filter(status=RunStatus.RUNNING, lease_until__lt=now).aggregate(
-            n=Count("id"), oldest=Min("lease_until")
-        )
-        oldest = min((t for t in (due["oldest"], lapsed["oldest"]) if t), default=None)
+        due = Run.objects.filter(status__in=WAKEABLE, wake_at__lte=now)
+        lapsed = Run.objects.filter(status=RunStatus.RUNNING, lease_until__lt=now)
+        runnable = sum(q.order_by().values("pk")[: CAP + 1].count() for q in (due, lapsed))
+        if runnable > CAP:
+            runnable = max(summary["runnable"], runnable)
+        oldest = min(
+            (t for t in (due.aggregate(t=Min("wake_at"))["t"],
+                         lapsed.aggregate(t=Min("lease_until"))["t"]) if t),
+            default=None,
+        )  # fmt: skip
         yield GaugeMetricFamily("stepguard_runnable_runs",
                                 "Runs waiting for a worker (due, or whose worker died).",
-                                value=due["n"] + lapsed["n"])  # fmt: skip
+                                value=runnable)  # fmt: skip
         yield GaugeMetricFamily(
             "stepguard_oldest_runnable_age_seconds",
             "How long the runnable run that waited longest has waited (0: none waits).",

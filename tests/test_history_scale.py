@@ -8,6 +8,7 @@ import pytest
 from django.core.cache import cache
 from django.db import connection, transaction
 
+from controlplane import metrics
 from runs import queries
 from runs.models import Run, RunStatus
 from runs.sdk import start_run
@@ -74,7 +75,7 @@ def test_key_and_short_id_search_and_a_workflow_status_pair_are_index_probes(few
 
 
 def test_metrics_finished_totals_come_from_a_cached_summary_and_live_runs_from_each_scrape(
-    client, few_runs, settings, django_assert_max_num_queries
+    client, few_runs, settings, django_assert_max_num_queries, monkeypatch
 ):
     settings.STEPGUARD_METRICS_ALLOW = ["127.0.0.1"]
     settings.STEPGUARD_METRICS_SUMMARY_SECONDS = 60
@@ -86,7 +87,7 @@ def test_metrics_finished_totals_come_from_a_cached_summary_and_live_runs_from_e
 
     Run.objects.filter(key="order-0").update(status=RunStatus.FAILED)
     start_run("ledger", {"steps": 1}, key="order-later")
-    with django_assert_max_num_queries(10):  # the summary's whole-table queries are not asked
+    with django_assert_max_num_queries(13):  # the summary's whole-table queries are not asked
         second = scrape(client)
     assert second[pending] == 2  # read on every scrape: what an alert on stuck runs needs
     assert second[completed] == 5  # as of the summary
@@ -94,3 +95,12 @@ def test_metrics_finished_totals_come_from_a_cached_summary_and_live_runs_from_e
     third = scrape(client)
     assert third[completed] == 4
     assert third[("stepguard_runs", (("status", "failed"), ("workflow", "ledger")))] == 1
+
+    # Past the per-scrape cap, a status's counts and the runnable backlog are the summary's.
+    monkeypatch.setattr(metrics, "CAP", 2)
+    start_run("ledger", {"steps": 1}, key="order-latest")
+    capped = scrape(client)
+    assert capped[pending] == 2  # the summary's, a period old
+    assert capped[("stepguard_runnable_runs", ())] == 3  # what was counted: more than the cap
+    cache.delete("stepguard:metrics-summary")
+    assert scrape(client)[pending] == 3

@@ -440,7 +440,7 @@ def test_metrics_read_runs_steps_spend_approvals_and_halts_from_the_database(
     Run.objects.filter(pk=late.pk).update(wake_at=timezone.now() - timedelta(seconds=120))
     ApprovalRequest.objects.update(created_at=timezone.now() - timedelta(seconds=60))
 
-    with django_assert_max_num_queries(15):  # one per figure, whatever the number of rows
+    with django_assert_max_num_queries(19):  # one per figure, whatever the number of rows
         m = scrape(client)
 
     assert m[("stepguard_runs", (("status", "completed"), ("workflow", "ledger")))] == 2
