@@ -343,41 +343,64 @@ def stream_events(route: str, body: dict, response: dict) -> list[tuple[str | No
             events.append(head | {"choices": [], "usage": response["usage"]})
         return [(None, e) for e in events] + [(None, "[DONE]")]
     if route == "/responses":
-        item = response["output"][0]
-        text = item["content"][0]["text"]
-        where = {"item_id": item["id"], "output_index": 0, "content_index": 0}
-        empty = {"type": "output_text", "text": "", "annotations": []}
         started = response | {"status": "in_progress", "output": []}
-        events = [
-            {"type": "response.created", "response": started},
-            {"type": "response.output_item.added", "output_index": 0,
-             "item": item | {"status": "in_progress", "content": []}},
-            {"type": "response.content_part.added", **where, "part": empty},
-            *({"type": "response.output_text.delta", **where, "delta": piece, "logprobs": []}
-              for piece in _pieces(text)),
-            {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
-            {"type": "response.content_part.done", **where, "part": item["content"][0]},
-            {"type": "response.output_item.done", "output_index": 0, "item": item},
-            {"type": "response.completed", "response": response},
-        ]  # fmt: skip
+        events = [{"type": "response.created", "response": started}]
+        for index, item in enumerate(response["output"]):
+            events += _response_item_events(index, item)
+        events.append({"type": "response.completed", "response": response})
         for number, event in enumerate(events):
             event["sequence_number"] = number
         return [(e["type"], e) for e in events]
-    # Anthropic's messages
-    text = response["content"][0]["text"]
+    # Anthropic's messages: a text block's text, a tool_use block's input as JSON, in pieces
     usage = response["usage"]
     start = response | {"content": [], "stop_reason": None, "usage": usage | {"output_tokens": 1}}
-    events = [
-        {"type": "message_start", "message": start},
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-        *({"type": "content_block_delta", "index": 0,
-           "delta": {"type": "text_delta", "text": piece}} for piece in _pieces(text)),
-        {"type": "content_block_stop", "index": 0},
+    events = [{"type": "message_start", "message": start}]
+    for index, block in enumerate(response["content"]):
+        if block["type"] == "tool_use":
+            opened = block | {"input": {}}
+            deltas = [{"type": "input_json_delta", "partial_json": piece}
+                      for piece in _pieces(json.dumps(block["input"]))]  # fmt: skip
+        else:
+            opened = {"type": "text", "text": ""}
+            deltas = [{"type": "text_delta", "text": piece} for piece in _pieces(block["text"])]
+        events.append({"type": "content_block_start", "index": index, "content_block": opened})
+        events += [{"type": "content_block_delta", "index": index, "delta": d} for d in deltas]
+        events.append({"type": "content_block_stop", "index": index})
+    events += [
         {"type": "message_delta", "delta": {"stop_reason": response["stop_reason"],
          "stop_sequence": None}, "usage": usage},  # cumulative, as the API sends it now
         {"type": "message_stop"},
     ]  # fmt: skip
     return [(e["type"], e) for e in events]
+
+
+def _response_item_events(index: int, item: dict) -> list[dict]:
+    """The responses API's events for one output item: a message's text or a function call's
+    arguments, in pieces."""
+    if item["type"] == "function_call":
+        where = {"item_id": item["id"], "output_index": index}
+        return [
+            {"type": "response.output_item.added", "output_index": index,
+             "item": item | {"status": "in_progress", "arguments": ""}},
+            *({"type": "response.function_call_arguments.delta", **where, "delta": piece}
+              for piece in _pieces(item["arguments"])),
+            {"type": "response.function_call_arguments.done", **where,
+             "arguments": item["arguments"], "name": item["name"]},
+            {"type": "response.output_item.done", "output_index": index, "item": item},
+        ]  # fmt: skip
+    text = item["content"][0]["text"]
+    where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+    empty = {"type": "output_text", "text": "", "annotations": []}
+    return [
+        {"type": "response.output_item.added", "output_index": index,
+         "item": item | {"status": "in_progress", "content": []}},
+        {"type": "response.content_part.added", **where, "part": empty},
+        *({"type": "response.output_text.delta", **where, "delta": piece, "logprobs": []}
+          for piece in _pieces(text)),
+        {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
+        {"type": "response.content_part.done", **where, "part": item["content"][0]},
+        {"type": "response.output_item.done", "output_index": index, "item": item},
+    ]  # fmt: skip
 
 
 def serve(port: int = 0) -> tuple[ThreadingHTTPServer, DemoModel]:

@@ -343,7 +343,13 @@ def agent_protocols(ctx: RunContext, input: dict):
             "parallel_tool_calls": True,
             "temperature": 0.2,
         }
+    if input.get("stream"):  # each turn streamed, its text handed out as it arrives
+        conversation |= {"stream": True, "on_delta": streamed.append}
     return ctx.agent_loop(protocol=protocol, tools=tools, **conversation)
+
+
+#: The text "agent-protocols" was handed as it streamed (a test empties it).
+streamed: list[str] = []
 
 
 #: Set by a test: the barrier both tools of "agent-async-parallel" must meet at.

@@ -760,6 +760,30 @@ def test_a_turn_s_approvals_are_asked_together_and_each_decision_applies(
     assert "no forecasts" in results[1]["refused"]
 
 
+@pytest.mark.parametrize("protocol", ["chat", "responses", "anthropic"])
+def test_a_streamed_agent_loop_hands_out_text_as_it_arrives_and_calls_the_same_tools(
+    drive, demo_model, protocol
+):
+    """Issue 30 item 11: `agent_loop(stream=True, on_delta=...)` streams every turn, tool
+    calls included (their arguments arrive in pieces), through the official clients' stream
+    helpers; each turn records the final response, and the tools run as unstreamed."""
+    agent_workflows.streamed.clear()
+    run = start_run("agent-protocols", {"protocol": protocol, "stream": True})
+    assert drive() == ["completed"]
+    keys = list(Step.objects.filter(run=run).order_by("seq").values_list("key", flat=True))
+    assert keys == [
+        "think-0", "tool-lookup_city-0", "tool-weather-0", "think-1", "tool-book_hotel-1",
+        "think-2",
+    ]  # fmt: skip
+    answer = Run.objects.get(pk=run.pk).output["answer"]
+    assert answer.startswith("Done. Tool results:") and f"{run.id}:tool-book_hotel-1" in answer
+    assert "".join(agent_workflows.streamed) == answer  # the tool turns said nothing
+    assert len(agent_workflows.streamed) > 1  # in pieces, not at the end
+    assert all(body.get("stream") for body in demo_model.bodies)
+    thinks = Step.objects.filter(run=run, kind="llm")
+    assert all(step.input[0]["stream"] and step.tokens_out > 0 for step in thinks)  # usage read
+
+
 @pytest.mark.django_db(transaction=True)  # its checkpoints are written from threads of their own
 def test_an_async_agent_loop_runs_a_turn_s_tools_concurrently(drive, demo_model):
     import threading

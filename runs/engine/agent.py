@@ -288,7 +288,8 @@ def agent_loop(
     approval where its policy says so. A refused or failed tool call, and arguments that do
     not match the tool's parameters, are reported back to the model as the tool's result.
     Returns {"answer", "turns", "messages"}; raises AgentLoopExhausted after `max_turns`
-    turns without an answer.
+    turns without an answer. `stream=True` with `on_delta=` streams each turn as `ctx.llm`
+    does (text handed out as it arrives, the final response recorded).
     """
     speaks = protocol_for(client, protocol)
     tools = tools or {}
