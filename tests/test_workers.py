@@ -256,3 +256,32 @@ def test_processes_runs_a_worker_per_process_and_replaces_one_that_dies(spawn_wo
     # Both children heard the signal and stopped cleanly (the killed one never could).
     stopped = Worker.objects.filter(pid__in=replaced, stopped_at__isnull=False).count()
     assert stopped == 2
+
+
+@pytest.mark.slow
+def test_a_run_that_kills_its_worker_fails_alone_and_the_runs_beside_it_complete(spawn_worker):
+    """Issue 30 item 8: losses are counted per run. A run lost twice in a row runs alone on its
+    worker, so a run that kills every worker it lands on reaches the recovery bound by itself;
+    the runs that shared its worker when it struck are taken up beside no one and finish
+    (before: all four were failed by the bound, the healthy ones for its crashes)."""
+    pill = start_run("poison-pill", None)
+    healthy = [start_run("ledger", {"steps": 2, "slow": [0, 1], "slow_seconds": 1.0})
+               for _ in range(3)]  # fmt: skip
+    # One worker of four threads at a time, replaced when it dies, as systemd would.
+    workers = [spawn_worker("--concurrency", "4", wait=False)]
+
+    def pill_done():
+        if workers[-1].proc.poll() is not None:
+            workers.append(spawn_worker("--concurrency", "4", wait=False))
+        return Run.objects.get(pk=pill.pk).is_terminal
+
+    wait_until(pill_done, timeout=120, what="the poison pill to reach the recovery bound")
+    failed = Run.objects.get(pk=pill.pk)
+    assert failed.status == RunStatus.FAILED and "times in a row" in failed.error["message"]
+    for run in healthy:
+        assert wait_until(lambda r=run: pill_done() and Run.objects.get(pk=r.pk).is_terminal,
+                          timeout=60)  # fmt: skip
+    outcomes = Run.objects.filter(pk__in=[r.pk for r in healthy]).values_list("status", flat=True)
+    assert set(outcomes) == {RunStatus.COMPLETED}, list(
+        Run.objects.values_list("workflow", "status", "recoveries", "error")
+    )

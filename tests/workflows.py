@@ -738,3 +738,15 @@ def two_versions_v1(ctx: RunContext, input):
 @workflow("two-versions", version="2")
 def two_versions_v2(ctx: RunContext, input):
     return "v2"
+
+
+def _die() -> None:
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@workflow("poison-pill")
+def poison_pill(ctx: RunContext, input):
+    """A run whose step kills the worker process it runs in, every time."""
+    ctx.step("die", _die)

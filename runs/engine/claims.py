@@ -48,6 +48,22 @@ HELD_SCOPES = (
 
 
 _COVERED = holds.covered_sql()
+#: A run lost this many times in a row (its worker died under it, no step finished since) may
+#: be what kills its workers: only a worker with nothing in flight takes it, and takes nothing
+#: more until it ends. Its losses are then its own, not those of the runs that shared a worker
+#: with it (a run that killed every worker had the runs beside it failed by the recovery bound).
+SUSPECT_AFTER = 2
+#: What a claim by a busy worker adds to leave suspects out (due runs; runs whose worker died,
+#: whose claim counts one loss more).
+HELD_BACK = f"AND recoveries < {SUSPECT_AFTER}"
+LOST_HELD_BACK = f"AND recoveries + 1 < {SUSPECT_AFTER}"
+
+
+def suspect(run: Run) -> bool:
+    """Whether a claimed run is to run alone (see SUSPECT_AFTER)."""
+    return run.recoveries >= SUSPECT_AFTER
+
+
 _LIMITED_ORDER = "aged DESC, CASE WHEN aged THEN 0 ELSE priority END DESC, wake_at"
 _RUN_COLUMNS = ", ".join(f'r."{f.column}"' for f in Run._meta.concrete_fields)
 
@@ -59,7 +75,7 @@ _RUN_COLUMNS = ", ".join(f'r."{f.column}"' for f in Run._meta.concrete_fields)
 CLAIM_DUE = f"""
             WITH aged AS (
                 SELECT id, status AS was, 0 AS grp, 0 AS prio, wake_at AS at FROM {RUN_TABLE}
-                WHERE status = ANY(%s) AND wake_at < %s AND ({{mine}})
+                WHERE status = ANY(%s) AND wake_at < %s AND ({{mine}}) {{held_back}}
                   AND NOT (workflow = ANY(%s))
                   AND NOT {_COVERED}
                 ORDER BY wake_at
@@ -69,7 +85,7 @@ CLAIM_DUE = f"""
                 SELECT id, status AS was, 1 AS grp, -priority AS prio, wake_at AS at
                 FROM {RUN_TABLE}
                 WHERE status = ANY(%s) AND wake_at <= %s AND wake_at >= %s AND ({{mine}})
-                  AND NOT (workflow = ANY(%s))
+                  {{held_back}} AND NOT (workflow = ANY(%s))
                   AND NOT {_COVERED}
                 ORDER BY priority DESC, wake_at
                 LIMIT %s
@@ -77,7 +93,7 @@ CLAIM_DUE = f"""
             ), lost AS (
                 SELECT id, status AS was, 0 AS grp, 0 AS prio, lease_until AS at FROM {RUN_TABLE}
                 WHERE status = %s AND lease_until < %s AND ({{mine}})
-                  AND recoveries + 1 < %s
+                  AND recoveries + 1 < %s {{lost_held_back}}
                   AND NOT {_COVERED}
                 ORDER BY lease_until
                 LIMIT %s
@@ -104,7 +120,7 @@ CLAIM_LIMITED = f"""
                     (status = ANY(%s) AND wake_at < %s) AS aged
                 FROM {RUN_TABLE}
                 WHERE workflow = %s AND status = ANY(%s) AND wake_at <= %s AND ({{mine}})
-                  AND NOT {_COVERED}
+                  {{held_back}} AND NOT {_COVERED}
                   AND concurrency_key NOT IN (
                       SELECT k FROM running WHERE %s::int IS NOT NULL AND n >= %s::int
                   )
@@ -146,6 +162,13 @@ TAKE_CLAIMED = f""", u AS (
         """
 
 
+def not_suspect() -> Q:
+    """HELD_BACK and LOST_HELD_BACK as a filter (SQLite's claims)."""
+    return Q(recoveries__lt=SUSPECT_AFTER - 1) | (
+        Q(recoveries__lt=SUSPECT_AFTER) & ~Q(status=RunStatus.RUNNING)
+    )
+
+
 def runnable_filter(now) -> Q:
     """Due pending or waiting runs, and running runs whose worker stopped heartbeating."""
     return Q(status__in=WAKEABLE, wake_at__lte=now) | Q(
@@ -167,18 +190,42 @@ class Claims:
         self._turn = 0  # which limited workflow's claim goes first (_claim_limited)
         self.code_limits = flow.code_limits(self.names)  # fixed once imported
         mine = " OR ".join(["(workflow = %s AND version = %s)"] * len(self.mine_refs))
-        self._claim_due = CLAIM_DUE.format(mine=mine)
-        self._claim_limited_sql = CLAIM_LIMITED.format(mine=mine)
+        # Each statement twice: suspects allowed (an idle worker), suspects left out.
+        self._claim_due = {
+            allowed: CLAIM_DUE.format(
+                mine=mine,
+                held_back="" if allowed else HELD_BACK,
+                lost_held_back="" if allowed else LOST_HELD_BACK,
+            )
+            for allowed in (True, False)
+        }
+        self._claim_limited_sql = {
+            allowed: CLAIM_LIMITED.format(mine=mine, held_back="" if allowed else HELD_BACK)
+            for allowed in (True, False)
+        }
 
-    def claim(self, limit: int) -> list[Run]:
+    def claim(self, limit: int, idle: bool = True) -> list[Run]:
+        """Claim up to `limit` runnable runs of ours. A worker with runs in flight (`idle`
+        false) takes no suspect (SUSPECT_AFTER); an idle one takes its first run with suspects
+        allowed, and a suspect alone."""
+        if not idle:
+            return self._claim(limit, suspects=False)
+        first = self._claim(1, suspects=True)
+        if limit == 1 or not first or suspect(first[0]):
+            return first
+        return first + self._claim(limit - 1, suspects=False)
+
+    def _claim(self, limit: int, suspects: bool) -> list[Run]:
         now = timezone.now()
         stopped, limits = flow.policies(self.names, self.code_limits)
         if connection.vendor == "postgresql":
             # Limited workflows first: their limits bound what they take, and behind an
             # unlimited backlog they would never get a thread.
-            claimed = self._claim_limited(limit, limits, now) if limits else []
+            claimed = self._claim_limited(limit, limits, now, suspects) if limits else []
             if len(claimed) < limit:
-                claimed += self._claim_in_one_statement(limit - len(claimed), now, sorted(limits))
+                claimed += self._claim_in_one_statement(
+                    limit - len(claimed), now, sorted(limits), suspects
+                )
             outage.ok()  # the database answered
             if len(claimed) < limit:
                 # Nothing more is runnable now: the due runs left are held or poison runs,
@@ -190,7 +237,7 @@ class Claims:
         outage.ok()  # the database answered
         if stopped:
             return []  # the kill switch: nothing starts
-        claimed = self._claim_limited(limit, limits, now) if limits else []
+        claimed = self._claim_limited(limit, limits, now, suspects) if limits else []
         if len(claimed) >= limit:
             return claimed
         limit -= len(claimed)
@@ -199,6 +246,7 @@ class Claims:
             candidates = list(
                 Run.objects.select_for_update(skip_locked=True)
                 .filter(runnable_filter(now) & self.mine)
+                .filter(Q() if suspects else not_suspect())
                 .exclude(workflow__in=limits, status__in=WAKEABLE)
                 .filter(holds.uncovered())
                 .order_by(*flow.claim_order(now))
@@ -209,7 +257,9 @@ class Claims:
                     claimed_ids.append((run_id, epoch + 1))
         return claimed + self._adopt(claimed_ids)
 
-    def _claim_limited(self, free: int, limits: dict[str, flow.Limit], now) -> list[Run]:
+    def _claim_limited(
+        self, free: int, limits: dict[str, flow.Limit], now, suspects: bool
+    ) -> list[Run]:
         """Claim due runs of limited workflows, each workflow under its lock, within what its
         running runs leave of its limits (per key too)."""
         claimed_ids: list = []
@@ -231,7 +281,7 @@ class Claims:
             if connection.vendor == "postgresql":
                 with transaction.atomic():
                     flow.lock(name)
-                    taken = self._claim_limited_in_one_statement(name, limit, free, now)
+                    taken = self._claim_limited_in_one_statement(name, limit, free, now, suspects)
                 claimed += taken
                 free -= len(taken)
                 continue
@@ -250,6 +300,7 @@ class Claims:
                         self.mine, workflow=name, status__in=WAKEABLE, wake_at__lte=now
                     )
                     .exclude(concurrency_key__in=full)
+                    .filter(Q() if suspects else not_suspect())
                     .filter(holds.uncovered())
                     .order_by(*flow.claim_order(now))
                     .values_list(
@@ -277,7 +328,9 @@ class Claims:
         # Whatever was taken over between our commit and this read is dropped, not adopted.
         return [run for run in runs if run.lease_epoch == epochs[run.id]]
 
-    def _claim_in_one_statement(self, limit: int, now, limited: list[str]) -> list[Run]:
+    def _claim_in_one_statement(
+        self, limit: int, now, limited: list[str], suspects: bool
+    ) -> list[Run]:
         """PostgreSQL: lock up to `limit` runnable runs (SKIP LOCKED: workers never wait on
         each other), take their leases and append their claim events, in one statement.
 
@@ -288,7 +341,7 @@ class Claims:
         often) are left to `claim`'s slow path; due runs of the `limited` workflows to
         `_claim_limited`.
         """
-        chosen = self._claim_due
+        chosen = self._claim_due[suspects]
         poison = 2 * settings.STEPGUARD_MAX_RECOVERIES
         refs = [part for ref in self.mine_refs for part in ref]
         old = flow.aged(now)
@@ -320,13 +373,13 @@ class Claims:
         return runs
 
     def _claim_limited_in_one_statement(
-        self, name: str, limit: flow.Limit, free: int, now
+        self, name: str, limit: flow.Limit, free: int, now, suspects: bool
     ) -> list[Run]:
         """PostgreSQL: claim due runs of one limited workflow in one statement, after its lock
         (taken by the caller in a statement of its own, so that this one's snapshot sees every
         claim committed before it). The count of its running runs per key, the room they leave
         (`row_number()` per key for the per-key limit), the leases and the events: all here."""
-        chosen = self._claim_limited_sql
+        chosen = self._claim_limited_sql[suspects]
         refs = [part for ref in self.mine_refs for part in ref]
         old = flow.aged(now)
         params = [

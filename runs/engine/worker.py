@@ -22,7 +22,7 @@ from django.utils import timezone
 from runs import logcontext
 from runs.engine import registry
 from runs.engine.chores import Chore, ChoreContext
-from runs.engine.claims import HELD_SCOPES, WAKEABLE, Claims, runnable_filter
+from runs.engine.claims import HELD_SCOPES, WAKEABLE, Claims, runnable_filter, suspect
 from runs.engine.fences import Lease
 from runs.engine.lifecycle import execute, release
 from runs.engine.outage import is_disconnect, outage, reconnect, wait_for_database
@@ -68,6 +68,7 @@ class WorkerProcess:
         self.stopped = threading.Event()
         self.bell = threading.Event()
         self.active: dict[uuid.UUID, Lease] = {}
+        self._alone: uuid.UUID | None = None  # the suspect run in flight, which runs alone
         self._lock = threading.Lock()
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="stepguard-run")
         definitions = registry.all_workflows()
@@ -183,10 +184,12 @@ class WorkerProcess:
         start them; return how many."""
         self._between_claims()
         free = self.concurrency - len(self.active)
-        if free <= 0:
+        if free <= 0 or self._alone in self.active:  # a suspect runs alone (SUSPECT_AFTER)
             return 0
         claimed = self.claim(free)
         for run in claimed:
+            if suspect(run):
+                self._alone = run.id
             # The epoch is the one our compare-and-swap wrote, never one read back later:
             # a stalled worker must not pick up the epoch of whoever claimed the run after it.
             lease = Lease(run.id, run.lease_epoch, stopping=self.stopping)
@@ -197,8 +200,9 @@ class WorkerProcess:
         return len(claimed)
 
     def claim(self, limit: int) -> list[Run]:
-        """Claim up to `limit` runnable runs of ours (see `claims.Claims.claim`)."""
-        return self.claims.claim(limit)
+        """Claim up to `limit` runnable runs of ours (see `claims.Claims.claim`): a suspect
+        only with nothing in flight."""
+        return self.claims.claim(limit, idle=not self.active)
 
     # -- chores --------------------------------------------------------------------------------
 
