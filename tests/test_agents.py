@@ -669,17 +669,23 @@ def tool_behaviour():
     agent_workflows.tool_behaviour.clear()
 
 
+#: The steps of "agent-protocols": two tools at once, then a booking, then the answer.
+AGENT_PROTOCOLS_STEPS = [
+    "think-0", "tool-lookup_city-0", "tool-weather-0", "think-1", "tool-book_hotel-1", "think-2",
+]  # fmt: skip
+
+
+def step_keys(run) -> list[str]:
+    return list(Step.objects.filter(run=run).order_by("seq").values_list("key", flat=True))
+
+
 @pytest.mark.parametrize("protocol", ["chat", "responses", "anthropic"])
 def test_the_agent_loop_speaks_each_protocol_with_parallel_calls_and_options(
     drive, demo_model, protocol, tool_behaviour
 ):
     run = start_run("agent-protocols", {"protocol": protocol})
     assert drive() == ["completed"]
-    keys = list(Step.objects.filter(run=run).order_by("seq").values_list("key", flat=True))
-    assert keys == [
-        "think-0", "tool-lookup_city-0", "tool-weather-0", "think-1", "tool-book_hotel-1",
-        "think-2",
-    ]  # fmt: skip
+    assert step_keys(run) == AGENT_PROTOCOLS_STEPS
     output = Run.objects.get(pk=run.pk).output
     assert output["turns"] == 3 and output["answer"].startswith("Done. Tool results:")
     assert f"{run.id}:tool-book_hotel-1" in output["answer"]  # the tool's idempotency key
@@ -770,11 +776,7 @@ def test_a_streamed_agent_loop_hands_out_text_as_it_arrives_and_calls_the_same_t
     agent_workflows.streamed.clear()
     run = start_run("agent-protocols", {"protocol": protocol, "stream": True})
     assert drive() == ["completed"]
-    keys = list(Step.objects.filter(run=run).order_by("seq").values_list("key", flat=True))
-    assert keys == [
-        "think-0", "tool-lookup_city-0", "tool-weather-0", "think-1", "tool-book_hotel-1",
-        "think-2",
-    ]  # fmt: skip
+    assert step_keys(run) == AGENT_PROTOCOLS_STEPS
     answer = Run.objects.get(pk=run.pk).output["answer"]
     assert answer.startswith("Done. Tool results:") and f"{run.id}:tool-book_hotel-1" in answer
     assert "".join(agent_workflows.streamed) == answer  # the tool turns said nothing
