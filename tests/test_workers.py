@@ -285,3 +285,25 @@ def test_a_run_that_kills_its_worker_fails_alone_and_the_runs_beside_it_complete
     assert set(outcomes) == {RunStatus.COMPLETED}, list(
         Run.objects.values_list("workflow", "status", "recoveries", "error")
     )
+
+
+def test_a_suspect_is_taken_alone_by_an_idle_worker_and_a_busy_one_makes_way(db, expire_lease):
+    """The claims behind the test above: a run lost once already, whose lease lapsed again,
+    is not taken by a worker with runs in flight, which takes nothing else meanwhile (or a
+    worker that is never idle would starve it); an idle worker takes it alone; then the rest."""
+    from runs.engine.worker import WorkerProcess
+
+    worker = WorkerProcess(concurrency=4)
+    worker.register()
+    lost = start_run("ledger", {"steps": 1})
+    (claimed,) = worker.claim(1)
+    assert claimed.pk == lost.pk
+    Run.objects.filter(pk=lost.pk).update(recoveries=1)  # its worker died once already
+    expire_lease(lost.pk)  # and again
+    waiting = start_run("ledger", {"steps": 1})
+    claims = worker.claims
+
+    assert claims.claim(4, idle=False) == []  # busy: makes way, takes nothing
+    (alone,) = claims.claim(4, idle=True)  # idle: the suspect, and only it
+    assert (alone.pk, alone.recoveries) == (lost.pk, 2)
+    assert [r.pk for r in claims.claim(4, idle=False)] == [waiting.pk]  # then the others

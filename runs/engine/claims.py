@@ -48,19 +48,20 @@ HELD_SCOPES = (
 
 
 _COVERED = holds.covered_sql()
-#: A run lost this many times in a row (its worker died under it, no step finished since) may
-#: be what kills its workers: only a worker with nothing in flight takes it, and takes nothing
-#: more until it ends. Its losses are then its own, not those of the runs that shared a worker
-#: with it (a run that killed every worker had the runs beside it failed by the recovery bound).
+#: A run whose worker dies under it this many times in a row (no step finished since) may be
+#: what kills its workers: only a worker with nothing in flight takes it up, and takes nothing
+#: more until it ends; a busy worker that sees one waiting claims nothing until it is idle (or
+#: another worker took it). Its losses are then its own, not those of the runs that shared a
+#: worker with it (a run that killed every worker had the runs beside it failed by the bound).
 SUSPECT_AFTER = 2
-#: What a claim by a busy worker adds to leave suspects out (due runs; runs whose worker died,
-#: whose claim counts one loss more).
-HELD_BACK = f"AND recoveries < {SUSPECT_AFTER}"
+#: What a claim by a busy worker adds to leave out the lost runs that would become suspects
+#: (the claim counts one loss more).
 LOST_HELD_BACK = f"AND recoveries + 1 < {SUSPECT_AFTER}"
 
 
 def suspect(run: Run) -> bool:
-    """Whether a claimed run is to run alone (see SUSPECT_AFTER)."""
+    """Whether a claimed run is to run alone (see SUSPECT_AFTER; a run taken up by an idle
+    worker after a wait or a release with that many losses runs alone too)."""
     return run.recoveries >= SUSPECT_AFTER
 
 
@@ -75,7 +76,7 @@ _RUN_COLUMNS = ", ".join(f'r."{f.column}"' for f in Run._meta.concrete_fields)
 CLAIM_DUE = f"""
             WITH aged AS (
                 SELECT id, status AS was, 0 AS grp, 0 AS prio, wake_at AS at FROM {RUN_TABLE}
-                WHERE status = ANY(%s) AND wake_at < %s AND ({{mine}}) {{held_back}}
+                WHERE status = ANY(%s) AND wake_at < %s AND ({{mine}})
                   AND NOT (workflow = ANY(%s))
                   AND NOT {_COVERED}
                 ORDER BY wake_at
@@ -85,7 +86,7 @@ CLAIM_DUE = f"""
                 SELECT id, status AS was, 1 AS grp, -priority AS prio, wake_at AS at
                 FROM {RUN_TABLE}
                 WHERE status = ANY(%s) AND wake_at <= %s AND wake_at >= %s AND ({{mine}})
-                  {{held_back}} AND NOT (workflow = ANY(%s))
+                  AND NOT (workflow = ANY(%s))
                   AND NOT {_COVERED}
                 ORDER BY priority DESC, wake_at
                 LIMIT %s
@@ -120,7 +121,7 @@ CLAIM_LIMITED = f"""
                     (status = ANY(%s) AND wake_at < %s) AS aged
                 FROM {RUN_TABLE}
                 WHERE workflow = %s AND status = ANY(%s) AND wake_at <= %s AND ({{mine}})
-                  {{held_back}} AND NOT {_COVERED}
+                  AND NOT {_COVERED}
                   AND concurrency_key NOT IN (
                       SELECT k FROM running WHERE %s::int IS NOT NULL AND n >= %s::int
                   )
@@ -163,10 +164,8 @@ TAKE_CLAIMED = f""", u AS (
 
 
 def not_suspect() -> Q:
-    """HELD_BACK and LOST_HELD_BACK as a filter (SQLite's claims)."""
-    return Q(recoveries__lt=SUSPECT_AFTER - 1) | (
-        Q(recoveries__lt=SUSPECT_AFTER) & ~Q(status=RunStatus.RUNNING)
-    )
+    """LOST_HELD_BACK as a filter (SQLite's claims)."""
+    return ~Q(status=RunStatus.RUNNING, recoveries__gte=SUSPECT_AFTER - 1)
 
 
 def runnable_filter(now) -> Q:
@@ -192,28 +191,34 @@ class Claims:
         mine = " OR ".join(["(workflow = %s AND version = %s)"] * len(self.mine_refs))
         # Each statement twice: suspects allowed (an idle worker), suspects left out.
         self._claim_due = {
-            allowed: CLAIM_DUE.format(
-                mine=mine,
-                held_back="" if allowed else HELD_BACK,
-                lost_held_back="" if allowed else LOST_HELD_BACK,
-            )
+            allowed: CLAIM_DUE.format(mine=mine, lost_held_back="" if allowed else LOST_HELD_BACK)
             for allowed in (True, False)
         }
-        self._claim_limited_sql = {
-            allowed: CLAIM_LIMITED.format(mine=mine, held_back="" if allowed else HELD_BACK)
-            for allowed in (True, False)
-        }
+        self._claim_limited_sql = CLAIM_LIMITED.format(mine=mine)
 
     def claim(self, limit: int, idle: bool = True) -> list[Run]:
-        """Claim up to `limit` runnable runs of ours. A worker with runs in flight (`idle`
-        false) takes no suspect (SUSPECT_AFTER); an idle one takes its first run with suspects
-        allowed, and a suspect alone."""
+        """Claim up to `limit` runnable runs of ours. An idle worker takes its first run with
+        suspects (SUSPECT_AFTER) allowed, and a suspect alone; a worker with runs in flight
+        (`idle` false) takes none, and nothing at all while one waits, so that it comes to
+        be idle and a suspect is not starved by workers that never are."""
         if not idle:
-            return self._claim(limit, suspects=False)
+            return [] if self.suspect_waiting() else self._claim(limit, suspects=False)
         first = self._claim(1, suspects=True)
         if limit == 1 or not first or suspect(first[0]):
             return first
         return first + self._claim(limit - 1, suspects=False)
+
+    def suspect_waiting(self) -> bool:
+        """Whether a run of ours whose worker died would be a suspect once taken up (through
+        the running runs' lease index: what lapsed, not the table)."""
+        lapsed = Run.objects.filter(
+            self.mine,
+            status=RunStatus.RUNNING,
+            lease_until__lt=timezone.now(),
+            recoveries__gte=SUSPECT_AFTER - 1,
+            recoveries__lt=2 * settings.STEPGUARD_MAX_RECOVERIES - 1,  # past it: failed, not taken
+        )
+        return lapsed.filter(holds.uncovered()).exists()  # a held one waits for its unhalt
 
     def _claim(self, limit: int, suspects: bool) -> list[Run]:
         now = timezone.now()
@@ -221,7 +226,7 @@ class Claims:
         if connection.vendor == "postgresql":
             # Limited workflows first: their limits bound what they take, and behind an
             # unlimited backlog they would never get a thread.
-            claimed = self._claim_limited(limit, limits, now, suspects) if limits else []
+            claimed = self._claim_limited(limit, limits, now) if limits else []
             if len(claimed) < limit:
                 claimed += self._claim_in_one_statement(
                     limit - len(claimed), now, sorted(limits), suspects
@@ -237,7 +242,7 @@ class Claims:
         outage.ok()  # the database answered
         if stopped:
             return []  # the kill switch: nothing starts
-        claimed = self._claim_limited(limit, limits, now, suspects) if limits else []
+        claimed = self._claim_limited(limit, limits, now) if limits else []
         if len(claimed) >= limit:
             return claimed
         limit -= len(claimed)
@@ -257,9 +262,7 @@ class Claims:
                     claimed_ids.append((run_id, epoch + 1))
         return claimed + self._adopt(claimed_ids)
 
-    def _claim_limited(
-        self, free: int, limits: dict[str, flow.Limit], now, suspects: bool
-    ) -> list[Run]:
+    def _claim_limited(self, free: int, limits: dict[str, flow.Limit], now) -> list[Run]:
         """Claim due runs of limited workflows, each workflow under its lock, within what its
         running runs leave of its limits (per key too)."""
         claimed_ids: list = []
@@ -281,7 +284,7 @@ class Claims:
             if connection.vendor == "postgresql":
                 with transaction.atomic():
                     flow.lock(name)
-                    taken = self._claim_limited_in_one_statement(name, limit, free, now, suspects)
+                    taken = self._claim_limited_in_one_statement(name, limit, free, now)
                 claimed += taken
                 free -= len(taken)
                 continue
@@ -300,7 +303,6 @@ class Claims:
                         self.mine, workflow=name, status__in=WAKEABLE, wake_at__lte=now
                     )
                     .exclude(concurrency_key__in=full)
-                    .filter(Q() if suspects else not_suspect())
                     .filter(holds.uncovered())
                     .order_by(*flow.claim_order(now))
                     .values_list(
@@ -373,13 +375,13 @@ class Claims:
         return runs
 
     def _claim_limited_in_one_statement(
-        self, name: str, limit: flow.Limit, free: int, now, suspects: bool
+        self, name: str, limit: flow.Limit, free: int, now
     ) -> list[Run]:
         """PostgreSQL: claim due runs of one limited workflow in one statement, after its lock
         (taken by the caller in a statement of its own, so that this one's snapshot sees every
         claim committed before it). The count of its running runs per key, the room they leave
         (`row_number()` per key for the per-key limit), the leases and the events: all here."""
-        chosen = self._claim_limited_sql[suspects]
+        chosen = self._claim_limited_sql
         refs = [part for ref in self.mine_refs for part in ref]
         old = flow.aged(now)
         params = [
