@@ -82,11 +82,14 @@ class Command(BaseCommand):
         after = -1
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            # The status first, then the events: a run seen ended has every event committed,
+            # and they are read before stopping (read the other way round, the events that
+            # came between the two reads were never printed: 2 of 3 steps shown, once).
+            run.refresh_from_db(fields=["status", "output", "error"])
             for event in Event.objects.filter(run_id=run.id, seq__gt=after).order_by("seq"):
                 self.stdout.write(describe(event))
                 self.stdout.flush()
                 after = event.seq
-            run.refresh_from_db(fields=["status", "output", "error"])
             if not follow or run.is_terminal or (deadline and time.monotonic() > deadline):
                 break
             time.sleep(0.2)
