@@ -151,7 +151,7 @@ class DatabaseCollector:
         yield runs
         due = Run.objects.filter(status__in=WAKEABLE, wake_at__lte=now)
         lapsed = Run.objects.filter(status=RunStatus.RUNNING, lease_until__lt=now)
-        runnable = sum(q.order_by().values("pk")[: CAP + 1].count() for q in (due, lapsed))
+        runnable = sum(queries.count_up_to(q, CAP) for q in (due, lapsed))
         if runnable > CAP:
             runnable = max(summary["runnable"], runnable)
         oldest = min(

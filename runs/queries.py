@@ -118,16 +118,23 @@ def capped_counts(runs: QuerySet, statuses, cap: int) -> dict[str, int]:
     return counts
 
 
+def count_up_to(runs: QuerySet, cap: int) -> int:
+    """How many of `runs` there are, counted no further than cap + 1: above `cap` means
+    "more", and no count reads past that many rows."""
+    return runs.order_by().values("pk")[: cap + 1].count()
+
+
 def status_counts(runs: QuerySet) -> dict[str, tuple[int, bool]]:
     """How many of `runs` have each status, and whether that is exact: counted up to
     EXACT_UP_TO through the status index, estimated above it from the planner's statistics
     (PostgreSQL; SQLite, the embedded engine, counts them all)."""
     counts = {}
     for status, n in capped_counts(runs, RunStatus.values, EXACT_UP_TO).items():
-        of_status = runs.filter(status=status).order_by()
         if n <= EXACT_UP_TO:
             counts[status] = (n, True)
-        elif connection.vendor == "postgresql":
+            continue
+        of_status = runs.filter(status=status).order_by()
+        if connection.vendor == "postgresql":
             plan = json.loads(of_status.values("pk").explain(format="json"))
             counts[status] = (max(int(plan[0]["Plan"]["Plan Rows"]), n), False)
         else:

@@ -283,7 +283,7 @@ def runs_count(request):
         runs, _ = filtered_runs(request.GET)
     except BadFilter as exc:
         return HttpResponse(str(exc), content_type="text/plain", status=400)
-    n = runs.order_by().values("pk")[: queries.EXACT_UP_TO + 1].count()  # bulk takes ≤1,000
+    n = queries.count_up_to(runs, queries.EXACT_UP_TO)  # bulk takes ≤1,000
     if n > queries.EXACT_UP_TO:
         return HttpResponse(f"more than {queries.EXACT_UP_TO:,} runs", content_type="text/plain")
     return HttpResponse(f"{n} run{pluralize(n)}", content_type="text/plain")

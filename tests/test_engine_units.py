@@ -8,12 +8,14 @@ rows, in an in-memory SQLite of the Python standard library, and must agree on e
 
 from __future__ import annotations
 
+import ast
 import itertools
 import sqlite3
 import threading
 import uuid
 from dataclasses import FrozenInstanceError
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -333,3 +335,44 @@ def test_workflow_code_sees_the_public_calls_and_the_runs_identity_and_nothing_o
     # Each call is the engine's own, signature and docstring included (one-line delegations).
     for name in calls - {"idempotency_key"}:
         assert getattr(RunContext, name).__doc__ == getattr(Execution, name).__doc__, name
+
+
+# --- One writer -------------------------------------------------------------------------------
+
+ENGINE = Path(__file__).resolve().parent.parent / "runs" / "engine"
+WRITES = {"create", "update", "bulk_create", "delete", "get_or_create", "update_or_create"}
+
+
+def _calls(module: Path):
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, ast.Call):
+            yield node
+
+
+def _writes_steps(call: ast.Call) -> bool:
+    """`Step.objects....update(...)` and the like, however long the chain."""
+    if not (isinstance(call.func, ast.Attribute) and call.func.attr in WRITES):
+        return False
+    node = call.func.value
+    while isinstance(node, ast.Call | ast.Attribute):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return isinstance(node, ast.Name) and node.id == "Step"
+
+
+def test_step_rows_are_written_by_checkpoints_alone():
+    """docs/architecture.md: checkpoints.py writes step rows (with store.py's fenced write
+    beneath it), so a check every step write needs is added in one place."""
+    writers = {m.name for m in ENGINE.glob("*.py") if any(_writes_steps(c) for c in _calls(m))}
+    assert writers == {"checkpoints.py", "store.py"}
+
+
+def test_within_an_execution_events_are_appended_by_checkpoints_alone():
+    """The concerns of an execution (steps, waits, model calls, replay...) append their
+    events through Checkpoints; only code outside an execution (a claim, the end or pause of
+    a run, a debounced start) appends a run's event through the store."""
+    appenders = {
+        m.name
+        for m in ENGINE.glob("*.py")
+        if any(isinstance(c.func, ast.Name) and c.func.id == "append_event" for c in _calls(m))
+    }
+    assert appenders == {"checkpoints.py", "store.py", "claims.py", "lifecycle.py", "starts.py"}

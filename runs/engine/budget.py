@@ -263,25 +263,3 @@ def next_day_start():
 
     tomorrow = timezone.now().astimezone(UTC).date() + timedelta(days=1)
     return datetime.combine(tomorrow, time(0), tzinfo=UTC)
-
-
-def release_reservations(run_id, *, zero_run: bool = True) -> None:
-    """A run ended: give back what its unfinished steps still hold (a step in flight when its
-    worker died and never re-sent), from the ledgers and the day each was reserved against,
-    and zero the run's reservation (unless the caller's own write does). Inside the
-    transaction that ends the run."""
-    from runs.models import Run, Step, StepStatus
-
-    holding = Step.objects.filter(run_id=run_id, status=StepStatus.STARTED).filter(
-        Q(reserved_micros__gt=0) | Q(reserved_tokens__gt=0)
-    )
-    holds = list(
-        holding.values_list("reserved_micros", "reserved_tokens", "reserved_on", "reserved_scopes")
-    )
-    if holds:
-        holding.update(reserved_micros=0, reserved_tokens=0, reserved_scopes=[])
-    for micros, tokens, day, scopes in holds:
-        if scopes and day:
-            release_shared(list(scopes), Amount(micros, tokens), day)
-    if zero_run:
-        Run.objects.filter(pk=run_id).update(reserved_micros=0, reserved_tokens=0)

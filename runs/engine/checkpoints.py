@@ -1,4 +1,11 @@
-"""Checkpoints: the only code that writes step rows and their events, each write fenced."""
+"""Checkpoints: the only code that writes step rows and their events, each write fenced.
+
+Within an execution every step row and every event goes through `Checkpoints`; what ends a
+run (`book_possibly_spent`, `fail_in_doubt`, `release_reservations`) writes the rows of the
+steps it leaves behind through the functions at the bottom of this module. Run-level events
+written outside an execution (claims, operator actions) go through `store.append_event`.
+`tests/test_engine_units.py` holds this: no other engine module writes a step row.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +15,26 @@ from datetime import date, datetime
 from typing import Any, NoReturn
 
 from django.conf import settings
-from django.db.models import F, Q
+from django.db.models import F, Q, Sum
 from django.utils import timezone
 
 from runs.engine import holds
-from runs.engine.budget import NOTHING, Amount, Usage, book_shared, scopes_for
+from runs.engine.budget import (
+    NOTHING,
+    Amount,
+    Usage,
+    book_shared,
+    release_shared,
+    reserve_shared,
+    scopes_for,
+)
 from runs.engine.fences import Completion, Fence, Spend
-from runs.engine.records import brief, error_record
+from runs.engine.records import INTERRUPTED, brief, error_record
 from runs.engine.retry import retryable
 from runs.engine.state import ContextState
 from runs.engine.store import append_event, atomic, complete_later, fence, fenced_write
 from runs.errors import REPLAYED, StepFailed, StepguardError
-from runs.models import EventType, Run, RunStatus, Step, StepStatus
+from runs.models import EventType, Run, RunStatus, Step, StepKind, StepStatus
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,62 @@ class Checkpoints(ContextState):
             **fields,
         )
 
+    def _event(self, event_seq: int, type_: str, key: str = "", **payload: Any) -> None:
+        """One event of this run, at the seq its fence reserved (inside that transaction)."""
+        append_event(self._lease.run_id, event_seq, type_, key, **payload)
+
+    def _end_step(self, step_pk: Any, now: datetime, *, output=None, error=None) -> None:
+        """A waiting step ends (inside the caller's transaction): completed with `output`, or
+        failed with `error` (its record)."""
+        if error is None:
+            Step.objects.filter(pk=step_pk).update(
+                status=StepStatus.COMPLETED, output=output, finished_at=now
+            )
+        else:
+            Step.objects.filter(pk=step_pk).update(
+                status=StepStatus.FAILED, error=error, run_attempt=self.attempt, finished_at=now
+            )
+
+    def _park_step(self, step_pk: Any, until: datetime, error: dict) -> None:
+        """A started step waits until `until` for its next try (inside the caller's
+        transaction), keeping what it holds against the budgets."""
+        Step.objects.filter(pk=step_pk).update(
+            status=StepStatus.WAITING, wake_at=until, error=error
+        )
+
+    def _book_attempt(self, step_pk: Any, usage: Usage) -> None:
+        """An attempt that failed after the provider answered was paid: its usage goes on the
+        run and the step's row, in their own fenced write."""
+        spend = Spend(usage.micros, usage.tokens_in, usage.tokens_out, NOTHING)
+        with atomic(self._lease):
+            fence(self._lease, Fence(spend=spend))
+            Step.objects.filter(pk=step_pk).update(
+                tokens_in=F("tokens_in") + usage.tokens_in,
+                tokens_out=F("tokens_out") + usage.tokens_out,
+                cost_micros=F("cost_micros") + usage.micros,
+            )
+
+    def _begin_transaction(self) -> int:
+        """The fence of a transaction step (inside its transaction); its event's seq. Like
+        any step, none starts once a shared daily budget is spent."""
+        event_seq = fence(self._lease, replace(self._start_fence, progress=True))
+        if shared := scopes_for(self.workflow):
+            reserve_shared(shared, NOTHING, NOTHING, timezone.now().date())
+        return event_seq
+
+    def _record_transaction(
+        self, event_seq: int, record: Step | None, seq: int, key: str, fields: dict, input_
+    ) -> None:
+        """A transaction step's completion, in the transaction its function wrote in."""
+        if record is None:
+            Step.objects.create(
+                run_id=self._lease.run_id, seq=seq, key=key, kind=StepKind.TRANSACTION,
+                input=input_, idempotency_key=f"{self.run_id}:{key}", **fields,
+            )  # fmt: skip
+        else:
+            Step.objects.filter(pk=record.pk).update(**fields)
+        self._event(event_seq, EventType.STEP_COMPLETED, key, attempt=fields["attempt"])
+
     def _restart(self, step_pk, key, payload, attempt: int, held, approval) -> None:
         """An in-place retry's start: the next attempt on the step's row, checked as any start
         is (`_write_start`) against what the step already reserves."""
@@ -104,7 +175,7 @@ class Checkpoints(ContextState):
                 assert update is not None
                 step_pk = update[0]
                 Step.objects.filter(pk=step_pk).update(**update[1])
-            append_event(self._lease.run_id, event_seq, type_, key, **payload)
+            self._event(event_seq, type_, key, **payload)
         return step_pk
 
     def _finish_step(
@@ -180,10 +251,9 @@ class Checkpoints(ContextState):
             if warnings:
                 first = fence(self._lease, Fence(events=len(warnings)))
                 for offset, label in enumerate(warnings):
-                    append_event(
-                        self._lease.run_id, first + offset, EventType.BUDGET_WARNING, key,
-                        budget=label, threshold=ratio,
-                    )  # fmt: skip
+                    self._event(
+                        first + offset, EventType.BUDGET_WARNING, key, budget=label, threshold=ratio
+                    )
 
     def _record_failure(
         self,
@@ -223,15 +293,10 @@ class Checkpoints(ContextState):
         """A transaction step's failed try, recorded before the wait (it has no step row)."""
         with atomic(self._lease):
             event_seq = fence(self._lease)
-            append_event(
-                self._lease.run_id,
-                event_seq,
-                EventType.STEP_RETRYING,
-                key,
-                attempt=tries + 1,
-                delay_s=round(delay, 3),
-                error=brief(exc),
-            )
+            self._event(
+                event_seq, EventType.STEP_RETRYING, key,
+                attempt=tries + 1, delay_s=round(delay, 3), error=brief(exc),
+            )  # fmt: skip
         self._sleep(delay)
 
     def _append_events(self, first_seq: int, events: list[tuple[str, str, dict]]) -> None:
@@ -240,8 +305,8 @@ class Checkpoints(ContextState):
         if len(events) > 1:
             more = fence(self._lease, Fence(events=len(events) - 1))
             seqs += range(more, more + len(events) - 1)
-        for seq, (type, key, payload) in zip(seqs, events, strict=False):
-            append_event(self._lease.run_id, seq, type, key, **payload)
+        for seq, (type_, key, payload) in zip(seqs, events, strict=False):
+            self._event(seq, type_, key, **payload)
 
     def _enter_wait(self) -> tuple[int, datetime]:
         """The fence of a durable wait, in the lock order a pause takes (docs/architecture.md):
@@ -253,27 +318,23 @@ class Checkpoints(ContextState):
         holds.lock_ancestors(chain)
         return event_seq, timezone.now()
 
+    def _close_wait(
+        self, record: Step, now: datetime, *, output=None, error: StepguardError | None = None
+    ) -> tuple[str, str, dict]:
+        """End a waiting step (inside the caller's transaction), completed with `output` or
+        failed with `error`; its event, for the caller to append."""
+        if error is None:
+            self._end_step(record.pk, now, output=output)
+            return EventType.STEP_COMPLETED, record.key, {}
+        self._end_step(record.pk, now, error={**error.as_record(), "retryable": error.retryable})
+        return EventType.STEP_FAILED, record.key, {"error": brief(error)}
+
     def _finish_wait(
         self, record: Step, event_seq: int, now, *, output=None, error=None, **payload
-    ):
-        """Finish a waiting step (inside the caller's transaction)."""
-        if error is None:
-            Step.objects.filter(pk=record.pk).update(
-                status=StepStatus.COMPLETED, output=output, finished_at=now
-            )
-            append_event(
-                self._lease.run_id, event_seq, EventType.STEP_COMPLETED, record.key, **payload
-            )
-        else:
-            Step.objects.filter(pk=record.pk).update(
-                status=StepStatus.FAILED,
-                error={**error.as_record(), "retryable": error.retryable},
-                run_attempt=self.attempt,
-                finished_at=now,
-            )
-            append_event(
-                self._lease.run_id, event_seq, EventType.STEP_FAILED, record.key, error=brief(error)
-            )
+    ) -> None:
+        """Finish a waiting step and append its event (inside the caller's transaction)."""
+        type_, key, brief_ = self._close_wait(record, now, output=output, error=error)
+        self._event(event_seq, type_, key, **brief_, **payload)
 
     def _suspend(self, wake_at: datetime | None) -> None:
         """Give the run up until `wake_at` (or until something wakes it), inside the caller's
@@ -281,3 +342,57 @@ class Checkpoints(ContextState):
         Run.objects.filter(pk=self._lease.run_id).update(
             status=RunStatus.WAITING, wake_at=wake_at, worker=None, lease_until=None
         )
+
+
+# What ends a run writes the rows of the steps it leaves behind: inside the transaction that
+# ends the run, after its fence.
+
+
+def book_possibly_spent(run_id) -> Amount:
+    """Model calls a run ends without coming back to (started, then the run was cancelled or
+    failed another way) may have been paid: their estimates are booked as possibly spent."""
+    left = Step.objects.filter(run_id=run_id, status=StepStatus.STARTED, kind=StepKind.LLM).filter(
+        Q(reserved_micros__gt=0) | Q(reserved_tokens__gt=0)
+    )
+    total = left.aggregate(micros=Sum("reserved_micros"), tokens=Sum("reserved_tokens"))
+    if not total["micros"] and not total["tokens"]:
+        return NOTHING
+    left.update(
+        possibly_spent_micros=F("possibly_spent_micros") + F("reserved_micros"),
+        possibly_spent_tokens=F("possibly_spent_tokens") + F("reserved_tokens"),
+    )
+    return Amount(total["micros"] or 0, total["tokens"] or 0)
+
+
+def fail_in_doubt(run_id, status: str, at: datetime) -> None:
+    """A step the run never came back to (a crash left it `started`, then the run ended
+    another way): a finished run keeps no step that looks in flight."""
+    Step.objects.filter(run_id=run_id, status=StepStatus.STARTED).update(
+        status=StepStatus.FAILED,
+        error={
+            "type": INTERRUPTED,
+            "message": f"the run ended ({status}) while this step's outcome was unknown: it "
+            "may or may not have happened",
+            "retryable": False,
+        },
+        finished_at=at,
+    )
+
+
+def release_reservations(run_id, *, zero_run: bool = True) -> None:
+    """A run ended: give back what its unfinished steps still hold (a step in flight when its
+    worker died and never re-sent), from the ledgers and the day each was reserved against,
+    and zero the run's reservation (unless the caller's own write does)."""
+    holding = Step.objects.filter(run_id=run_id, status=StepStatus.STARTED).filter(
+        Q(reserved_micros__gt=0) | Q(reserved_tokens__gt=0)
+    )
+    held = list(
+        holding.values_list("reserved_micros", "reserved_tokens", "reserved_on", "reserved_scopes")
+    )
+    if held:
+        holding.update(reserved_micros=0, reserved_tokens=0, reserved_scopes=[])
+    for micros, tokens, day, scopes in held:
+        if scopes and day:
+            release_shared(list(scopes), Amount(micros, tokens), day)
+    if zero_run:
+        Run.objects.filter(pk=run_id).update(reserved_micros=0, reserved_tokens=0)

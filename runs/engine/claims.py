@@ -24,7 +24,7 @@ from django.db.models import F, Min, Q
 from django.utils import timezone
 
 from runs.engine import flow, holds
-from runs.engine.budget import release_reservations
+from runs.engine.checkpoints import release_reservations
 from runs.engine.fences import Lease
 from runs.engine.outage import outage
 from runs.engine.registry import WorkflowDef

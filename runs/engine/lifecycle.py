@@ -12,7 +12,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError, transaction
-from django.db.models import Case, DateTimeField, F, Q, Sum, Value, When
+from django.db.models import Case, DateTimeField, F, Q, Value, When
 from django.db.models.functions import Cast
 from django.utils import timezone
 
@@ -20,12 +20,13 @@ from approvals.models import ApprovalRequest, ApprovalStatus
 from runs import tracing
 from runs.engine import holds, registry
 from runs.engine.bridge import run_async
-from runs.engine.budget import NOTHING, Amount, next_day_start, release_reservations
+from runs.engine.budget import NOTHING, next_day_start
+from runs.engine.checkpoints import book_possibly_spent, fail_in_doubt, release_reservations
 from runs.engine.compensation import run_compensations
 from runs.engine.context import Execution, RunContext
 from runs.engine.fences import Fence, Lease
 from runs.engine.outage import is_disconnect
-from runs.engine.records import INTERRUPTED, brief, error_record
+from runs.engine.records import brief, error_record
 from runs.engine.replay import REPLAY_FIELDS
 from runs.engine.serialization import to_json
 from runs.engine.store import (
@@ -55,7 +56,6 @@ from runs.models import (
     Run,
     RunStatus,
     Step,
-    StepKind,
     StepStatus,
 )
 
@@ -190,25 +190,15 @@ def _finish(
     with atomic(lease):
         possibly = NOTHING
         if ending and in_doubt:
-            possibly = _book_possibly_spent(lease.run_id)
+            possibly = book_possibly_spent(lease.run_id)
         if ending:
             release_reservations(lease.run_id, zero_run=False)  # the write below zeroes the run's
             fields |= {"reserved_micros": 0, "reserved_tokens": 0}
         checks = Fence(progress=True, run=tuple(fields.items()), possibly=possibly)
         fenced_write(lease, (event, "", payload), checks)
         if ending and in_doubt:
-            # A step the run never came back to (a crash left it `started`, then the run ended
-            # another way): a finished run keeps no step that looks in flight.
-            Step.objects.filter(run_id=lease.run_id, status=StepStatus.STARTED).update(
-                status=StepStatus.FAILED,
-                error={
-                    "type": INTERRUPTED,
-                    "message": f"the run ended ({fields['status']}) while this step's outcome "
-                    "was unknown: it may or may not have happened",
-                    "retryable": False,
-                },
-                finished_at=fields.get("finished_at") or timezone.now(),
-            )
+            at = fields.get("finished_at") or timezone.now()
+            fail_in_doubt(lease.run_id, fields["status"], at)
         if ending:
             # Nothing will act on what the run asked for any more: nobody may approve it.
             ApprovalRequest.objects.filter(
@@ -216,22 +206,6 @@ def _finish(
             ).update(status=ApprovalStatus.EXPIRED)
         if parent_id is not None and ending:
             wake_parent(lease.run_id, fields["status"], parent_id)
-
-
-def _book_possibly_spent(run_id) -> Amount:
-    """Model calls a run ends without coming back to (started, then the run was cancelled or
-    failed another way) may have been paid: their estimates are booked as possibly spent."""
-    left = Step.objects.filter(run_id=run_id, status=StepStatus.STARTED, kind=StepKind.LLM).filter(
-        Q(reserved_micros__gt=0) | Q(reserved_tokens__gt=0)
-    )
-    total = left.aggregate(micros=Sum("reserved_micros"), tokens=Sum("reserved_tokens"))
-    if not total["micros"] and not total["tokens"]:
-        return NOTHING
-    left.update(
-        possibly_spent_micros=F("possibly_spent_micros") + F("reserved_micros"),
-        possibly_spent_tokens=F("possibly_spent_tokens") + F("reserved_tokens"),
-    )
-    return Amount(total["micros"] or 0, total["tokens"] or 0)
 
 
 def _give_back(

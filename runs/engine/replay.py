@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from runs.engine.fences import Fence
 from runs.engine.state import ContextState
-from runs.engine.store import append_event, atomic, fence
+from runs.engine.store import atomic, fence
 from runs.errors import (
     REPLAYED,
     Cancelled,
@@ -184,8 +184,6 @@ class Replay(ContextState):
                 self._new_step(
                     seq, key, StepKind.CALL, StepStatus.COMPLETED, finished_at=timezone.now()
                 )
-                append_event(
-                    self._lease.run_id, event_seq, EventType.STEP_COMPLETED, key, patch=change_id
-                )
+                self._event(event_seq, EventType.STEP_COMPLETED, key, patch=change_id)
         self._patches[change_id] = True
         return True

@@ -114,6 +114,30 @@ class ContextState:
         @property
         def _start_fence(self) -> Fence: ...
         def _new_step(self, seq: int, key: str, kind: str, status: str, **fields: Any) -> Step: ...
+        def _event(self, event_seq: int, type_: str, key: str = "", **payload: Any) -> None: ...
+        def _end_step(
+            self, step_pk: Any, now: datetime, *, output: Any = None, error: Any = None
+        ) -> None: ...
+        def _close_wait(
+            self,
+            record: Step,
+            now: datetime,
+            *,
+            output: Any = None,
+            error: StepguardError | None = None,
+        ) -> tuple[str, str, dict]: ...
+        def _park_step(self, step_pk: Any, until: datetime, error: dict) -> None: ...
+        def _book_attempt(self, step_pk: Any, usage: Usage) -> None: ...
+        def _begin_transaction(self) -> int: ...
+        def _record_transaction(
+            self,
+            event_seq: int,
+            record: Step | None,
+            seq: int,
+            key: str,
+            fields: dict,
+            input_: Any,
+        ) -> None: ...
         def _write_start(
             self,
             event: tuple[str, str, dict],

@@ -13,15 +13,13 @@ from decimal import Decimal
 from typing import Any, NoReturn
 
 from django.conf import settings
-from django.db.models import F
 from django.utils import timezone
 
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs import tracing
 from runs.engine import rates
-from runs.engine.budget import NOTHING, Amount, Metered, Usage, reserve_shared, scopes_for, to_usd
+from runs.engine.budget import Amount, Metered, Usage, scopes_for, to_usd
 from runs.engine.checkpoints import Reservation
-from runs.engine.fences import Fence, Spend
 from runs.engine.llm import retry_after
 from runs.engine.loop import engine_loop
 from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, brief
@@ -36,7 +34,7 @@ from runs.engine.step_starts import (
     possibly_spent,
     start_row,
 )
-from runs.engine.store import append_event, atomic, fence, flush
+from runs.engine.store import atomic, flush
 from runs.errors import (
     ApprovalRevoked,
     Cancelled,
@@ -256,14 +254,7 @@ class Steps(ContextState):
         in their own fenced write, and stays on the row when a later attempt succeeds."""
         if usage is None or not (usage.tokens or usage.micros) or step_pk is None:
             return
-        spend = Spend(usage.micros, usage.tokens_in, usage.tokens_out, NOTHING)
-        with atomic(self._lease):
-            fence(self._lease, Fence(spend=spend))
-            Step.objects.filter(pk=step_pk).update(
-                tokens_in=F("tokens_in") + usage.tokens_in,
-                tokens_out=F("tokens_out") + usage.tokens_out,
-                cost_micros=F("cost_micros") + usage.micros,
-            )
+        self._book_attempt(step_pk, usage)
         earlier = self._answered.get(step_pk, Usage())
         self._answered[step_pk] = Usage(
             earlier.tokens_in + usage.tokens_in,
@@ -291,10 +282,7 @@ class Steps(ContextState):
             tries += 1
             try:
                 with atomic(self._lease):
-                    event_seq = fence(self._lease, replace(self._start_fence, progress=True))
-                    if shared := scopes_for(self.workflow):
-                        # Like any step: none starts once a shared daily budget is spent.
-                        reserve_shared(shared, NOTHING, NOTHING, timezone.now().date())
+                    event_seq = self._begin_transaction()
                     value = self._invoke(key, idem, seq, fn, args, kwargs)
                     output = to_json(value, what=f"the output of step {key!r}")
                     now = timezone.now()
@@ -307,21 +295,8 @@ class Steps(ContextState):
                         "started_at": now,
                         "finished_at": now,
                     }
-                    if record is None:
-                        Step.objects.create(
-                            run_id=self._lease.run_id,
-                            seq=seq,
-                            key=key,
-                            kind=StepKind.TRANSACTION,
-                            input=describe_input(args, kwargs),
-                            idempotency_key=idem,
-                            **fields,
-                        )
-                    else:
-                        Step.objects.filter(pk=record.pk).update(**fields)
-                    append_event(
-                        self._lease.run_id, event_seq, EventType.STEP_COMPLETED, key, attempt=tries
-                    )
+                    input_ = describe_input(args, kwargs)
+                    self._record_transaction(event_seq, record, seq, key, fields, input_)
                 return output
             except ControlFlow:
                 raise
@@ -465,13 +440,10 @@ class Steps(ContextState):
                     wake_at=until, error=error,
                 )  # fmt: skip
             else:
-                Step.objects.filter(pk=record.pk).update(
-                    status=StepStatus.WAITING, wake_at=until, error=error
-                )
-            append_event(
-                self._lease.run_id, event_seq, EventType.STEP_THROTTLED, key,
-                resource=resource, until=until.isoformat(),
-            )  # fmt: skip
+                self._park_step(record.pk, until, error)
+            self._event(
+                event_seq, EventType.STEP_THROTTLED, key, resource=resource, until=until.isoformat()
+            )
             self._suspend(until)
         raise Suspended(f"step {key!r} waits for {resource}'s rate limit until {until}")
 
@@ -484,15 +456,12 @@ class Steps(ContextState):
             event_seq, now = self._enter_wait()
             if until is None:
                 until = now + timedelta(seconds=delay)
-                Step.objects.filter(pk=step_pk).update(
-                    status=StepStatus.WAITING,
-                    wake_at=until,
-                    error={**(payload or {}).get("error", {}), "tries": tries},
+                self._park_step(
+                    step_pk, until, {**(payload or {}).get("error", {}), "tries": tries}
                 )
-            append_event(
-                self._lease.run_id, event_seq, EventType.STEP_RETRYING, key,
-                **(payload or {}), until=until.isoformat(),
-            )  # fmt: skip
+            self._event(
+                event_seq, EventType.STEP_RETRYING, key, **(payload or {}), until=until.isoformat()
+            )
             self._suspend(until)
         raise Suspended(f"step {key!r} tries again at {until.isoformat()}")
 
@@ -564,15 +533,14 @@ class Steps(ContextState):
                         "attempt": record.attempt,
                     },
                 )
-                append_event(
-                    self._lease.run_id, event_seq, EventType.APPROVAL_REQUESTED, record.key,
+                self._event(
+                    event_seq, EventType.APPROVAL_REQUESTED, record.key,
                     approval_id=request.pk, kind=ApprovalKind.AMBIGUOUS,
                 )  # fmt: skip
             else:
-                append_event(
-                    self._lease.run_id, event_seq, EventType.APPROVAL_WAITING, record.key,
-                    approval_id=request.pk,
-                )  # fmt: skip
+                self._event(
+                    event_seq, EventType.APPROVAL_WAITING, record.key, approval_id=request.pk
+                )
             self._suspend(None)
         raise Suspended(f"waiting for a person to resolve step {record.key!r}")
 

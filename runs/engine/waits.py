@@ -16,7 +16,7 @@ from runs.engine.budget import default_run_budget
 from runs.engine.records import Decision, as_timedelta, brief
 from runs.engine.serialization import to_json
 from runs.engine.state import ContextState
-from runs.engine.store import append_event, atomic, create_run
+from runs.engine.store import atomic, create_run
 from runs.errors import (
     ApprovalExpired,
     ApprovalRejected,
@@ -115,8 +115,8 @@ class Waits(ContextState):
                 self._finish_wait(record, event_seq, now, error=error)
                 timed_out = True
             else:
-                append_event(
-                    self._lease.run_id, event_seq, EventType.SIGNAL_WAITING, key, name=name,
+                self._event(
+                    event_seq, EventType.SIGNAL_WAITING, key, name=name,
                     timeout_at=record.wake_at.isoformat() if record.wake_at else None,
                 )  # fmt: skip
                 self._suspend(record.wake_at)
@@ -163,8 +163,8 @@ class Waits(ContextState):
                     payload=data,
                     expires_at=expires,
                 )
-                append_event(
-                    self._lease.run_id, event_seq, EventType.APPROVAL_REQUESTED, key,
+                self._event(
+                    event_seq, EventType.APPROVAL_REQUESTED, key,
                     approval_id=request.pk, action=action,
                     expires_at=expires.isoformat() if expires else None,
                 )  # fmt: skip
@@ -178,10 +178,7 @@ class Waits(ContextState):
                     self._finish_wait(record, event_seq, now, output=outcome.as_json())
                     return outcome
                 if outcome is None:
-                    append_event(
-                        self._lease.run_id, event_seq, EventType.APPROVAL_WAITING, key,
-                        approval_id=request.pk,
-                    )  # fmt: skip
+                    self._event(event_seq, EventType.APPROVAL_WAITING, key, approval_id=request.pk)
                     self._suspend(request.expires_at)
                 else:
                     error = outcome
@@ -262,17 +259,8 @@ class Waits(ContextState):
         """Finish a waiting approval step with its decision or error (inside the caller's
         transaction); returns its event for the caller to append."""
         if isinstance(outcome, Decision):
-            Step.objects.filter(pk=record.pk).update(
-                status=StepStatus.COMPLETED, output=outcome.as_json(), finished_at=now
-            )
-            return EventType.STEP_COMPLETED, record.key, {}
-        Step.objects.filter(pk=record.pk).update(
-            status=StepStatus.FAILED,
-            error={**outcome.as_record(), "retryable": outcome.retryable},
-            run_attempt=self.attempt,
-            finished_at=now,
-        )
-        return EventType.STEP_FAILED, record.key, {"error": brief(outcome)}
+            return self._close_wait(record, now, output=outcome.as_json())
+        return self._close_wait(record, now, error=outcome)
 
     @staticmethod
     def _approval_outcome(request: ApprovalRequest, now: datetime):
@@ -377,20 +365,13 @@ class Waits(ContextState):
         ):
             e = keys[child.key or ""]  # filtered on key above
             if child.status == RunStatus.COMPLETED:
-                Step.objects.filter(pk=e.step.pk).update(
-                    status=StepStatus.COMPLETED, output=child.output, finished_at=now
-                )
+                self._end_step(e.step.pk, now, output=child.output)
                 e.step.status, e.step.output = StepStatus.COMPLETED, child.output
                 events.append((EventType.STEP_COMPLETED, e.key, {"child": str(child.id)}))
             elif child.status in (RunStatus.FAILED, RunStatus.CANCELLED):
                 message = (child.error or {}).get("message", child.status)
                 error = ChildFailed(f"child run {child.id} ({e.key}) {child.status}: {message}")
-                Step.objects.filter(pk=e.step.pk).update(
-                    status=StepStatus.FAILED,
-                    error={**error.as_record(), "child": str(child.id)},
-                    run_attempt=self.attempt,
-                    finished_at=now,
-                )
+                self._end_step(e.step.pk, now, error={**error.as_record(), "child": str(child.id)})
                 e.step.status = StepStatus.FAILED
                 payload = {"child": str(child.id), "error": brief(error)}
                 events.append((EventType.STEP_FAILED, e.key, payload))
@@ -413,24 +394,10 @@ class Waits(ContextState):
             wake_at = record.wake_at
             assert wake_at is not None  # a sleep's row is written with its deadline
             if wake_at <= now:
-                Step.objects.filter(pk=record.pk).update(
-                    status=StepStatus.COMPLETED, finished_at=now
-                )
-                append_event(
-                    self._lease.run_id,
-                    event_seq,
-                    EventType.TIMER_FIRED,
-                    key,
-                    wake_at=wake_at.isoformat(),
-                )
+                self._end_step(record.pk, now)
+                self._event(event_seq, EventType.TIMER_FIRED, key, wake_at=wake_at.isoformat())
                 return
-            append_event(
-                self._lease.run_id,
-                event_seq,
-                EventType.TIMER_SET,
-                key,
-                wake_at=wake_at.isoformat(),
-            )
+            self._event(event_seq, EventType.TIMER_SET, key, wake_at=wake_at.isoformat())
             self._suspend(wake_at)
         raise Suspended(f"sleeping until {wake_at.isoformat()}")
 
