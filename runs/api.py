@@ -4,7 +4,7 @@ CLI calls (runs.operations, runs.sdk), so permissions and audit events are the s
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Annotated, Any
 from uuid import UUID
@@ -75,6 +75,7 @@ class RunOut(Schema):
     key: str | None
     parent_id: UUID | None
     forked_from_id: UUID | None
+    labels: dict[str, str]
     attempt: int
     max_attempts: int
     input: Any
@@ -92,7 +93,7 @@ class RunOut(Schema):
     def of(run: Run) -> dict:
         return {
             **{f: getattr(run, f) for f in ("id", "workflow", "version", "status", "key")},
-            **{f: getattr(run, f) for f in ("parent_id", "forked_from_id", "attempt")},
+            **{f: getattr(run, f) for f in ("parent_id", "forked_from_id", "attempt", "labels")},
             **{f: getattr(run, f) for f in ("max_attempts", "input", "output", "error")},
             **{f: getattr(run, f) for f in ("created_at", "started_at", "finished_at")},
             "spend": {
@@ -123,6 +124,12 @@ class StartIn(In):
     budget_usd: str | None = Field(None, pattern=USD, examples=["2.50"])
     budget_tokens: int | None = Field(None, ge=0, le=10**15)
     priority: int | None = Field(None, ge=-1000, le=1000, description="higher goes first")
+    labels: dict[str, str] | None = Field(
+        None,
+        description="who the run is for: up to 10, names of a-z 0-9 _ . - (40 characters), "
+        "values of up to 100 characters; kept by its children and forks",
+        examples=[{"tenant": "acme"}],
+    )
 
 
 class StepOut(Schema):
@@ -243,6 +250,9 @@ class Filters(Schema):
     created_after: datetime | None = None
     created_before: datetime | None = None
     q: str | None = Field(None, max_length=255, pattern=TEXT, description="id or key contains")
+    label: str | None = Field(
+        None, max_length=500, pattern=TEXT, description="tenant=acme: runs with that label"
+    )
     engine: bool = Field(
         False,
         description="include the engine's own runs (notification deliveries, workflows "
@@ -279,6 +289,7 @@ def create_run(request, body: StartIn):
         budget_usd=None if body.budget_usd is None else Decimal(body.budget_usd),
         budget_tokens=body.budget_tokens,
         priority=body.priority,
+        labels=body.labels,
         started_by=request.user,
         api_key=getattr(getattr(request, "api_key", None), "prefix", None),
     )
@@ -299,6 +310,7 @@ def list_runs(request, filters: Query[Filters]):
             "since": filters.created_after,
             "until": filters.created_before,
             "q": filters.q,
+            "label": filters.label,
             "engine": filters.engine,
         }
     )
@@ -347,6 +359,33 @@ class UsageOut(Schema):
     )
     models: dict[str, ModelUsage]
     unpriced: list[str] = Field(description="models called with no price: their USD is 0")
+
+
+class LabelSpend(Schema):
+    day: date
+    value: str | None = Field(description="the label's value; null: runs without the label")
+    usd: Decimal
+    tokens: int
+    possibly_spent_usd: Decimal = Field(
+        description="estimates of model calls a crash cut off: maybe paid, never recorded"
+    )
+    runs: int
+
+
+@router.get("/spend", response={200: list[LabelSpend], **ERRORS_422}, tags=["budgets"])
+def spend(
+    request,
+    label: str = Query(..., max_length=40, pattern=TEXT, examples=["tenant"]),
+    since: date | None = None,
+    until: date | None = None,
+):
+    """What runs spent per value of one label (`tenant`), per UTC day from `since` to
+    `until` (inclusive; the last 7 days by default): a tenant's bill."""
+    viewer(request)
+    today = timezone.now().astimezone(UTC).date()
+    until = until or today
+    since = since or until - timedelta(days=6)
+    return queries.spend_by_label(label, since, until)
 
 
 @router.get("/runs/{run_id}/usage", response={200: UsageOut, **ERRORS_422})
@@ -521,6 +560,22 @@ def set_workflow_budget(request, name: str, body: BudgetIn):
     """The workflow's shared daily budget (usd, tokens) and default per-run budget."""
     _set_budget(request, Target("workflow", workflow_name(name)), body)
     return _policy(name)
+
+
+@router.get("/labels/{label}/policy", response={200: PolicyOut, **ERRORS_422}, tags=["budgets"])
+def label_policy(request, label: str):
+    """The daily budget of one label value (`tenant=acme`)."""
+    viewer(request)
+    return _policy(Target("label", label).scope)
+
+
+@router.put("/labels/{label}/budget", response={200: PolicyOut, **ERRORS_422}, tags=["budgets"])
+def set_label_budget(request, label: str, body: BudgetIn):
+    """The shared daily budget (usd, tokens) of the runs carrying one label value
+    (`tenant=acme`), on top of their workflow's and the global one."""
+    target = Target("label", label)
+    _set_budget(request, target, body)
+    return _policy(target.scope)
 
 
 @router.post("/workflows/{name}/halt", response={200: PolicyOut, **ERRORS_422}, tags=["halts"])

@@ -193,10 +193,13 @@ class Halted(ControlFlow):
 class OverBudget(ControlFlow):
     """The next step would exceed a budget: the run pauses until a person raises it."""
 
-    def __init__(self, budget: str, unit: str, limit: int, spent: int, estimate: int):
+    def __init__(
+        self, budget: str, unit: str, limit: int, spent: int, estimate: int, scope: str = ""
+    ):
         self.budget, self.unit, self.limit, self.spent, self.estimate = (
             budget, unit, limit, spent, estimate,
         )  # fmt: skip
+        self.scope = scope  # a shared budget's Policy scope ("" for the run's own)
         super().__init__(f"{budget} budget: {spent} of {limit} {unit} spent, step needs {estimate}")
 
 

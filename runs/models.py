@@ -139,6 +139,10 @@ class Run(models.Model):
     halted_by = models.CharField(max_length=150, blank=True, default="")
     halt_reason = models.TextField(blank=True, default="")
 
+    # Who the run is for (`{"tenant": "acme"}`), given at start and kept by its children and
+    # forks: spend is attributed, budgeted and filtered by them (runs/labels.py).
+    labels = models.JSONField(default=dict, blank=True)
+
     forked_from = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="forks"
     )
@@ -536,7 +540,8 @@ GLOBAL = "*"
 
 
 class Policy(models.Model):
-    """Rules for one workflow (`scope` = its name) or for everything (`scope` = "*")."""
+    """Rules for one workflow (`scope` = its name), for everything (`scope` = "*"), or the
+    daily budget of one label value (`scope` = "label:tenant=acme", runs/labels.py)."""
 
     scope = models.CharField(max_length=200, unique=True)
     halted_at = models.DateTimeField(null=True, blank=True)
@@ -561,7 +566,11 @@ class Policy(models.Model):
         verbose_name_plural = "policies"
 
     def __str__(self) -> str:
-        return "global" if self.scope == GLOBAL else f"workflow {self.scope}"
+        if self.scope == GLOBAL:
+            return "global"
+        if self.scope.startswith("label:"):
+            return f"label {self.scope.removeprefix('label:')}"
+        return f"workflow {self.scope}"
 
 
 class BudgetLedger(models.Model):

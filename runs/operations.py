@@ -26,6 +26,7 @@ from django.db import OperationalError, connection, transaction
 from django.db.models import Case, Q, Value, When
 from django.utils import timezone
 
+from runs import labels as run_labels
 from runs import schedules
 from runs.engine import holds, registry
 from runs.engine.budget import forget_cached_scopes, to_micros
@@ -207,9 +208,10 @@ PARKABLE = (RunStatus.PENDING, RunStatus.WAITING, RunStatus.OVER_BUDGET)
 
 @dataclass(frozen=True)
 class Target:
-    """What an operator action applies to: one run, one workflow, or everything."""
+    """What an operator action applies to: one run, one workflow, the runs of one label value
+    (`tenant=acme`: budgets only), or everything."""
 
-    kind: str  # "run" | "workflow" | "all"
+    kind: str  # "run" | "workflow" | "label" | "all"
     value: str = ""
 
     def __post_init__(self) -> None:
@@ -217,20 +219,31 @@ class Target:
             raise OperationError(
                 f"{self.value!r} is not a workflow name ('*' stands for everything: use 'all')"
             )
+        if self.kind == "label":
+            object.__setattr__(self, "value", "=".join(run_labels.pair(self.value)))
 
     @property
     def label(self) -> str:
-        return {"run": f"run {self.value}", "workflow": f"workflow {self.value}"}.get(
-            self.kind, "everything"
-        )
+        names = {"run": "run", "workflow": "workflow", "label": "label"}
+        return f"{names[self.kind]} {self.value}" if self.kind in names else "everything"
 
     @property
     def scope(self) -> str:
+        if self.kind == "label":
+            return run_labels.scope(*run_labels.pair(self.value))
         return GLOBAL if self.kind == "all" else self.value
+
+    def only_for_budgets(self, action: str) -> None:
+        """A label value has a shared daily budget and nothing else: no halt, no limits."""
+        if self.kind == "label":
+            raise OperationError(
+                f"{action} apply to a run, a workflow or everything; a label has a daily budget"
+            )
 
 
 def parse_target(target) -> Target:
-    """A Target from `Target`, a Run, a run id, "run:<id>", "workflow:<name>" or "all"."""
+    """A Target from `Target`, a Run, a run id, "run:<id>", "workflow:<name>",
+    "label:<name>=<value>" or "all"."""
     if isinstance(target, Target):
         return target
     if isinstance(target, Run):
@@ -240,6 +253,8 @@ def parse_target(target) -> Target:
         return Target("all")
     if text.startswith("workflow:") and len(text) > len("workflow:"):
         return Target("workflow", text.removeprefix("workflow:"))
+    if text.startswith(run_labels.SCOPE_PREFIX):
+        return Target("label", text.removeprefix(run_labels.SCOPE_PREFIX))
     return Target("run", text.removeprefix("run:"))
 
 
@@ -272,6 +287,8 @@ def known_scope(target: Target) -> None:
 
 
 def _in_scope(target: Target) -> Q:
+    if target.kind == "label":
+        return run_labels.matching(*run_labels.pair(target.value))
     return Q() if target.kind == "all" else Q(workflow=target.value)
 
 
@@ -287,6 +304,7 @@ def halt(target, user, reason: str) -> Target:
     user = require(user, "runs.halt_run", "halt runs")
     reason = needs_reason(reason, "a halt")
     target, actor, now = parse_target(target), user.get_username(), timezone.now()
+    target.only_for_budgets("halts")
     if target.kind != "run":
         known_scope(target)
         # Its own commit first: a worker pausing or entering a wait share-locks the row that
@@ -373,6 +391,7 @@ def unhalt(target, user, reason: str) -> Target:
     user = require(user, "runs.unhalt_run", "lift halts")
     reason = needs_reason(reason, "an unhalt")
     target, actor = parse_target(target), user.get_username()
+    target.only_for_budgets("halts")
     with transaction.atomic():
         if target.kind == "run":
             root = find_run(target.value)
@@ -482,6 +501,8 @@ def set_budget(
             affected = Run.objects.filter(pk=run.pk)
         else:
             known_scope(target)
+            if target.kind == "label" and (run_usd is not KEEP or run_tokens is not KEEP):
+                raise OperationError("run defaults are set on a workflow or on everything")
             policy, _ = Policy.objects.select_for_update().get_or_create(scope=target.scope)
             changes = {
                 "daily_budget_micros": micros(usd),
@@ -698,6 +719,7 @@ def _origin_options(origin: Run) -> dict[str, Any]:
         "budget_tokens": origin.budget_tokens,
         "priority": origin.priority,
         "concurrency_key": origin.concurrency_key,
+        "labels": origin.labels,
     }
 
 

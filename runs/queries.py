@@ -10,16 +10,19 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from uuid import UUID
 
 from django.db import connection
-from django.db.models import Q, QuerySet
+from django.db.models import Count, F, Q, QuerySet, Sum
+from django.db.models.fields.json import KeyTextTransform
+from django.db.models.functions import TruncDate
 
+from runs import labels as run_labels
 from runs.engine.budget import to_usd
 from runs.errors import OperationError, StepguardError
-from runs.models import Run, RunStatus, StepKind, StepStatus
+from runs.models import Run, RunStatus, Step, StepKind, StepStatus
 from runs.operations import in_utc
 
 
@@ -28,7 +31,7 @@ class BadFilter(OperationError):
 
 
 #: The runs list's filters, as URL parameters (the API names `since`/`until` differently).
-RUN_FILTERS = ("status", "workflow", "version", "parent", "since", "until", "q", "top")
+RUN_FILTERS = ("status", "workflow", "version", "parent", "since", "until", "q", "top", "label")
 
 
 def _when(value: datetime | str, name: str) -> datetime:
@@ -47,8 +50,9 @@ ENGINE_PREFIX = "stepguard."
 
 def runs_matching(filters: Mapping[str, object]) -> QuerySet:
     """Runs matching the filters given (empty values ignored): status, workflow, version,
-    parent (a run id), since and until (created at or after, before), and q (a whole run id,
-    a whole key, or part of a key).
+    parent (a run id), since and until (created at or after, before), label (`tenant=acme`,
+    several separated by commas: runs carrying all of them), and q (a whole run id, a whole
+    key, or part of a key).
 
     The engine's own runs (notification deliveries) are left out unless asked for (`engine`,
     a `stepguard.*` workflow, or an id or key searched for): one dead webhook filled the
@@ -69,6 +73,13 @@ def runs_matching(filters: Mapping[str, object]) -> QuerySet:
     for name, lookup in (("since", "created_at__gte"), ("until", "created_at__lt")):
         if name in f:
             runs = runs.filter(**{lookup: _when(f[name], name)})
+    if "label" in f:
+        try:
+            wanted = run_labels.parse(str(f["label"]))
+        except run_labels.BadLabel as exc:
+            raise BadFilter(f"label: {exc}") from None
+        for name, value in wanted.items():
+            runs = runs.filter(run_labels.matching(name, value))
     if f.get("top") in ("1", True):
         runs = runs.filter(parent__isnull=True)
     if "q" in f:
@@ -244,3 +255,49 @@ def usage(run: Run) -> dict:
         "models": models,
         "unpriced": sorted(unpriced),
     }
+
+
+#: The longest span `spend_by_label` sums in one answer.
+SPEND_DAYS_MAX = 366
+
+
+def spend_by_label(name: str, since: date, until: date) -> list[dict]:
+    """What runs spent per value of label `name`, per UTC day from `since` to `until`
+    (inclusive): the steps that finished each day, priced as recorded, with the estimates of
+    model calls a crash cut off (possibly spent) apart. Runs without the label are the value
+    None: the rows of a day add up to everything spent that day."""
+    run_labels.pair(f"{name}=x")  # the name is a label name, or BadLabel says why not
+    if until < since:
+        raise BadFilter(f"until ({until}) is before since ({since})")
+    if (until - since).days >= SPEND_DAYS_MAX:
+        raise BadFilter(f"a spend query covers at most {SPEND_DAYS_MAX} days")
+    start = datetime.combine(since, time(0), tzinfo=UTC)
+    end = datetime.combine(until + timedelta(days=1), time(0), tzinfo=UTC)
+    spent = Q(cost_micros__gt=0) | Q(possibly_spent_micros__gt=0) | Q(tokens_in__gt=0)
+    rows = (
+        Step.objects.filter(
+            spent | Q(tokens_out__gt=0), finished_at__gte=start, finished_at__lt=end
+        )
+        .annotate(
+            value=KeyTextTransform(name, "run__labels"), day=TruncDate("finished_at", tzinfo=UTC)
+        )
+        .values("day", "value")
+        .annotate(
+            micros=Sum("cost_micros"),
+            tokens=Sum(F("tokens_in") + F("tokens_out")),
+            possibly=Sum("possibly_spent_micros"),
+            runs=Count("run_id", distinct=True),
+        )
+        .order_by("day", F("value").asc(nulls_first=True))  # runs without it first
+    )
+    return [
+        {
+            "day": row["day"],
+            "value": row["value"],
+            "usd": to_usd(row["micros"] or 0),
+            "tokens": row["tokens"] or 0,
+            "possibly_spent_usd": to_usd(row["possibly"] or 0),
+            "runs": row["runs"],
+        }
+        for row in rows
+    ]

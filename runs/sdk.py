@@ -11,7 +11,7 @@ def book_trip(ctx: RunContext, input):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
@@ -150,6 +150,7 @@ def start_run(
     created: dict[str, Any] | None = None,
     shaped_by: list[int] | None = None,
     engine: bool = False,
+    labels: Mapping[str, str] | None = None,
 ) -> Run:
     """Start a run of workflow `name` (its newest registered version unless `version` is given).
 
@@ -160,7 +161,10 @@ def start_run(
     on the `run.created` event, with the run's budget: the person who started a run may not
     approve its actions (STEPGUARD_FOUR_EYES), nor may anyone in `shaped_by` (user ids: a
     schedule's authors and resumers). `priority` (-1000 to 1000) overrides the workflow's;
-    `created` adds to what the `run.created` event records (a schedule's tick). The
+    `created` adds to what the `run.created` event records (a schedule's tick). `labels`
+    (`{"tenant": "acme"}`: up to 10, names of a-z, 0-9, `_.-`, values of up to 100
+    characters) say who the run is for: its children and forks keep them, and spend is
+    attributed, filtered and budgeted by them (docs/agents.md, "Spend per tenant"). The
     engine's own workflows (`stepguard.*`) and run keys (`notify:`, `schedule:`) are refused
     (InvalidInput) unless `engine` says the engine itself is starting the run.
     """
@@ -170,7 +174,7 @@ def start_run(
     return starts.start_run(
         name, input, key=key, version=version, max_attempts=max_attempts,
         budget_usd=budget_usd, budget_tokens=budget_tokens, started_by=started_by,
-        api_key=api_key, priority=priority, created=created, shapers=shapers,
+        api_key=api_key, priority=priority, created=created, shapers=shapers, labels=labels,
     )  # fmt: skip
 
 

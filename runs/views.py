@@ -34,6 +34,7 @@ from django.views.decorators.http import require_POST
 from approvals.models import ApprovalStatus
 from approvals.services import mark_four_eyes
 from runs import bounded, charts, notifications, operations, queries
+from runs import labels as run_labels
 from runs.conversation import conversation, last_answer
 from runs.engine import flow, rates, registry
 from runs.engine.budget import to_micros, to_usd
@@ -259,9 +260,10 @@ def start_view(request):
         except ValueError:
             raise OperationError(f"the budget {usd!r} is not an amount over 0 USD") from None
         budget = Decimal(usd) if usd else None
+        labels = run_labels.parse(post.get("labels", ""))
         created["run"] = start_run(
             workflow, data, key=post.get("key", "").strip() or None, budget_usd=budget,
-            version=version or None, started_by=request.user,
+            version=version or None, started_by=request.user, labels=labels,
         )  # fmt: skip
 
     response = do_action(
@@ -271,7 +273,7 @@ def start_view(request):
     if "run" in created:
         return HttpResponseRedirect(reverse("stepguard:run", args=[created["run"].pk]))
     # Refused: the form opens again with what was typed, beside the message saying why.
-    fields = ("workflow", "input", "key", "budget_usd")
+    fields = ("workflow", "input", "key", "budget_usd", "labels")
     request.session[START_FORM] = {name: post.get(name, "")[:100_000] for name in fields}
     return response
 
@@ -832,16 +834,25 @@ def audit_page(request):
 RUN_VALUES = ("run__input", "run__output", "run__error")
 
 
-def scope_rows() -> list[dict]:
-    """Everything and each workflow, with its policy (halt, budgets) and today's spend."""
+def scope_rows(*, labels: bool = False) -> list[dict]:
+    """Everything and each workflow, with its policy (halt, budgets); with `labels`, then
+    each label value that has a budget (`label:tenant=acme`: budgets only, never halted)."""
     policies = {p.scope: p for p in Policy.objects.all()}
+    by_label = sorted(s for s in policies if s.startswith(run_labels.SCOPE_PREFIX))
     workflows = sorted(set(Run.objects.values_list("workflow", flat=True).distinct()) | (
-        policies.keys() - {GLOBAL}))  # fmt: skip
-    return [
+        policies.keys() - {GLOBAL, *by_label}))  # fmt: skip
+    rows = [
         {"scope": name, "label": "everything" if name == GLOBAL else name,
          "policy": policies.get(name)}
         for name in [GLOBAL, *workflows]
     ]  # fmt: skip
+    for scope in by_label if labels else ():
+        value = scope.removeprefix(run_labels.SCOPE_PREFIX)
+        rows.append(
+            {"scope": scope, "label": f"label {value}", "label_value": value,
+             "policy": policies[scope]}
+        )  # fmt: skip
+    return rows
 
 
 @viewer_required
@@ -874,7 +885,7 @@ def budgets_page(request):
         .annotate(total=Sum("cost_micros"))
     )
     held = {row.scope: row for row in BudgetLedger.objects.filter(day=midnight.date())}
-    scopes = scope_rows()
+    scopes = scope_rows(labels=True)
     for row in scopes:
         row["ledger"] = ledger = held.get(row["scope"])
         policy = row["policy"]
@@ -882,6 +893,14 @@ def budgets_page(request):
             row["spent"] = ledger.spent_micros  # what the daily budget is enforced against
         elif row["scope"] == GLOBAL:
             row["spent"] = sum(spent.values())
+        elif "label_value" in row:
+            of_label = run_labels.matching(*run_labels.pair(row["label_value"]))
+            row["spent"] = (
+                Step.objects.filter(
+                    finished_at__gte=midnight, run__in=Run.objects.filter(of_label)
+                ).aggregate(total=Sum("cost_micros"))["total"]
+                or 0
+            )
         else:
             row["spent"] = spent.get(row["scope"], 0)
     return render(
@@ -909,11 +928,16 @@ def nav_part(request):
 @login_required
 @require_POST
 def budget_scope(request):
-    """A workflow's (`workflow` field) or everything's shared daily budget and run default, in
-    USD; an empty field removes that limit."""
-    target = f"workflow:{request.POST['workflow']}" if request.POST.get("workflow") else "all"
+    """A workflow's (`workflow` field) or everything's shared daily budget and run default,
+    or a label value's (`label`: `tenant=acme`) daily budget, in USD; an empty field removes
+    that limit."""
+    post = request.POST
+    target = f"workflow:{post['workflow']}" if post.get("workflow") else "all"
+    if post.get("label"):
+        target = f"{run_labels.SCOPE_PREFIX}{post['label']}"
     # Amounts are checked by set_budget (to_micros), which names a bad one.
-    amounts = {f: request.POST.get(f, "").strip() or None for f in ("usd", "run_usd")}
+    fields = ("usd",) if post.get("label") else ("usd", "run_usd")
+    amounts = {f: post.get(f, "").strip() or None for f in fields}
     reason = request.POST.get("reason", "")
 
     def set_it():

@@ -328,7 +328,7 @@ def test_workflow_code_sees_the_public_calls_and_the_runs_identity_and_nothing_o
         "children", "sleep", "sleep_until", "wait_for_event", "now", "random", "uuid", "patched",
         "idempotency_key",
     }  # fmt: skip
-    identity = {"run_id", "workflow", "version", "input", "attempt", "worker_id"}
+    identity = {"run_id", "workflow", "version", "input", "attempt", "worker_id", "labels"}
     assert {name for name in dir(RunContext) if not name.startswith("_")} == calls | identity
     private = {n for n in vars(RunContext) if n.startswith("_") and not n.startswith("__")}
     assert private == {"_execution"}

@@ -750,3 +750,9 @@ def _die() -> None:
 def poison_pill(ctx: RunContext, input):
     """A run whose step kills the worker process it runs in, every time."""
     ctx.step("die", _die)
+
+
+@workflow("labelled")
+def labelled(ctx: RunContext, input):
+    """What workflow code sees of who the run is for."""
+    return ctx.labels

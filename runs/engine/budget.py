@@ -1,4 +1,4 @@
-"""Usage, estimates and the shared (workflow and global) daily budgets.
+"""Usage, estimates and the shared (workflow, label and global) daily budgets.
 
 USD is carried in Python as Decimal and stored as integer micro-dollars, so both database
 engines add and compare it exactly.
@@ -7,6 +7,7 @@ engines add and compare it exactly.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import ROUND_CEILING, Decimal
 from typing import Any
@@ -16,6 +17,7 @@ from django.db import connection
 from django.db.models import Q
 from django.utils import timezone
 
+from runs import labels as run_labels
 from runs.errors import OverBudget
 from runs.models import GLOBAL, BudgetLedger, Policy
 
@@ -129,13 +131,20 @@ def forget_cached_scopes() -> None:
     _scopes["at"] = -1e9
 
 
-def scopes_for(workflow: str) -> list[str]:
+def scopes_for(workflow: str, labels: Mapping[str, str] | None = None) -> list[str]:
+    """The shared daily budgets a run's spend counts against: its workflow's, its labels'
+    (`label:tenant=acme`) and the global one, those that have a budget."""
     shared = shared_budget_scopes()
-    return [s for s in (workflow, GLOBAL) if s in shared]
+    candidates = (workflow, *run_labels.scopes(labels or {}), GLOBAL)
+    return [s for s in candidates if s in shared]
 
 
 def _label(scope: str) -> str:
-    return "global daily" if scope == GLOBAL else f"workflow {scope!r} daily"
+    if scope == GLOBAL:
+        return "global daily"
+    if scope.startswith(run_labels.SCOPE_PREFIX):
+        return f"label {scope.removeprefix(run_labels.SCOPE_PREFIX)!r} daily"
+    return f"workflow {scope!r} daily"
 
 
 def _ensure_rows(scopes: list[str], day=None):
@@ -190,7 +199,7 @@ def reserve_shared(scopes: list[str], estimate: Amount, held: Amount = NOTHING, 
         ):  # fmt: skip
             others = spent + reserved - mine
             if limit is not None and (spent + reserved > limit or others >= limit):
-                raise OverBudget(_label(scope), unit, limit, others, mine)
+                raise OverBudget(_label(scope), unit, limit, others, mine, scope)
 
 
 _RELEASE = (

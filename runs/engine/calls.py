@@ -197,7 +197,7 @@ class ModelCalls(ContextState):
     def _under_usd_budget(self) -> bool:
         if self._usd_budget:
             return True
-        scopes = scopes_for(self.workflow)
+        scopes = scopes_for(self.workflow, self.labels)
         return Policy.objects.filter(scope__in=scopes, daily_budget_micros__isnull=False).exists()
 
     def tool(

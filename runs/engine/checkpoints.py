@@ -117,7 +117,7 @@ class Checkpoints(ContextState):
         """The fence of a transaction step (inside its transaction); its event's seq. Like
         any step, none starts once a shared daily budget is spent."""
         event_seq = fence(self._lease, replace(self._start_fence, progress=True))
-        if shared := scopes_for(self.workflow):
+        if shared := scopes_for(self.workflow, self.labels):
             reserve_shared(shared, NOTHING, NOTHING, timezone.now().date())
         return event_seq
 
@@ -237,7 +237,7 @@ class Checkpoints(ContextState):
                 update_step=(step_pk, fields),
             )  # fmt: skip
             warnings = book_shared(
-                scopes_for(self.workflow), usage, held.shared, held.reserved, held.day
+                scopes_for(self.workflow, self.labels), usage, held.shared, held.reserved, held.day
             )
             ratio = settings.STEPGUARD_BUDGET_WARN_AT
             near = Q(budget_micros__isnull=False, cost_micros__gte=F("budget_micros") * ratio) | Q(

@@ -43,6 +43,8 @@ class Execution(Steps, ModelCalls, Waits, Replay, Checkpoints):
         self.version: str = run.version
         self.input: Any = run.input
         self.attempt: int = run.attempt
+        #: Who the run is for (runs/labels.py): its spend counts against their budgets too.
+        self.labels: dict[str, str] = dict(run.labels or {})
         #: Recorded with each step attempt, so an attempt's error names where it happened.
         self.worker_id: str = str(run.worker_id or "")
         self._history = history
@@ -107,7 +109,9 @@ class RunContext:
     time, randomness and ids from `ctx.now()`, `ctx.random()` and `ctx.uuid()`.
     """
 
-    __slots__ = ("_execution", "attempt", "input", "run_id", "version", "worker_id", "workflow")
+    __slots__ = (
+        "_execution", "attempt", "input", "labels", "run_id", "version", "worker_id", "workflow",
+    )  # fmt: skip
 
     def __init__(self, execution: Execution):
         self._execution = execution
@@ -116,6 +120,7 @@ class RunContext:
         self.version: str = execution.version
         self.input: Any = execution.input
         self.attempt: int = execution.attempt
+        self.labels: dict[str, str] = dict(execution.labels)  # who the run is for: a copy
         self.worker_id: str = execution.worker_id
 
     def __repr__(self) -> str:

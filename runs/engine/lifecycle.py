@@ -284,7 +284,7 @@ def _still_over(run: Run, stop: OverBudget) -> Q:
     if stop.budget == "run":
         column = "budget_micros" if stop.unit == "micro-USD" else "budget_tokens"
         return Q(**{column: stop.limit})
-    scope = GLOBAL if stop.budget == "global daily" else run.workflow
+    scope = stop.scope or (GLOBAL if stop.budget == "global daily" else run.workflow)
     column = "daily_budget_micros" if stop.unit == "micro-USD" else "daily_budget_tokens"
     current = Policy.objects.filter(scope=scope).values_list(column, flat=True).first()
     return Q(pk=run.pk) if current == stop.limit else ~Q(pk=run.pk)

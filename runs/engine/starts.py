@@ -5,13 +5,14 @@ what only the engine may start); the engine's own callers start runs here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from decimal import Decimal
 from typing import Any
 
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from runs import labels as run_labels
 from runs.engine import registry
 from runs.engine.budget import default_run_budget, to_micros, to_usd
 from runs.engine.serialization import to_json
@@ -36,6 +37,7 @@ def start_run(
     priority: int | None = None,
     created: dict[str, Any] | None = None,
     shapers: Iterable[tuple[Any, str]] = (),
+    labels: Mapping[str, str] | None = None,
 ) -> Run:
     """Start a run of workflow `name` (its newest registered version unless `version` is given):
     `runs.sdk.start_run` says what each option does. `shapers` ((user id, Shaped) pairs) are
@@ -50,6 +52,8 @@ def start_run(
         priority = definition.priority
     _check_options(priority, key, max_attempts)
     fields = _run_fields(definition, data, priority, max_attempts, budget_usd, budget_tokens)
+    if labels := run_labels.clean(labels):
+        fields["labels"] = labels
     given = budget_usd is not None or budget_tokens is not None
     created = _created_record(created, api_key, fields, budget_given=given)
     if definition.debounce is not None and key is None:
@@ -111,6 +115,8 @@ def _created_record(
             "tokens": tokens,
             "given": budget_given,
         }
+    if fields.get("labels"):
+        created["labels"] = fields["labels"]
     return created
 
 

@@ -34,6 +34,7 @@ class ContextState:
     version: str
     input: Any
     attempt: int
+    labels: dict[str, str]
     worker_id: str
     _history: dict[int, Step]
     _lease: Lease

@@ -178,7 +178,7 @@ class Steps(ContextState):
             tokens = o.estimate.tokens_in + o.estimate.tokens_out if o.estimate else 0
             rate = rates.Grant(o.resource, tokens)
         possibly = possibly_spent(record, o.kind, self._undo.running, fields, payload)
-        shared = [] if self._undo.running else scopes_for(self.workflow)
+        shared = [] if self._undo.running else scopes_for(self.workflow, self.labels)
         hold = Hold.of(record, o.estimate, shared, timezone.now().date())
         fields |= hold.columns()
         ending = rate.ended_on_error() if rate is not None else nullcontext()

@@ -344,6 +344,7 @@ class Waits(ContextState):
                 parent_id=self._lease.run_id,
                 priority=definition.priority,
                 concurrency_key=definition.key_for(data),
+                labels=self.labels,  # the tenant a parent works for, its children work for
                 **default_run_budget(definition.name),
             )
             e.record = self._new_step(

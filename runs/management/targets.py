@@ -26,10 +26,14 @@ def run_arg(value: str) -> str:
     raise argparse.ArgumentTypeError(f"no run with id {value!r}")
 
 
-def add_target_arguments(parser) -> None:
+def add_target_arguments(parser, *, labels: bool = False) -> None:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--run", metavar="ID", type=run_arg, help="a run id, or its start")
     group.add_argument("--workflow", metavar="NAME")
+    if labels:
+        group.add_argument(
+            "--label", metavar="NAME=VALUE", help="the runs of one label value (tenant=acme)"
+        )
     group.add_argument("--all", action="store_true", help="everything (the kill switch)")
     parser.add_argument("--user", required=True, help="the person acting (a username)")
     parser.add_argument("--reason", required=True)
@@ -40,6 +44,8 @@ def target_from(options) -> Target:
         return Target("run", options["run"])
     if options["workflow"]:
         return Target("workflow", options["workflow"])
+    if options.get("label"):
+        return Target("label", options["label"])
     if options["all"]:
         return Target("all")
     raise CommandError("name a target: --run ID, --workflow NAME or --all")

@@ -29,13 +29,14 @@ def count(text: str):
 
 class Command(BaseCommand):
     help = (
-        "Set budgets: a run's own (--usd/--tokens), or a workflow's or the global shared daily "
-        "budget (--usd/--tokens) and default per-run budget (--run-usd/--run-tokens). "
+        "Set budgets: a run's own (--usd/--tokens), a workflow's, a label value's (--label "
+        "tenant=acme) or the global shared daily budget (--usd/--tokens), and a workflow's or "
+        "the global default per-run budget (--run-usd/--run-tokens). "
         "'none' removes a limit. Runs paused over budget resume and re-check."
     )
 
     def add_arguments(self, parser):
-        add_target_arguments(parser)
+        add_target_arguments(parser, labels=True)
         parser.add_argument("--usd", type=amount, default=KEEP)
         parser.add_argument("--tokens", type=count, default=KEEP)
         parser.add_argument("--run-usd", type=amount, default=KEEP)
@@ -45,8 +46,8 @@ class Command(BaseCommand):
         limits = {k: options[k] for k in ("usd", "tokens", "run_usd", "run_tokens")}
         if all(v is KEEP for v in limits.values()):
             raise CommandError("give at least one of --usd, --tokens, --run-usd, --run-tokens")
-        target = target_from(options)
         try:
+            target = target_from(options)
             changes = set_budget(target, options["user"], options["reason"], **limits)
         except (StepguardError, ValueError) as exc:
             raise CommandError(str(exc)) from None

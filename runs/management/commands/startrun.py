@@ -4,6 +4,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from runs.engine import registry
+from runs.labels import parse as parse_labels
 from runs.sdk import StepguardError, start_run
 
 
@@ -14,17 +15,21 @@ class Command(BaseCommand):
         parser.add_argument("name", help="workflow name")
         parser.add_argument("--input", default="null", help="input as JSON (default null)")
         parser.add_argument("--key", default=None, help="idempotency key for the run")
+        parser.add_argument(
+            "--label", dest="labels", action="append", default=[], metavar="NAME=VALUE",
+            help="who the run is for (tenant=acme); repeat for more",
+        )  # fmt: skip
         parser.add_argument("--workflow-version", dest="wf_version", default=None)
         parser.add_argument("--import", dest="modules", action="append", default=[])
 
-    def handle(self, *args, name, input, key, wf_version, modules, **options):
+    def handle(self, *args, name, input, key, wf_version, modules, labels, **options):
         try:
             data = json.loads(input)
         except json.JSONDecodeError as exc:
             raise CommandError(f"--input is not valid JSON: {exc}") from None
         try:
             registry.import_modules([*settings.STEPGUARD_WORKFLOW_MODULES, *modules])
-            run = start_run(name, data, key=key, version=wf_version)
+            run = start_run(name, data, key=key, version=wf_version, labels=parse_labels(labels))
         except (ImportError, StepguardError, ValueError) as exc:
             raise CommandError(str(exc)) from None
         if not run.was_created:
