@@ -481,28 +481,22 @@ def set_budget(
             raise OperationError("a token budget is a non-negative integer")
         return value
 
+    if target.kind in ("run", "label") and (run_usd is not KEEP or run_tokens is not KEEP):
+        raise OperationError("run defaults are set on a workflow or on everything")
     with transaction.atomic():
         if target.kind == "run":
-            if run_usd is not KEEP or run_tokens is not KEEP:
-                raise OperationError("run defaults are set on a workflow or on everything")
             run = lock_run(target.value)
             changes = {"budget_micros": micros(usd), "budget_tokens": count(tokens)}
             changes = {k: v for k, v in changes.items() if v is not KEEP}
             before = {k: getattr(run, k) for k in changes}
             Run.objects.filter(pk=run.pk).update(**changes, budget_warned=False)
             run_event(
-                run.pk,
-                EventType.BUDGET_SET,
-                actor=actor,
-                reason=reason,
-                before=before,
+                run.pk, EventType.BUDGET_SET, actor=actor, reason=reason, before=before,
                 after=changes,
-            )
+            )  # fmt: skip
             affected = Run.objects.filter(pk=run.pk)
         else:
             known_scope(target)
-            if target.kind == "label" and (run_usd is not KEEP or run_tokens is not KEEP):
-                raise OperationError("run defaults are set on a workflow or on everything")
             policy, _ = Policy.objects.select_for_update().get_or_create(scope=target.scope)
             changes = {
                 "daily_budget_micros": micros(usd),

@@ -54,7 +54,7 @@ def test_every_route_answers_each_scope_as_the_table_says(root, client, drive):
     assert len(operations) > 40 and set(operations) > START
     values = {
         "run_id": run.pk, "approval_id": approval.pk, "name": "approver", "channel_id": 1,
-        "resource": "gpt-x",
+        "resource": "gpt-x", "label": "tenant=acme",
     }  # fmt: skip
     refused, passed = [], []
     for scope, key in keys.items():
