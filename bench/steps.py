@@ -36,7 +36,10 @@ if str(ROOT) not in sys.path:
 
 DEFAULT_DB_NAME = "stepguard_bench"
 os.environ.setdefault("DATABASE_URL", f"postgres://postgres@127.0.0.1:5432/{DEFAULT_DB_NAME}")
-os.environ["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
+# bench/requests_per_call.py runs the suite's workflows, which need its settings (its test app).
+os.environ["DJANGO_SETTINGS_MODULE"] = os.environ.get(
+    "STEPGUARD_BENCH_SETTINGS", "controlplane.settings"
+)
 # DEBUG would make Django keep every query in memory (and slow each one down): keep it off.
 os.environ["DEBUG"] = "0"
 os.environ.setdefault("SECRET_KEY", "stepguard-bench-throwaway-not-a-secret")

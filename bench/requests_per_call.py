@@ -1,6 +1,6 @@
 """Requests at the provider per recorded model call, with the clients and frameworks people bring.
 
-    .venv/bin/python bench/agents.py [--runs 6] [--kills 20]
+    .venv/bin/python bench/requests_per_call.py [--runs 6] [--kills 20]
 
 Each shape below starts `--runs` runs at once on one real worker process (`runworker
 --concurrency 6`) against the demo model on 127.0.0.1, which counts every request it answers
@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+os.environ["STEPGUARD_BENCH_SETTINGS"] = "tests.settings"  # the workflows' test app
 
 from django.utils import timezone  # noqa: E402
 
@@ -121,7 +122,11 @@ def one_shape(workflow: str, input: dict, runs: int, kills: int, model, log: Pat
     done = Run.objects.filter(pk__in=ids, status__in=TERMINAL_STATUSES)
     made = 0
     while made < kills and done.count() < runs:
-        time.sleep(rng.uniform(0.2, 0.8))
+        # Kill a worker that holds runs of ours (not one still importing its frameworks),
+        # a random moment after it took them.
+        held = Run.objects.filter(pk__in=ids, worker__pid=worker.proc.pid)
+        wait_for(lambda h=held: h.exists() or done.count() == runs, 120, "a claim")
+        time.sleep(rng.uniform(0.02, 0.6))
         if done.count() == runs:
             break
         worker.kill()
@@ -135,11 +140,18 @@ def one_shape(workflow: str, input: dict, runs: int, kills: int, model, log: Pat
     requests = model.total - before
     new_keys = {k: n - seen_keys.get(k, 0) for k, n in model.calls.items()}
     unkeyed = new_keys.get("-", 0)
+    # A LangGraph node's chat-model calls are keyed `<the step's key>:<n>`.
+    by_step: dict[str, int] = {}
+    for key, n in new_keys.items():
+        by_step[key] = by_step.get(key, 0) + n
+        owner = key.rsplit(":", 1)[0]
+        if owner != key:
+            by_step[owner] = by_step.get(owner, 0) + n
     billed = recorded_micros = possibly = 0
     for key, micros, maybe in steps.values_list(
         "idempotency_key", "cost_micros", "possibly_spent_micros"
     ):
-        billed += new_keys.get(key, 0) * micros  # the demo model answers a re-send alike
+        billed += by_step.get(key, 0) * micros  # the demo model answers a re-send alike
         recorded_micros += micros
         possibly += maybe
     failed = Run.objects.filter(pk__in=ids).exclude(status=RunStatus.COMPLETED).count()
