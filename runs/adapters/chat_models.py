@@ -71,10 +71,11 @@ class Meter:
             return value
         return Metered(value, self.usage, kind=StepKind.LLM)
 
-    def check(self, model: str, request: dict) -> int | None:
-        """Refuse the call (OverBudget: the run pauses) if its estimate, on top of what this
-        step's calls already spent, would overspend the run; the answer cap the budget leaves,
-        or None when the run has no budget."""
+    def check(self, model: str, request: dict) -> tuple[int | None, Amount]:
+        """The answer cap the run's budget leaves (None when the run has no budget) and the
+        call's estimate. Without a step row to reserve it on (`reserve`), a call whose
+        estimate, on top of what this step's calls already spent, would overspend the run is
+        refused here (OverBudget: the run pauses)."""
         run = copy.copy(self.run) if self.run is not None else Run.objects.get(pk=self.run_id)
         # This step's earlier calls are not on the run row yet: they land with the step.
         run.tokens_in += self.usage.tokens_in
@@ -84,9 +85,30 @@ class Meter:
         if cap is not None:
             request = {**request, "max_tokens": min(cap, request.get("max_tokens") or cap)}
         guess = llm_engine.estimate(model, request)
-        if (refusal := over_budget(run, Amount(guess.micros, guess.tokens))) is not None:
+        estimate = Amount(guess.micros, guess.tokens)
+        running = CURRENT_STEP.get()
+        unreserved = running is None or running.reserve is None
+        if unreserved and (refusal := over_budget(run, estimate)) is not None:
             raise refusal
-        return request.get("max_tokens") if cap is not None else None
+        return (request.get("max_tokens") if cap is not None else None), estimate
+
+
+def _reserve(estimate: Amount) -> None:
+    """Hold the call's estimate on the step before it is sent (Steps._reserve_in_step): a
+    call cut off in flight by a crash is booked as possibly spent when the step is re-sent."""
+    running = CURRENT_STEP.get()
+    if running is not None and running.reserve is not None and estimate:
+        running.reserve(estimate)
+
+
+async def _areserve(estimate: Amount) -> None:
+    """The same from the event loop, which may not touch the database: on the step's
+    thread, which waits for this call meanwhile."""
+    running = CURRENT_STEP.get()
+    if running is not None and running.reserve is not None and estimate:
+        reserve, thread = running.reserve, running.thread
+        assert thread is not None  # every step with a row has one
+        await thread.run(functools.partial(reserve, estimate))
 
 
 _METER: contextvars.ContextVar[Meter | None] = contextvars.ContextVar(
@@ -176,13 +198,15 @@ def _merged(breakdowns: list[dict]) -> dict:
     return {"model": breakdowns[-1].get("model"), "priced": priced, "kinds": kinds}
 
 
-def _prepared(meter: Meter, model: BaseChatModel, messages: list, kwargs: dict) -> dict:
-    """The call's keyword arguments with its idempotency key and the budget's answer cap;
-    raises OverBudget (the run pauses) before a call the budget cannot take."""
+def _prepared(
+    meter: Meter, model: BaseChatModel, messages: list, kwargs: dict
+) -> tuple[dict, Amount]:
+    """The call's keyword arguments with its idempotency key and the budget's answer cap, and
+    its estimate, to reserve before it is sent."""
     name = _model_name(model)
-    cap = meter.check(name, _request(model, messages, kwargs))
+    cap, estimate = meter.check(name, _request(model, messages, kwargs))
     headers = {"Idempotency-Key": meter.key(), **(kwargs.get("extra_headers") or {})}
-    return {**kwargs, "extra_headers": headers} | ({"max_tokens": cap} if cap else {})
+    return {**kwargs, "extra_headers": headers} | ({"max_tokens": cap} if cap else {}), estimate
 
 
 def _streamed(model: BaseChatModel, kwargs: dict) -> dict:
@@ -205,7 +229,8 @@ def _metered_generate(generate: Callable) -> Callable:
         meter = _METER.get()
         if meter is None:
             return generate(self, messages, stop, run_manager, **kwargs)
-        kwargs = _prepared(meter, self, messages, kwargs)
+        kwargs, estimate = _prepared(meter, self, messages, kwargs)
+        _reserve(estimate)
         try:
             result = generate(_quiet(self), messages, stop, run_manager, **kwargs)
         except Exception as exc:
@@ -226,7 +251,8 @@ def _metered_agenerate(agenerate: Callable) -> Callable:
         meter = _METER.get()
         if meter is None:
             return await agenerate(self, messages, stop, run_manager, **kwargs)
-        kwargs = _prepared(meter, self, messages, kwargs)
+        kwargs, estimate = _prepared(meter, self, messages, kwargs)
+        await _areserve(estimate)
         try:
             result = await agenerate(_quiet(self), messages, stop, run_manager, **kwargs)
         except Exception as exc:
@@ -249,7 +275,8 @@ def _metered_stream(stream: Callable) -> Callable:
             yield from stream(self, input, config, stop=stop, **kwargs)
             return
         messages = self._convert_input(input).to_messages()
-        kwargs = _prepared(meter, self, messages, _streamed(self, kwargs))
+        kwargs, estimate = _prepared(meter, self, messages, _streamed(self, kwargs))
+        _reserve(estimate)
         chunks = stream(_quiet(self), input, config, stop=stop, **kwargs)
         last = None
         while True:
@@ -282,7 +309,8 @@ def _metered_astream(astream: Callable) -> Callable:
                 yield chunk
             return
         messages = self._convert_input(input).to_messages()
-        kwargs = _prepared(meter, self, messages, _streamed(self, kwargs))
+        kwargs, estimate = _prepared(meter, self, messages, _streamed(self, kwargs))
+        await _areserve(estimate)
         chunks = astream(_quiet(self), input, config, stop=stop, **kwargs)
         last = None
         while True:

@@ -113,6 +113,30 @@ class Checkpoints(ContextState):
                 cost_micros=F("cost_micros") + usage.micros,
             )
 
+    def _add_reservation(self, step_pk: Any, amount: Amount) -> Reservation:
+        """More held by a running step (a model call made inside it: the step is an `llm`
+        step from now on), checked as a start is:
+        the halt, the cancel, the run's budget and the shared daily ones (OverBudget pauses
+        the run), on the run, the ledgers and the step's row in one commit. What the step
+        holds now: on the ledgers and the day of what it held already, else today's."""
+        with atomic(self._lease):
+            fence(self._lease, replace(self._start_fence, estimate=amount, events=0))
+            rows = Step.objects.filter(pk=step_pk)
+            micros, tokens, scopes, day = rows.values_list(
+                "reserved_micros", "reserved_tokens", "reserved_scopes", "reserved_on"
+            ).get()
+            if not (micros or tokens) or day is None:
+                scopes, day = scopes_for(self.workflow, self.labels), timezone.now().date()
+            if scopes:
+                reserve_shared(list(scopes), amount, NOTHING, day)
+            held = Amount(micros, tokens) + amount
+            rows.update(
+                reserved_micros=held.micros, reserved_tokens=held.tokens,
+                reserved_scopes=list(scopes), reserved_on=day,
+                kind=StepKind.LLM,  # it made a model call: maybe paid if cut off
+            )  # fmt: skip
+        return Reservation(held, list(scopes), day)
+
     def _begin_transaction(self) -> int:
         """The fence of a transaction step (inside its transaction); its event's seq. Like
         any step, none starts once a shared daily budget is spent."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar,
 
 from runs.engine.budget import Usage
 from runs.engine.calls import ModelCalls
-from runs.engine.checkpoints import Checkpoints
+from runs.engine.checkpoints import Checkpoints, Reservation
 from runs.engine.compensation import Compensations
 from runs.engine.fences import Lease
 from runs.engine.replay import Replay
@@ -60,6 +60,9 @@ class Execution(Steps, ModelCalls, Waits, Replay, Checkpoints):
         self._undo = Compensations()  # the undo list, the steps in doubt, whether undoing
         self._answered: dict[Any, Usage] = {}
         self._answered_now: dict[str, Usage | None] = {}  # by idempotency key, from ctx.llm
+        #: By step: what it holds, the model calls made inside it included
+        #: (Steps._reserve_in_step).
+        self._reserved_in_step: dict[Any, Reservation] = {}
         #: A run recovering from a lost worker completes each step at once: if the process
         #: keeps dying right after a step, that step must not be re-sent each time.
         self._recovering = run.recoveries > 0

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from runs.engine.bridge import AsyncHost
-    from runs.engine.budget import Usage
+    from runs.engine.budget import Amount, Usage
     from runs.engine.checkpoints import Reservation
     from runs.engine.compensation import Compensations
     from runs.engine.fences import Fence, Lease
@@ -49,6 +49,8 @@ class ContextState:
     _undo: Compensations
     _answered: dict[Any, Usage]  # usage of attempts that failed after an answer, by step
     _answered_now: dict[str, Usage | None]  # the answer the attempt failing now came after
+    _reserved_in_step: dict[Any, Reservation]  # by step: what it holds, model calls inside it
+    # included (Steps._reserve_in_step)
     _recovering: bool
     _trace: Any
     _patches: dict[str, bool]
@@ -129,6 +131,7 @@ class ContextState:
         ) -> tuple[str, str, dict]: ...
         def _park_step(self, step_pk: Any, until: datetime, error: dict) -> None: ...
         def _book_attempt(self, step_pk: Any, usage: Usage) -> None: ...
+        def _add_reservation(self, step_pk: Any, amount: Amount) -> Reservation: ...
         def _begin_transaction(self) -> int: ...
         def _record_transaction(
             self,

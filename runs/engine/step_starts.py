@@ -112,7 +112,9 @@ def possibly_spent(
     cancelled task) may have been answered and paid with nothing recorded: its estimate is
     booked as possibly spent, on the step and the run, for good. It counts against the
     budgets from the write that re-sends it, and is shown apart from what was recorded."""
-    if record is None or kind != StepKind.LLM or record.status != StepStatus.STARTED:
+    if record is None or record.status != StepStatus.STARTED:
+        return NOTHING
+    if StepKind.LLM not in (kind, record.kind):  # a node that called a chat model is one
         return NOTHING
     if compensating:
         return NOTHING

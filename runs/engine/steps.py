@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import Callable
 from concurrent.futures import CancelledError
@@ -22,7 +23,7 @@ from runs.engine.budget import Amount, Metered, Usage, scopes_for, to_usd
 from runs.engine.checkpoints import Reservation
 from runs.engine.llm import retry_after
 from runs.engine.loop import engine_loop
-from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, brief
+from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, StepThread, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import describe_input, to_json
 from runs.engine.state import ContextState
@@ -308,11 +309,22 @@ class Steps(ContextState):
                 self._record_failure(step_pk, seq, key, idem, StepKind.TRANSACTION, tries, exc)
 
     def _invoke(
-        self, key: str, idem: str, seq: int, fn: Callable, args: tuple, kwargs: dict, release=False
+        self,
+        key: str,
+        idem: str,
+        seq: int,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        release=False,
+        step_pk: Any = None,
     ) -> Any:
         """Call a step's function. With `release`, an async workflow's other steps may use the
-        run's context meanwhile (the function touches only its own arguments)."""
-        token = CURRENT_STEP.set(Running(key, idem, seq, id(self)))
+        run's context meanwhile (the function touches only its own arguments). A step with a
+        row (`step_pk`) lets model calls made inside it reserve their estimates."""
+        reserve = None if step_pk is None else functools.partial(self._reserve_in_step, step_pk)
+        running = Running(key, idem, seq, id(self), reserve, StepThread())
+        token = CURRENT_STEP.set(running)
         try:
             if release:
                 with self._released():
@@ -320,6 +332,14 @@ class Steps(ContextState):
             return self._await(fn(*args, **kwargs))
         finally:
             CURRENT_STEP.reset(token)
+
+    def _reserve_in_step(self, step_pk: Any, amount: Amount) -> None:
+        """A model call made inside a running step (a LangChain chat model in a LangGraph
+        node: runs/adapters/chat_models.py) reserves its estimate before it is sent, as
+        ctx.llm's start does: a halt, a cancel or a budget it does not fit refuses it, and it
+        stays on the step's row until the step ends, so a crash with the call in flight books
+        it as possibly spent when the step is re-sent. On the step's thread."""
+        self._reserved_in_step[step_pk] = self._add_reservation(step_pk, amount)
 
     def _running(self) -> Running | None:
         """This run's step whose function runs in this thread or asyncio task, if any."""
@@ -342,6 +362,8 @@ class Steps(ContextState):
 
         future = asyncio.run_coroutine_threadsafe(wait(), engine_loop())
         with self._released():
+            if running is not None and running.thread is not None:
+                return running.thread.serve_until(future)  # its reservations are written here
             return future.result()
 
     @contextmanager
@@ -368,11 +390,14 @@ class Steps(ContextState):
             try:
                 try:
                     value = self._invoke(
-                        key, idem, call.seq, call.fn, call.args, call.kwargs, release=True
-                    )
+                        key, idem, call.seq, call.fn, call.args, call.kwargs, release=True,
+                        step_pk=step_pk,
+                    )  # fmt: skip
                 finally:
                     if rate is not None:
                         rate.finish()
+                    # What model calls inside it reserved is held by the step from now on.
+                    held = self._reserved_in_step.pop(step_pk, held)
                 usage, kind = None, None
                 if isinstance(value, Metered):
                     value, usage, kind = value.value, value.usage, value.kind
