@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import date
 from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
@@ -272,3 +273,21 @@ def next_day_start():
 
     tomorrow = timezone.now().astimezone(UTC).date() + timedelta(days=1)
     return datetime.combine(tomorrow, time(0), tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What a running step holds against budgets: its estimate, the shared budgets and the
+    day it was reserved against. Released from exactly those when the step finishes."""
+
+    reserved: Amount = NOTHING
+    shared: list[str] = field(default_factory=list)
+    day: date | None = None
+
+    @classmethod
+    def of(cls, record: Any) -> Reservation:
+        """What a recorded step (a Step row found `started` after a crash) still holds."""
+        if record is None or not (record.reserved_micros or record.reserved_tokens):
+            return cls()
+        reserved = Amount(record.reserved_micros, record.reserved_tokens)
+        return cls(reserved, list(record.reserved_scopes or []), record.reserved_on)

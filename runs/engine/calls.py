@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db.models.fields.json import KT
 
 from runs import tracing
-from runs.engine import deltas
+from runs.engine import agent, deltas
 from runs.engine import llm as llm_engine
 from runs.engine.budget import Metered, Usage, scopes_for
 from runs.engine.records import Decision, accepts, signature_names
@@ -270,6 +270,4 @@ class ModelCalls(ContextState):
 
     def agent_loop(self, **options: Any) -> dict:
         """A durable tool-calling loop; see runs.engine.agent.agent_loop."""
-        from runs.engine.agent import agent_loop
-
-        return agent_loop(self, **options)
+        return agent.agent_loop(self, **options)

@@ -10,8 +10,8 @@ written outside an execution (claims, operator actions) go through `store.append
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from datetime import date, datetime
+from dataclasses import replace
+from datetime import datetime
 from typing import Any, NoReturn
 
 from django.conf import settings
@@ -22,6 +22,7 @@ from runs.engine import holds
 from runs.engine.budget import (
     NOTHING,
     Amount,
+    Reservation,
     Usage,
     book_shared,
     release_shared,
@@ -35,24 +36,6 @@ from runs.engine.state import ContextState
 from runs.engine.store import append_event, atomic, complete_later, fence, fenced_write
 from runs.errors import REPLAYED, StepFailed, StepguardError
 from runs.models import EventType, Run, RunStatus, Step, StepKind, StepStatus
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """What a running step holds against budgets: its estimate, the shared budgets and the
-    day it was reserved against. Released from exactly those when the step finishes."""
-
-    reserved: Amount = NOTHING
-    shared: list[str] = field(default_factory=list)
-    day: date | None = None
-
-    @classmethod
-    def of(cls, record: Step | None) -> Reservation:
-        """What a recorded step (found `started` after a crash) still holds."""
-        if record is None or not (record.reserved_micros or record.reserved_tokens):
-            return cls()
-        reserved = Amount(record.reserved_micros, record.reserved_tokens)
-        return cls(reserved, list(record.reserved_scopes or []), record.reserved_on)
 
 
 class Checkpoints(ContextState):

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from runs.engine.records import error_record
 from runs.errors import StepFailed
 
 log = logging.getLogger("stepguard.executor")
-
-if TYPE_CHECKING:
-    from runs.engine.context import Execution
 
 
 class Compensations:
@@ -63,18 +59,3 @@ class Compensations:
             undo(key, compensate, output)
             undone.append(key)
         return undone
-
-
-def run_compensations(ctx: Execution) -> tuple[list[str], dict | None]:
-    """Returns the undone step keys and, if an undo failed, its error. Control flow passes."""
-    try:
-        undo = ctx._run_step
-        return ctx._undo.run(
-            ctx.run_id,
-            ctx._seek_undo,
-            lambda key, compensate, output: undo(
-                f"undo:{key}", compensate, (output,), {}, internal=True
-            ),
-        ), None
-    except Exception as exc:
-        return [], error_record(exc)

@@ -9,21 +9,19 @@ and the run's identity, never the engine's private methods and state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
-from runs.engine.budget import Usage
+from runs.engine.budget import Reservation, Usage
 from runs.engine.calls import ModelCalls
-from runs.engine.checkpoints import Checkpoints, Reservation
+from runs.engine.checkpoints import Checkpoints
 from runs.engine.compensation import Compensations
 from runs.engine.fences import Lease
+from runs.engine.host import AsyncHost
 from runs.engine.replay import Replay
 from runs.engine.steps import Steps
 from runs.engine.waits import Waits
 from runs.errors import StepguardError
 from runs.models import Run, Step, StepStatus
-
-if TYPE_CHECKING:
-    from runs.engine.bridge import AsyncHost
 
 
 class Execution(Steps, ModelCalls, Waits, Replay, Checkpoints):

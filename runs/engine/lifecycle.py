@@ -22,7 +22,6 @@ from runs.engine import holds, registry
 from runs.engine.bridge import run_async
 from runs.engine.budget import NOTHING, next_day_start
 from runs.engine.checkpoints import book_possibly_spent, fail_in_doubt, release_reservations
-from runs.engine.compensation import run_compensations
 from runs.engine.context import Execution, RunContext
 from runs.engine.fences import Fence, Lease
 from runs.engine.outage import is_disconnect
@@ -449,3 +448,18 @@ def _interrupted(
     if isinstance(stop, Cancelled):
         return _cancelled(run, ctx, lease)
     return _pause(run, lease, stop)
+
+
+def run_compensations(ctx: Execution) -> tuple[list[str], dict | None]:
+    """Returns the undone step keys and, if an undo failed, its error. Control flow passes."""
+    try:
+        undo = ctx._run_step
+        return ctx._undo.run(
+            ctx.run_id,
+            ctx._seek_undo,
+            lambda key, compensate, output: undo(
+                f"undo:{key}", compensate, (output,), {}, internal=True
+            ),
+        ), None
+    except Exception as exc:
+        return [], error_record(exc)

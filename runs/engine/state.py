@@ -14,16 +14,14 @@ from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
-if TYPE_CHECKING:
-    from runs.engine.bridge import AsyncHost
-    from runs.engine.budget import Amount, Usage
-    from runs.engine.checkpoints import Reservation
-    from runs.engine.compensation import Compensations
-    from runs.engine.fences import Fence, Lease
-    from runs.engine.records import Decision, Running
-    from runs.engine.retry import RetryPolicy
-    from runs.errors import StepguardError
-    from runs.models import Step
+from runs.engine.budget import Amount, Reservation, Usage
+from runs.engine.compensation import Compensations
+from runs.engine.fences import Fence, Lease
+from runs.engine.host import AsyncHost
+from runs.engine.records import Decision, Running
+from runs.engine.retry import RetryPolicy
+from runs.errors import StepguardError
+from runs.models import Step
 
 
 class ContextState:

@@ -12,8 +12,15 @@ from typing import Any
 from django.utils import timezone
 
 from runs.engine import rates
-from runs.engine.budget import NOTHING, Amount, Usage, release_shared, reserve_shared, to_usd
-from runs.engine.checkpoints import Reservation
+from runs.engine.budget import (
+    NOTHING,
+    Amount,
+    Reservation,
+    Usage,
+    release_shared,
+    reserve_shared,
+    to_usd,
+)
 from runs.engine.records import INTERRUPTED, Decision
 from runs.engine.retry import RetryPolicy
 from runs.models import Recovery, Step, StepKind, StepStatus

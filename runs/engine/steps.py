@@ -19,8 +19,7 @@ from django.utils import timezone
 from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs import tracing
 from runs.engine import rates
-from runs.engine.budget import Amount, Metered, Usage, scopes_for, to_usd
-from runs.engine.checkpoints import Reservation
+from runs.engine.budget import Amount, Metered, Reservation, Usage, scopes_for, to_usd
 from runs.engine.llm import retry_after
 from runs.engine.loop import engine_loop
 from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, StepThread, brief

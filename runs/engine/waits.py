@@ -311,7 +311,7 @@ class Waits(ContextState):
         with atomic(self._lease):
             event_seq, now = self._enter_wait()
             events = self._start_children(entries, plans)
-            waiting = self._settle_children(entries, now, events)
+            waiting = self._record_ended_children(entries, now, events)
             failed = [e for e in entries if e.step.status == StepStatus.FAILED]
             if failed:
                 failure = ChildFailed(
@@ -354,7 +354,7 @@ class Waits(ContextState):
             events.append((EventType.CHILD_STARTED, e.key, {"child": str(child.id)}))
         return events
 
-    def _settle_children(self, entries: list[Child], now: datetime, events: list) -> bool:
+    def _record_ended_children(self, entries: list[Child], now: datetime, events: list) -> bool:
         """Record each child that has ended on its step (completed or failed), appending the
         events; whether any is still running."""
         keys = {
