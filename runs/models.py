@@ -11,7 +11,7 @@ from datetime import datetime
 
 from django.conf import settings
 from django.db import models
-from django.db.models import Q
+from django.db.models import JSONField, Q, Value
 from django.utils import timezone
 
 from runs.fields import ExactJSONField
@@ -141,7 +141,8 @@ class Run(models.Model):
 
     # Who the run is for (`{"tenant": "acme"}`), given at start and kept by its children and
     # forks: spend is attributed, budgeted and filtered by them (runs/labels.py).
-    labels = models.JSONField(default=dict, blank=True)
+    # db_default: code from before the column (a rolling upgrade) still inserts runs.
+    labels = models.JSONField(default=dict, db_default=Value({}, JSONField()), blank=True)
 
     forked_from = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="forks"

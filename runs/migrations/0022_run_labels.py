@@ -1,4 +1,5 @@
 from django.db import migrations, models
+from django.db.models import Value
 
 # A label filter on PostgreSQL is a containment (`labels @> '{"tenant": "acme"}'`), which this
 # index serves; SQLite, the embedded engine, compares the key of each run it reads.
@@ -27,7 +28,9 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name="run",
             name="labels",
-            field=models.JSONField(blank=True, default=dict),
+            field=models.JSONField(
+                blank=True, db_default=Value({}, models.JSONField()), default=dict
+            ),
         ),
         migrations.RunPython(labels_index, drop_labels_index),
     ]
