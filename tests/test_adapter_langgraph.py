@@ -343,3 +343,21 @@ def test_a_chat_model_call_replays_from_the_node_record_after_a_crash(
     assert (node.reserved_micros, node.reserved_tokens) == (0, 0)
     billed = 2 * node.cost_micros  # both answers alike
     assert run.cost_micros <= billed <= run.cost_micros + run.possibly_spent_micros
+
+
+def test_a_node_that_fails_after_a_paid_answer_books_it_and_its_retry(drive, demo_model):
+    """The node raised after its chat model answered: the step retries the node, and both
+    answers are on the step and the run (before, the failed attempt's was lost with it)."""
+    once = start_run("lg-chatbot", {"provider": "openai"})
+    assert drive() == ["completed"]
+    paid = step(once, "chatbot").cost_micros  # what one answer costs
+    run = start_run("lg-chatbot", {"provider": "openai"})
+    workflows.crash_at.add("chatbot-error")
+    assert drive() == ["completed"]
+    node = step(run, "chatbot")
+    assert node.attempt == 2
+    assert demo_model.calls[f"{node.idempotency_key}:1"] == 2  # the step's key, both times
+    run.refresh_from_db()
+    assert paid > 0 and node.cost_micros == 2 * paid
+    assert (run.cost_micros, run.tokens_in) == (node.cost_micros, node.tokens_in)
+    assert (run.reserved_micros, run.reserved_tokens) == (0, 0)

@@ -101,6 +101,14 @@ def _reserve(estimate: Amount) -> None:
         running.reserve(estimate)
 
 
+def _paid(meter: Meter) -> None:
+    """Tell the step what its calls were paid so far: booked if the node fails after all
+    (its usage reaches the step's record only through a node that returns)."""
+    running = CURRENT_STEP.get()
+    if running is not None and running.answered is not None:
+        running.answered(meter.usage)
+
+
 async def _areserve(estimate: Amount) -> None:
     """The same from the event loop, which may not touch the database: on the step's
     thread, which waits for this call meanwhile."""
@@ -238,6 +246,7 @@ def _metered_generate(generate: Callable) -> Callable:
             raise
         for generation in result.generations:
             meter.add(_usage(_model_name(self), generation.message))
+        _paid(meter)
         return result
 
     return _generate_with_cache
@@ -260,6 +269,7 @@ def _metered_agenerate(agenerate: Callable) -> Callable:
             raise
         for generation in result.generations:
             meter.add(_usage(_model_name(self), generation.message))
+        _paid(meter)
         return result
 
     return _agenerate_with_cache
@@ -294,6 +304,7 @@ def _metered_stream(stream: Callable) -> Callable:
             yield chunk
         if last is not None:
             meter.add(_usage(_model_name(self), last))
+            _paid(meter)
 
     return _stream
 
@@ -328,6 +339,7 @@ def _metered_astream(astream: Callable) -> Callable:
             yield chunk
         if last is not None:
             meter.add(_usage(_model_name(self), last))
+            _paid(meter)
 
     return _astream
 

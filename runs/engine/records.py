@@ -154,6 +154,9 @@ class Running(NamedTuple):
     #: the step has no row, a transaction); called on the step's thread (`thread`).
     reserve: Callable[[Any], None] | None = None
     thread: StepThread | None = None
+    #: Report what the model calls made inside the step were paid so far in this attempt (a
+    #: Usage): booked on the step if the attempt fails after all.
+    answered: Callable[[Any], None] | None = None
 
 
 #: The step whose function runs in this thread, or whose coroutine runs in this asyncio task:

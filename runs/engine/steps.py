@@ -321,8 +321,11 @@ class Steps(ContextState):
         """Call a step's function. With `release`, an async workflow's other steps may use the
         run's context meanwhile (the function touches only its own arguments). A step with a
         row (`step_pk`) lets model calls made inside it reserve their estimates."""
-        reserve = None if step_pk is None else functools.partial(self._reserve_in_step, step_pk)
-        running = Running(key, idem, seq, id(self), reserve, StepThread())
+        reserve = answered = None
+        if step_pk is not None:
+            reserve = functools.partial(self._reserve_in_step, step_pk)
+            answered = functools.partial(self._answered_now.__setitem__, idem)
+        running = Running(key, idem, seq, id(self), reserve, StepThread(), answered)
         token = CURRENT_STEP.set(running)
         try:
             if release:
@@ -437,6 +440,7 @@ class Steps(ContextState):
                     continue
                 self._record_failure(step_pk, None, key, idem, None, attempt, exc, held)
             else:
+                self._answered_now.pop(idem, None)  # its usage is the step's own: Metered
                 fields = {"status": StepStatus.COMPLETED, "output": output}
                 if kind is not None:
                     fields["kind"] = kind
