@@ -219,6 +219,10 @@ class Target:
             raise OperationError(
                 f"{self.value!r} is not a workflow name ('*' stands for everything: use 'all')"
             )
+        if self.kind == "workflow" and self.value.startswith(run_labels.SCOPE_PREFIX):
+            raise OperationError(
+                f"{self.value!r} is not a workflow name ('label:' names a label's budget)"
+            )
         if self.kind == "label":
             object.__setattr__(self, "value", "=".join(run_labels.pair(self.value)))
 

@@ -239,3 +239,23 @@ def test_the_api_sets_and_reads_a_label_budget(client, cast):
         "/api/labels/acme/budget", {"usd": "5", "reason": "x"}, content_type="application/json"
     )
     assert bad.status_code == 400 and "write name=value" in bad.json()["error"]["message"]
+
+
+def test_a_workflow_target_cannot_reach_a_labels_budget(cast, client):
+    """`workflow:label:tenant=acme` would have set, or halted, the label's policy row."""
+    from runs.engine import registry
+
+    set_budget("label:tenant=acme", cast["otto"], "cap", usd=Decimal("4"))
+    with pytest.raises(Exception, match="'label:' names a label's budget"):
+        halt("workflow:label:tenant=acme", cast["otto"], "x")
+    client.force_login(cast["otto"])
+    put = client.put(
+        "/api/workflows/label:tenant=acme/budget",
+        {"run_usd": "1", "reason": "x"},
+        content_type="application/json",
+    )
+    assert put.status_code == 400
+    policy = Policy.objects.get(scope="label:tenant=acme")
+    assert policy.halted_at is None and policy.run_budget_micros is None
+    with pytest.raises(ValueError, match="starts with 'label:'"):
+        registry.register("label:tenant=acme", "1", lambda ctx, input: None)

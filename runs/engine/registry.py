@@ -59,6 +59,9 @@ def register(name: str, version: str, fn: Callable, **options: Any) -> WorkflowD
     if "*" in name:
         # "*" names everything in halts and budgets (Policy scope); a workflow must not alias it.
         raise ValueError(f"workflow name {name!r} contains '*', which stands for every workflow")
+    if name.startswith("label:"):
+        # "label:<name>=<value>" is a label's budget (Policy scope, runs/labels.py).
+        raise ValueError(f"workflow name {name!r} starts with 'label:', which names a label")
     version = str(version)
     existing = _workflows.get((name, version))
     if existing and existing.fn.__qualname__ != fn.__qualname__:
