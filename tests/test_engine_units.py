@@ -31,8 +31,10 @@ from runs.engine.fences import (
     _not_cancelled,
     fence_statement,
 )
+from runs.engine.history import History
 from runs.engine.host import Turnstile
-from runs.models import Run
+from runs.errors import NonDeterminismError, StepFailed, StepMisuse
+from runs.models import Run, Step
 
 DEADLINE = 10.0
 
@@ -320,6 +322,71 @@ def test_a_delta_never_points_forward_or_at_a_request_it_was_not_made_against():
 def test_the_fingerprint_does_not_depend_on_key_order():
     assert deltas.fingerprint({"a": 1, "b": [2]}) == deltas.fingerprint({"b": [2], "a": 1})
     assert deltas.fingerprint({"a": 1}) != deltas.fingerprint({"a": 2})
+
+
+# --- History: the replay cursor ----------------------------------------------------------------
+
+
+def _recorded(*steps: tuple[str, str, int]) -> dict[int, Step]:
+    return {
+        seq: Step(seq=seq, key=key, status=status, run_attempt=attempt, error={"message": key})
+        for seq, (key, status, attempt) in enumerate(steps)
+    }
+
+
+def test_each_call_takes_the_next_position_and_a_repeated_key_is_numbered():
+    history = History(_recorded(("a", "completed", 1)), attempt=1, failed_step=None)
+    assert history.peek() is not None and history.peek().key == "a"
+    assert history.take("a")[:2] == ("a", 0)
+    assert history.take("a") == ("a#2", 1, None)
+    history.skip()  # a patch marker's position
+    assert history.take("b") == ("b", 3, None)
+    assert history.next_seq == 4
+    for bad in ("", "x#2", "k" * 201, 42):
+        with pytest.raises(StepMisuse, match="invalid step key"):
+            history.take(bad)  # type: ignore[arg-type]
+    assert history.take("undo:x#2", internal=True)[0] == "undo:x#2"
+
+
+def test_a_completed_record_replays_and_a_failure_is_raised_again_unless_it_ended_the_attempt():
+    steps = _recorded(
+        ("done", "completed", 1),
+        ("caught", "failed", 1),  # failed, caught by the code, which went on
+        ("ended-it", "failed", 1),  # the failure that ended attempt 1
+    )
+    retried = History(steps, attempt=2, failed_step="ended-it")
+    assert [retried.take(key) for key in ("done", "caught", "ended-it")]
+    assert retried.replays("done", 0, steps[0]) is True
+    with pytest.raises(StepFailed):
+        retried.replays("caught", 1, steps[1])
+    assert retried.replays("ended-it", 2, steps[2]) is False  # attempted afresh
+    assert retried.replays("other", 0, steps[0]) is False  # a different step: not the cursor's call
+    same_attempt = History(steps, attempt=1, failed_step="ended-it")
+    with pytest.raises(StepFailed):
+        same_attempt.replays("ended-it", 2, steps[2])  # in its own attempt it replays as itself
+
+
+def test_returning_before_every_recorded_position_is_a_changed_workflow():
+    history = History(_recorded(("a", "completed", 1), ("b", "completed", 1)), attempt=1,
+                      failed_step=None)  # fmt: skip
+    history.take("a")
+    with pytest.raises(NonDeterminismError, match="'b'"):
+        history.check_all_replayed()
+    history.take("b")
+    history.check_all_replayed()
+
+
+def test_an_undo_goes_where_it_was_recorded_else_past_everything_recorded():
+    steps = _recorded(("a", "completed", 1), ("b", "completed", 1), ("undo:b", "completed", 1))
+    history = History(steps, attempt=1, failed_step=None)
+    history.take("a")
+    history.seek_undo("b")
+    assert history.next_seq == 2
+    history.seek_undo("a")
+    assert history.next_seq == 3
+
+
+# --- the façade ------------------------------------------------------------------------------
 
 
 def test_workflow_code_sees_the_public_calls_and_the_runs_identity_and_nothing_of_the_engine():

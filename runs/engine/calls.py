@@ -71,8 +71,8 @@ class ModelCalls(ContextState):
             return self._send(key, call, model, request, streaming, on_delta)
 
         recorded = llm_engine.recorded_request(request | ({"stream": True} if streaming else {}))
-        seq, described = self._seq, None
-        if self._history.get(seq) is None:  # a new step: its request is written now
+        seq, described = self.history.next_seq, None
+        if self.history.peek() is None:  # a new step: its request is written now
             stored = deltas.against(recorded, self._request_base())
             described = describe_input(
                 (stored,), {}, limit=settings.STEPGUARD_MAX_OUTPUT_BYTES
@@ -169,7 +169,7 @@ class ModelCalls(ContextState):
         field = llm_engine.max_tokens_field(call)
         if field is None:
             return request
-        record = self._history.get(self._seq)
+        record = self.history.peek()
         if record is not None and record.input and isinstance(record.input[0], dict):
             cap = record.input[0].get(field)
         else:

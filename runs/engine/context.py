@@ -16,6 +16,7 @@ from runs.engine.calls import ModelCalls
 from runs.engine.checkpoints import Checkpoints
 from runs.engine.compensation import Compensations
 from runs.engine.fences import Lease
+from runs.engine.history import History
 from runs.engine.host import AsyncHost
 from runs.engine.replay import Replay
 from runs.engine.steps import Steps
@@ -45,10 +46,13 @@ class Execution(Steps, ModelCalls, Waits, Replay, Checkpoints):
         self.labels: dict[str, str] = dict(run.labels or {})
         #: Recorded with each step attempt, so an attempt's error names where it happened.
         self.worker_id: str = str(run.worker_id or "")
-        self._history = history
+        #: The replay cursor: which position each call takes, what is recorded there.
+        self.history = History(
+            history,
+            attempt=run.attempt,
+            failed_step=(run.error or {}).get("step") if run.error else None,
+        )
         self._lease = lease
-        self._seq = 0
-        self._occurrences: dict[str, int] = {}
         self._cancel_requested = run.cancel_requested_at is not None
         self._forked_from = run.forked_from_id
         #: Set past the poison-run bound: the first step not yet completed fails the run
@@ -75,12 +79,9 @@ class Execution(Steps, ModelCalls, Waits, Replay, Checkpoints):
         #: to expand to that request, None until checked); the next request is stored against it.
         self._last_request: tuple[int, dict, bool | None] | None = None
         lease.workflow = run.workflow
-        self._last_seq = max(history, default=-1)
         #: Whether a step may be left `started` when the run ends (found so, or cut off in
         #: flight): the run's end then marks it (lifecycle._finish).
         self._left_started = any(s.status == StepStatus.STARTED for s in history.values())
-        #: The step whose failure ended the run's last attempt, if one did: run again.
-        self._failed_step = (run.error or {}).get("step") if run.error else None
 
 
 P = ParamSpec("P")

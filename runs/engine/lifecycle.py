@@ -24,9 +24,9 @@ from runs.engine.budget import NOTHING, next_day_start
 from runs.engine.checkpoints import book_possibly_spent, fail_in_doubt, release_reservations
 from runs.engine.context import Execution, RunContext
 from runs.engine.fences import Fence, Lease
+from runs.engine.history import REPLAY_FIELDS
 from runs.engine.outage import is_disconnect
 from runs.engine.records import brief, error_record
-from runs.engine.replay import REPLAY_FIELDS
 from runs.engine.serialization import to_json
 from runs.engine.store import (
     append_event,
@@ -125,7 +125,7 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
             result = run_async(definition.fn, ctx, run.input)
         else:
             result = run_sync(definition.fn, ctx, run.input)
-        ctx._check_all_replayed()
+        ctx.history.check_all_replayed()
         output = to_json(result, what=f"the result of workflow {run.workflow!r}")
     except Suspended:
         return Outcome.WAITING
@@ -456,7 +456,7 @@ def run_compensations(ctx: Execution) -> tuple[list[str], dict | None]:
         undo = ctx._run_step
         return ctx._undo.run(
             ctx.run_id,
-            ctx._seek_undo,
+            ctx.history.seek_undo,
             lambda key, compensate, output: undo(
                 f"undo:{key}", compensate, (output,), {}, internal=True
             ),

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from runs.engine.budget import Amount, Reservation, Usage
 from runs.engine.compensation import Compensations
 from runs.engine.fences import Fence, Lease
+from runs.engine.history import History
 from runs.engine.host import AsyncHost
 from runs.engine.records import Decision, Running
 from runs.engine.retry import RetryPolicy
@@ -34,13 +35,9 @@ class ContextState:
     attempt: int
     labels: dict[str, str]
     worker_id: str
-    _history: dict[int, Step]
+    history: History
     _lease: Lease
-    _seq: int
-    _last_seq: int
-    _failed_step: str | None
     _left_started: bool
-    _occurrences: dict[str, int]
     _cancel_requested: bool
     _forked_from: Any
     _give_up: StepguardError | None
@@ -64,7 +61,6 @@ class ContextState:
         def _position(
             self, key: str, *, internal: bool = False
         ) -> tuple[str, int, Step | None]: ...
-        def _seek_undo(self, key: str) -> None: ...
         def _admit(self, key: str, seq: int, record: Step | None) -> None: ...
         def _fork_lineage(self) -> list: ...
 
