@@ -102,6 +102,11 @@ def matching(name: str, value: str) -> Q:
     return Q(Exact(KeyTextTransform(name, "labels"), value))
 
 
+def carrying(text: str) -> Q:
+    """Runs carrying the label `name=value` written as text (a label scope's value)."""
+    return matching(*pair(text))
+
+
 def text(labels: Mapping[str, str]) -> str:
     """`tenant=acme, user=42`: how pages and the CLI show them, and the Start form takes."""
     return ", ".join(f"{k}={v}" for k, v in sorted(labels.items()))

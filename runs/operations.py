@@ -292,7 +292,7 @@ def known_scope(target: Target) -> None:
 
 def _in_scope(target: Target) -> Q:
     if target.kind == "label":
-        return run_labels.matching(*run_labels.pair(target.value))
+        return run_labels.carrying(target.value)
     return Q() if target.kind == "all" else Q(workflow=target.value)
 
 

@@ -894,7 +894,7 @@ def budgets_page(request):
         elif row["scope"] == GLOBAL:
             row["spent"] = sum(spent.values())
         elif "label_value" in row:
-            of_label = run_labels.matching(*run_labels.pair(row["label_value"]))
+            of_label = run_labels.carrying(row["label_value"])
             row["spent"] = (
                 Step.objects.filter(
                     finished_at__gte=midnight, run__in=Run.objects.filter(of_label)

@@ -10,6 +10,8 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
+from runs.errors import OperationError
+from runs.labels import BadLabel
 from runs.models import BudgetLedger, Event, Policy, Run, RunStatus
 from runs.operations import fork_run, halt, set_budget
 from runs.sdk import InvalidInput, start_run
@@ -93,11 +95,11 @@ def test_a_tenants_daily_budget_stops_its_runs_and_not_another_tenants(drive, ca
 
 
 def test_a_label_budget_is_daily_only_and_a_label_cannot_be_halted(cast):
-    with pytest.raises(Exception, match="run defaults are set on a workflow or on everything"):
+    with pytest.raises(OperationError, match="run defaults are set on a workflow or on everyth"):
         set_budget("label:tenant=acme", cast["otto"], "x", run_usd=Decimal("1"))
-    with pytest.raises(Exception, match="halts apply to a run, a workflow or everything"):
+    with pytest.raises(OperationError, match="halts apply to a run, a workflow or everything"):
         halt("label:tenant=acme", cast["otto"], "x")
-    with pytest.raises(Exception, match="is not a label: write name=value"):
+    with pytest.raises(BadLabel, match="is not a label: write name=value"):
         set_budget("label:acme", cast["otto"], "x", usd=Decimal("1"))
     assert not Policy.objects.exists()
 
@@ -246,7 +248,7 @@ def test_a_workflow_target_cannot_reach_a_labels_budget(cast, client):
     from runs.engine import registry
 
     set_budget("label:tenant=acme", cast["otto"], "cap", usd=Decimal("4"))
-    with pytest.raises(Exception, match="'label:' names a label's budget"):
+    with pytest.raises(OperationError, match="'label:' names a label's budget"):
         halt("workflow:label:tenant=acme", cast["otto"], "x")
     client.force_login(cast["otto"])
     put = client.put(
