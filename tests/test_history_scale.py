@@ -2,7 +2,10 @@
 does not grow with the whole history. The times at a million runs are bench/ui.py's; these tests
 hold the shapes that make them: capped counts, the indexes the searches use, a cached summary."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from django.core.cache import cache
@@ -13,6 +16,7 @@ from runs import queries
 from runs.models import Run, RunStatus
 from runs.sdk import start_run
 from tests import workflows  # noqa: F401  (registers "ledger")
+from tests.conftest import ROOT, own_cluster
 from tests.test_operations import scrape
 
 
@@ -104,3 +108,56 @@ def test_metrics_finished_totals_come_from_a_cached_summary_and_live_runs_from_e
     assert capped[("stepguard_runnable_runs", ())] == 3  # what was counted: more than the cap
     cache.delete("stepguard:metrics-summary")
     assert scrape(client)[pending] == 3
+
+
+@pytest.mark.postgres
+def test_a_role_that_may_not_create_pg_trgm_migrates_and_the_warning_says_how_to_build_the_index():
+    """`migrate` by a role without CREATE on the database: the migration says what is missing
+    and goes on (search still works, reading every key); the statement its warning names,
+    run after an administrator's CREATE EXTENSION, builds the index the search uses."""
+    with own_cluster(copy=False) as cluster:
+        cluster.psql("CREATE ROLE narrow LOGIN", dbname="postgres")
+        cluster.psql("CREATE DATABASE narrow", dbname="postgres")
+        cluster.psql(
+            "GRANT CREATE ON SCHEMA public TO narrow", dbname="narrow"
+        )  # no CREATE ON DATABASE
+        env = {
+            **os.environ,
+            "DATABASE_URL": f"postgres://narrow@127.0.0.1:{cluster.port}/narrow",
+            "DJANGO_SETTINGS_MODULE": "tests.settings",
+        }
+        env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+
+        def manage(*argv: str) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                [sys.executable, "manage.py", *argv], cwd=ROOT, env=env, capture_output=True,
+                text=True, timeout=300,
+            )  # fmt: skip
+
+        migrated = manage("migrate", "--no-input")
+        assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+        warning = re.search(r"pg_trgm is not available .*?run this .*?: (CREATE INDEX .*;)",
+                            migrated.stderr, re.S)  # fmt: skip
+        assert warning, migrated.stderr
+        index = "SELECT count(*) FROM pg_indexes WHERE indexname = 'runs_run_key_trgm_idx'"
+        assert cluster.psql(index, dbname="narrow") == "0"
+        assert cluster.psql("SELECT count(*) FROM runs_run", dbname="narrow") == "0"
+
+        cluster.psql("CREATE EXTENSION pg_trgm", dbname="narrow")  # the administrator
+        subprocess.run(
+            [
+                str(cluster.bin / "psql"),
+                "-X",
+                "-v",
+                "ON_ERROR_STOP=1",
+                f"postgres://narrow@127.0.0.1:{cluster.port}/narrow",
+                "-c",
+                warning.group(1),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )  # fmt: skip  (the role that migrates runs the statement as the warning wrote it)
+        assert cluster.psql(index, dbname="narrow") == "1"
+        shown = manage("showmigrations", "runs")
+        assert "[ ] " not in shown.stdout, shown.stdout  # nothing was migrated back
