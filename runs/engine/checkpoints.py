@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db.models import F, Q, Sum
 from django.utils import timezone
 
+from approvals.models import ApprovalRequest, ApprovalStatus
 from runs.engine import holds
 from runs.engine.budget import (
     NOTHING,
@@ -29,26 +30,53 @@ from runs.engine.budget import (
     reserve_shared,
     scopes_for,
 )
-from runs.engine.fences import Completion, Fence, Spend
-from runs.engine.records import INTERRUPTED, brief, error_record
+from runs.engine.compensation import Compensations
+from runs.engine.fences import Completion, Fence, Lease, Spend
+from runs.engine.records import INTERRUPTED, Decision, brief, error_record
 from runs.engine.retry import retryable
-from runs.engine.state import ContextState
 from runs.engine.store import append_event, atomic, complete_later, fence, fenced_write
-from runs.errors import REPLAYED, StepFailed, StepguardError
+from runs.errors import REPLAYED, ApprovalRevoked, StepFailed, StepguardError
 from runs.models import EventType, Run, RunStatus, Step, StepKind, StepStatus
 
 
-class Checkpoints(ContextState):
+class Checkpoints:
     """Start, finish, fail, wait and suspend: every write goes through the store's fence, so a
-    worker whose lease was taken over can never write again."""
+    worker whose lease was taken over can never write again.
+
+    One per execution, owning the lease it fences with; it reads the execution's identity and
+    modes (given once) and the undo list (shared with the steps that fill it), and calls back
+    into nothing: what a write needs to know is given to it.
+    """
+
+    def __init__(
+        self,
+        lease: Lease,
+        run: Run,
+        undo: Compensations,
+        *,
+        labels: dict[str, str],
+        give_up: StepguardError | None,
+    ):
+        self._lease = lease
+        self.run_id = str(run.id)
+        self.workflow = run.workflow
+        self.attempt = run.attempt
+        self.labels = labels
+        self.worker_id = str(run.worker_id or "")
+        self._undo = undo
+        #: Past the poison-run bound: the steps it still finishes are no progress.
+        self._give_up = give_up
+        #: Recovering from a lost worker: each step's completion is written at once.
+        self._recovering = run.recoveries > 0
+        self._forked_from = run.forked_from_id
 
     @property
-    def _start_fence(self) -> Fence:
+    def start_fence(self) -> Fence:
         # Compensations run after a cancel was requested; every other step is refused then.
         # Halts and budgets stop both.
         return Fence(starting=True, compensating=self._undo.running)
 
-    def _new_step(self, seq: int, key: str, kind: str, status: str, **fields) -> Step:
+    def new_step(self, seq: int, key: str, kind: str, status: str, **fields) -> Step:
         return Step.objects.create(
             run_id=self._lease.run_id,
             seq=seq,
@@ -61,11 +89,11 @@ class Checkpoints(ContextState):
             **fields,
         )
 
-    def _event(self, event_seq: int, type_: str, key: str = "", **payload: Any) -> None:
+    def event(self, event_seq: int, type_: str, key: str = "", **payload: Any) -> None:
         """One event of this run, at the seq its fence reserved (inside that transaction)."""
         append_event(self._lease.run_id, event_seq, type_, key, **payload)
 
-    def _end_step(self, step_pk: Any, now: datetime, *, output=None, error=None) -> None:
+    def end_step(self, step_pk: Any, now: datetime, *, output=None, error=None) -> None:
         """A waiting step ends (inside the caller's transaction): completed with `output`, or
         failed with `error` (its record)."""
         if error is None:
@@ -77,14 +105,14 @@ class Checkpoints(ContextState):
                 status=StepStatus.FAILED, error=error, run_attempt=self.attempt, finished_at=now
             )
 
-    def _park_step(self, step_pk: Any, until: datetime, error: dict) -> None:
+    def park_step(self, step_pk: Any, until: datetime, error: dict) -> None:
         """A started step waits until `until` for its next try (inside the caller's
         transaction), keeping what it holds against the budgets."""
         Step.objects.filter(pk=step_pk).update(
             status=StepStatus.WAITING, wake_at=until, error=error
         )
 
-    def _book_attempt(self, step_pk: Any, usage: Usage) -> None:
+    def book_attempt(self, step_pk: Any, usage: Usage) -> None:
         """An attempt that failed after the provider answered was paid: its usage goes on the
         run and the step's row, in their own fenced write."""
         spend = Spend(usage.micros, usage.tokens_in, usage.tokens_out, NOTHING)
@@ -96,14 +124,14 @@ class Checkpoints(ContextState):
                 cost_micros=F("cost_micros") + usage.micros,
             )
 
-    def _add_reservation(self, step_pk: Any, amount: Amount) -> Reservation:
+    def add_reservation(self, step_pk: Any, amount: Amount) -> Reservation:
         """More held by a running step (a model call made inside it: the step is an `llm`
         step from now on), checked as a start is:
         the halt, the cancel, the run's budget and the shared daily ones (OverBudget pauses
         the run), on the run, the ledgers and the step's row in one commit. What the step
         holds now: on the ledgers and the day of what it held already, else today's."""
         with atomic(self._lease):
-            fence(self._lease, replace(self._start_fence, estimate=amount, events=0))
+            fence(self._lease, replace(self.start_fence, estimate=amount, events=0))
             rows = Step.objects.filter(pk=step_pk)
             micros, tokens, scopes, day = rows.values_list(
                 "reserved_micros", "reserved_tokens", "reserved_scopes", "reserved_on"
@@ -120,15 +148,15 @@ class Checkpoints(ContextState):
             )  # fmt: skip
         return Reservation(held, list(scopes), day)
 
-    def _begin_transaction(self) -> int:
+    def begin_transaction(self) -> int:
         """The fence of a transaction step (inside its transaction); its event's seq. Like
         any step, none starts once a shared daily budget is spent."""
-        event_seq = fence(self._lease, replace(self._start_fence, progress=True))
+        event_seq = fence(self._lease, replace(self.start_fence, progress=True))
         if shared := scopes_for(self.workflow, self.labels):
             reserve_shared(shared, NOTHING, NOTHING, timezone.now().date())
         return event_seq
 
-    def _record_transaction(
+    def record_transaction(
         self, event_seq: int, record: Step | None, seq: int, key: str, fields: dict, input_
     ) -> None:
         """A transaction step's completion, in the transaction its function wrote in."""
@@ -139,21 +167,21 @@ class Checkpoints(ContextState):
             )  # fmt: skip
         else:
             Step.objects.filter(pk=record.pk).update(**fields)
-        self._event(event_seq, EventType.STEP_COMPLETED, key, attempt=fields["attempt"])
+        self.event(event_seq, EventType.STEP_COMPLETED, key, attempt=fields["attempt"])
 
-    def _restart(self, step_pk, key, payload, attempt: int, held, approval) -> None:
+    def restart(self, step_pk, key, payload, attempt: int, held, approval) -> None:
         """An in-place retry's start: the next attempt on the step's row, checked as any start
-        is (`_write_start`) against what the step already reserves."""
+        is (`write_start`) against what the step already reserves."""
         # A step's times are its last attempt's: a retry's duration is not all of them.
         fields = {"attempt": attempt, "started_at": timezone.now()}
-        self._write_start(
+        self.write_start(
             (EventType.STEP_RETRYING, key, payload),
-            replace(self._start_fence, held=held.reserved),
+            replace(self.start_fence, held=held.reserved),
             update=(step_pk, fields),
             approval=approval,
         )
 
-    def _write_start(
+    def write_start(
         self,
         event: tuple[str, str, dict],
         checks: Fence,
@@ -175,17 +203,17 @@ class Checkpoints(ContextState):
             event_seq = fence(self._lease, checks)
             if take_shared is not None:
                 take_shared()
-            self._check_approval(approval)
+            self.check_approval(approval)
             if insert is not None:
                 step_pk = Step.objects.create(run_id=self._lease.run_id, **insert).pk
             else:
                 assert update is not None
                 step_pk = update[0]
                 Step.objects.filter(pk=step_pk).update(**update[1])
-            self._event(event_seq, type_, key, **payload)
+            self.event(event_seq, type_, key, **payload)
         return step_pk
 
-    def _finish_step(
+    def finish_step(
         self, step_pk, key, payload, fields, usage: Usage | None, held, *, defer=False,
         earlier: Usage | None = None,
     ) -> None:  # fmt: skip
@@ -258,11 +286,11 @@ class Checkpoints(ContextState):
             if warnings:
                 first = fence(self._lease, Fence(events=len(warnings)))
                 for offset, label in enumerate(warnings):
-                    self._event(
+                    self.event(
                         first + offset, EventType.BUDGET_WARNING, key, budget=label, threshold=ratio
                     )
 
-    def _record_failure(
+    def record_failure(
         self,
         step_pk: Any,
         seq: int | None,
@@ -284,7 +312,7 @@ class Checkpoints(ContextState):
         }
         payload = {"attempt": attempt, "error": brief(exc), "worker": self.worker_id}
         if step_pk is not None:
-            self._finish_step(step_pk, key, payload, fields, None, held or Reservation())
+            self.finish_step(step_pk, key, payload, fields, None, held or Reservation())
         else:
             now = timezone.now()
             insert: dict[str, Any] = {"seq": seq, "key": key, "kind": kind, "idempotency_key": idem}
@@ -296,59 +324,80 @@ class Checkpoints(ContextState):
             raise exc
         raise StepFailed(key, error, retryable=error["retryable"]) from exc
 
-    def _note_retry(self, key: str, tries: int, exc: Exception, delay: float) -> None:
-        """A transaction step's failed try, recorded before the wait (it has no step row)."""
+    def note_retry(self, key: str, tries: int, exc: Exception, delay: float) -> None:
+        """A transaction step's failed try, recorded before its wait (it has no step row)."""
         with atomic(self._lease):
             event_seq = fence(self._lease)
-            self._event(
+            self.event(
                 event_seq, EventType.STEP_RETRYING, key,
                 attempt=tries + 1, delay_s=round(delay, 3), error=brief(exc),
             )  # fmt: skip
-        self._sleep(delay)
 
-    def _append_events(self, first_seq: int, events: list[tuple[str, str, dict]]) -> None:
+    def append_events(self, first_seq: int, events: list[tuple[str, str, dict]]) -> None:
         """Write several events; the fence already reserved `first_seq` for the first one."""
         seqs = [first_seq]
         if len(events) > 1:
             more = fence(self._lease, Fence(events=len(events) - 1))
             seqs += range(more, more + len(events) - 1)
         for seq, (type_, key, payload) in zip(seqs, events, strict=False):
-            self._event(seq, type_, key, **payload)
+            self.event(seq, type_, key, **payload)
 
-    def _enter_wait(self) -> tuple[int, datetime]:
+    def enter_wait(self) -> tuple[int, datetime]:
         """The fence of a durable wait, in the lock order a pause takes (docs/architecture.md):
         a halt placed meanwhile is either seen by the fence, which refuses the wait, or waits
         for it and finds the run waiting, which it parks."""
         chain = holds.chain_of(self._lease.run_id)
         holds.lock_policies(chain)
-        event_seq = fence(self._lease, replace(self._start_fence, progress=True))
+        event_seq = fence(self._lease, replace(self.start_fence, progress=True))
         holds.lock_ancestors(chain)
         return event_seq, timezone.now()
 
-    def _close_wait(
+    def close_wait(
         self, record: Step, now: datetime, *, output=None, error: StepguardError | None = None
     ) -> tuple[str, str, dict]:
         """End a waiting step (inside the caller's transaction), completed with `output` or
         failed with `error`; its event, for the caller to append."""
         if error is None:
-            self._end_step(record.pk, now, output=output)
+            self.end_step(record.pk, now, output=output)
             return EventType.STEP_COMPLETED, record.key, {}
-        self._end_step(record.pk, now, error={**error.as_record(), "retryable": error.retryable})
+        self.end_step(record.pk, now, error={**error.as_record(), "retryable": error.retryable})
         return EventType.STEP_FAILED, record.key, {"error": brief(error)}
 
-    def _finish_wait(
+    def finish_wait(
         self, record: Step, event_seq: int, now, *, output=None, error=None, **payload
     ) -> None:
         """Finish a waiting step and append its event (inside the caller's transaction)."""
-        type_, key, brief_ = self._close_wait(record, now, output=output, error=error)
-        self._event(event_seq, type_, key, **brief_, **payload)
+        type_, key, brief_ = self.close_wait(record, now, output=output, error=error)
+        self.event(event_seq, type_, key, **brief_, **payload)
 
-    def _suspend(self, wake_at: datetime | None) -> None:
+    def suspend(self, wake_at: datetime | None) -> None:
         """Give the run up until `wake_at` (or until something wakes it), inside the caller's
         transaction: the run row is already locked by the fence."""
         Run.objects.filter(pk=self._lease.run_id).update(
             status=RunStatus.WAITING, wake_at=wake_at, worker=None, lease_until=None
         )
+
+    def check_approval(self, decision: Decision | int | None) -> None:
+        """A step started under `approval=` starts only if that approval still stands: checked
+        in the start's transaction, after the run row is locked."""
+        if decision is None:
+            return
+        approval_id = decision.approval_id if isinstance(decision, Decision) else int(decision)
+        stands = ApprovalRequest.objects.filter(
+            pk=approval_id, run_id__in=self._fork_lineage(), status=ApprovalStatus.APPROVED
+        ).exists()
+        if not stands:
+            raise ApprovalRevoked(
+                f"approval #{approval_id} no longer stands; the step did not start"
+            )
+
+    def _fork_lineage(self) -> list:
+        """This run and the runs it was forked from: a fork replays their approvals."""
+        chain, origin = [self._lease.run_id], self._forked_from
+        while origin is not None:
+            chain.append(origin)
+            origin = Run.objects.filter(pk=origin).values_list("forked_from_id", flat=True)[0]
+        return chain
 
 
 # What ends a run writes the rows of the steps it leaves behind: inside the transaction that

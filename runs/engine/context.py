@@ -25,7 +25,7 @@ from runs.errors import StepguardError
 from runs.models import Run, Step, StepStatus
 
 
-class Execution(Steps, ModelCalls, Waits, Replay, Checkpoints):
+class Execution(Steps, ModelCalls, Waits, Replay):
     """One execution of one run: the engine's concerns and the state they share."""
 
     def __init__(
@@ -54,20 +54,18 @@ class Execution(Steps, ModelCalls, Waits, Replay, Checkpoints):
         )
         self._lease = lease
         self._cancel_requested = run.cancel_requested_at is not None
-        self._forked_from = run.forked_from_id
         #: Set past the poison-run bound: the first step not yet completed fails the run
         #: instead of being re-sent, so the compensations run without the step that kept
         #: killing workers.
         self._give_up = give_up
         self._undo = Compensations()  # the undo list, the steps in doubt, whether undoing
+        #: The one writer of the execution's step rows and events, fenced by its lease.
+        self.checkpoints = Checkpoints(lease, run, self._undo, labels=self.labels, give_up=give_up)
         self._answered: dict[Any, Usage] = {}
         self._answered_now: dict[str, Usage | None] = {}  # by idempotency key, from ctx.llm
         #: By step: what it holds, the model calls made inside it included
         #: (Steps._reserve_in_step).
         self._reserved_in_step: dict[Any, Reservation] = {}
-        #: A run recovering from a lost worker completes each step at once: if the process
-        #: keeps dying right after a step, that step must not be re-sent each time.
-        self._recovering = run.recoveries > 0
         self._trace = trace  # the OpenTelemetry context steps descend from (runs/tracing.py)
         self._patches: dict[str, bool] = {}
         self._usd_budget = run.budget_micros is not None

@@ -13,7 +13,7 @@ from runs.engine.fences import Fence
 from runs.engine.state import ContextState
 from runs.engine.store import atomic, fence
 from runs.errors import Cancelled, LeaseLost, NonDeterminismError, Released, StepMisuse
-from runs.models import EventType, Run, Step, StepKind, StepStatus
+from runs.models import EventType, Step, StepKind, StepStatus
 
 
 class Replay(ContextState):
@@ -52,14 +52,6 @@ class Replay(ContextState):
         if self._lease.stopping.is_set():
             raise Released("worker shutting down")
 
-    def _fork_lineage(self) -> list:
-        """This run and the runs it was forked from: a fork replays their approvals."""
-        chain, origin = [self._lease.run_id], self._forked_from
-        while origin is not None:
-            chain.append(origin)
-            origin = Run.objects.filter(pk=origin).values_list("forked_from_id", flat=True)[0]
-        return chain
-
     def now(self) -> datetime:
         """The current time, recorded once: replay sees the same instant."""
         return datetime.fromisoformat(self.step("now", lambda: timezone.now().isoformat()))
@@ -95,9 +87,9 @@ class Replay(ContextState):
                 event_seq = fence(self._lease, Fence(starting=True, compensating=True))
                 if self._cancel_requested and not self._undo.running:
                     raise Cancelled("cancel requested")
-                self._new_step(
+                self.checkpoints.new_step(
                     seq, key, StepKind.CALL, StepStatus.COMPLETED, finished_at=timezone.now()
                 )
-                self._event(event_seq, EventType.STEP_COMPLETED, key, patch=change_id)
+                self.checkpoints.event(event_seq, EventType.STEP_COMPLETED, key, patch=change_id)
         self._patches[change_id] = True
         return True

@@ -218,7 +218,7 @@ class Steps(ContextState):
             # A cancel resolving it: it never happened, nothing to undo.
             gone = Cancelled("the run was cancelled before this step happened")
             held = Reservation.of(record)
-            self._record_failure(
+            self.checkpoints.record_failure(
                 record.pk, seq, key, idem, options.kind, record.attempt, gone, held
             )
         return found
@@ -232,11 +232,11 @@ class Steps(ContextState):
         as the row; only what the fence cannot say (the approval, the shared daily ledgers)
         needs the transaction around it, where it is checked after the run row is locked."""
         starting = replace(
-            self._start_fence, estimate=hold.delta, held=hold.held, possibly=possibly
+            self.checkpoints.start_fence, estimate=hold.delta, held=hold.held, possibly=possibly
         )
         shared = hold.shared or hold.moving
         try:
-            return self._write_start(
+            return self.checkpoints.write_start(
                 (EventType.STEP_STARTED, key, payload),
                 replace(starting, durable=options.durable),
                 insert=fields if record is None else None,
@@ -246,7 +246,7 @@ class Steps(ContextState):
             )
         except ApprovalRevoked as exc:
             pk = record.pk if record is not None else None
-            self._record_failure(pk, seq, key, idem, options.kind, 1, exc, hold.old)
+            self.checkpoints.record_failure(pk, seq, key, idem, options.kind, 1, exc, hold.old)
 
     def _book_answered(self, step_pk: Any, usage: Usage | None) -> None:
         """An attempt that failed after the provider answered (the SDK's parse of structured
@@ -254,7 +254,7 @@ class Steps(ContextState):
         in their own fenced write, and stays on the row when a later attempt succeeds."""
         if usage is None or not (usage.tokens or usage.micros) or step_pk is None:
             return
-        self._book_attempt(step_pk, usage)
+        self.checkpoints.book_attempt(step_pk, usage)
         earlier = self._answered.get(step_pk, Usage())
         self._answered[step_pk] = Usage(
             earlier.tokens_in + usage.tokens_in,
@@ -282,7 +282,7 @@ class Steps(ContextState):
             tries += 1
             try:
                 with atomic(self._lease):
-                    event_seq = self._begin_transaction()
+                    event_seq = self.checkpoints.begin_transaction()
                     value = self._invoke(key, idem, seq, fn, args, kwargs)
                     output = to_json(value, what=f"the output of step {key!r}")
                     now = timezone.now()
@@ -296,16 +296,19 @@ class Steps(ContextState):
                         "finished_at": now,
                     }
                     input_ = describe_input(args, kwargs)
-                    self._record_transaction(event_seq, record, seq, key, fields, input_)
+                    self.checkpoints.record_transaction(event_seq, record, seq, key, fields, input_)
                 return output
             except ControlFlow:
                 raise
             except Exception as exc:
                 if (delay := policy.next_delay(exc, tries)) is not None:
-                    self._note_retry(key, tries, exc, delay)
+                    self.checkpoints.note_retry(key, tries, exc, delay)
+                    self._sleep(delay)
                     continue
                 step_pk = record.pk if record is not None else None
-                self._record_failure(step_pk, seq, key, idem, StepKind.TRANSACTION, tries, exc)
+                self.checkpoints.record_failure(
+                    step_pk, seq, key, idem, StepKind.TRANSACTION, tries, exc
+                )
 
     def _invoke(
         self,
@@ -341,7 +344,7 @@ class Steps(ContextState):
         ctx.llm's start does: a halt, a cancel or a budget it does not fit refuses it, and it
         stays on the step's row until the step ends, so a crash with the call in flight books
         it as possibly spent when the step is re-sent. On the step's thread."""
-        self._reserved_in_step[step_pk] = self._add_reservation(step_pk, amount)
+        self._reserved_in_step[step_pk] = self.checkpoints.add_reservation(step_pk, amount)
 
     def _running(self) -> Running | None:
         """This run's step whose function runs in this thread or asyncio task, if any."""
@@ -434,17 +437,21 @@ class Steps(ContextState):
                     try:
                         # A retry is a new start: the halt, the cancel, the budget and the
                         # approval are checked again, in the statement that records it.
-                        self._restart(step_pk, key, payload, attempt, held, call.approval)
+                        self.checkpoints.restart(
+                            step_pk, key, payload, attempt, held, call.approval
+                        )
                     except ApprovalRevoked as revoked:
-                        self._record_failure(step_pk, None, key, idem, None, attempt, revoked, held)
+                        self.checkpoints.record_failure(
+                            step_pk, None, key, idem, None, attempt, revoked, held
+                        )
                     continue
-                self._record_failure(step_pk, None, key, idem, None, attempt, exc, held)
+                self.checkpoints.record_failure(step_pk, None, key, idem, None, attempt, exc, held)
             else:
                 self._answered_now.pop(idem, None)  # its usage is the step's own: Metered
                 fields = {"status": StepStatus.COMPLETED, "output": output}
                 if kind is not None:
                     fields["kind"] = kind
-                self._finish_step(
+                self.checkpoints.finish_step(
                     step_pk, key, {"attempt": attempt}, fields, usage, held, defer=call.defer,
                     earlier=self._answered.pop(step_pk, None),
                 )  # fmt: skip
@@ -459,20 +466,20 @@ class Steps(ContextState):
             return
         resource = rate.resource
         with atomic(self._lease):
-            event_seq, _ = self._enter_wait()
+            event_seq, _ = self.checkpoints.enter_wait()
             error = {**((record.error or {}) if record else {}), "tries": tries}
             error["throttled"] = resource
             if record is None:
-                self._new_step(
+                self.checkpoints.new_step(
                     seq, key, kind, StepStatus.WAITING, input=fields["input"], attempt=0,
                     wake_at=until, error=error,
                 )  # fmt: skip
             else:
-                self._park_step(record.pk, until, error)
-            self._event(
+                self.checkpoints.park_step(record.pk, until, error)
+            self.checkpoints.event(
                 event_seq, EventType.STEP_THROTTLED, key, resource=resource, until=until.isoformat()
             )
-            self._suspend(until)
+            self.checkpoints.suspend(until)
         raise Suspended(f"step {key!r} waits for {resource}'s rate limit until {until}")
 
     def _retry_later(self, step_pk, key, until, delay=0.0, payload=None, tries=0) -> NoReturn:
@@ -481,16 +488,16 @@ class Steps(ContextState):
         then, keeping what it holds against the budgets; the run resumes there and tries it
         again with the same idempotency key, counting on from `tries`."""
         with atomic(self._lease):
-            event_seq, now = self._enter_wait()
+            event_seq, now = self.checkpoints.enter_wait()
             if until is None:
                 until = now + timedelta(seconds=delay)
-                self._park_step(
+                self.checkpoints.park_step(
                     step_pk, until, {**(payload or {}).get("error", {}), "tries": tries}
                 )
-            self._event(
+            self.checkpoints.event(
                 event_seq, EventType.STEP_RETRYING, key, **(payload or {}), until=until.isoformat()
             )
-            self._suspend(until)
+            self.checkpoints.suspend(until)
         raise Suspended(f"step {key!r} tries again at {until.isoformat()}")
 
     def _reconcile(self, record: Step, reconcile: Callable[[str], Any], idem: str) -> Any:
@@ -500,7 +507,7 @@ class Steps(ContextState):
         if found is NOT_FOUND:
             return NOT_FOUND
         output = to_json(found, what=f"the reconciled output of step {record.key!r}")
-        self._finish_step(
+        self.checkpoints.finish_step(
             record.pk,
             record.key,
             {"attempt": record.attempt, "recovered": Recovery.RECONCILED},
@@ -524,7 +531,7 @@ class Steps(ContextState):
                 return NOT_FOUND
             held = Reservation.of(record)
             if request.resolution == Resolution.HAPPENED:
-                self._finish_step(
+                self.checkpoints.finish_step(
                     record.pk,
                     record.key,
                     {"recovered": Recovery.CONFIRMED, "approval_id": request.pk},
@@ -539,11 +546,11 @@ class Steps(ContextState):
                 return request.resolution_output
             who = request.decided_by.get_username() if request.decided_by else "an operator"
             failure = OperatorFailed(f"{who} failed the run at ambiguous step {record.key!r}")
-            self._record_failure(
+            self.checkpoints.record_failure(
                 record.pk, None, record.key, idem, None, record.attempt, failure, held
             )
         with atomic(self._lease):
-            event_seq, _ = self._enter_wait()
+            event_seq, _ = self.checkpoints.enter_wait()
             if request is None:
                 request = ApprovalRequest.objects.create(
                     run_id=self._lease.run_id,
@@ -561,25 +568,13 @@ class Steps(ContextState):
                         "attempt": record.attempt,
                     },
                 )
-                self._event(
+                self.checkpoints.event(
                     event_seq, EventType.APPROVAL_REQUESTED, record.key,
                     approval_id=request.pk, kind=ApprovalKind.AMBIGUOUS,
                 )  # fmt: skip
             else:
-                self._event(
+                self.checkpoints.event(
                     event_seq, EventType.APPROVAL_WAITING, record.key, approval_id=request.pk
                 )
-            self._suspend(None)
+            self.checkpoints.suspend(None)
         raise Suspended(f"waiting for a person to resolve step {record.key!r}")
-
-    def _check_approval(self, decision: Decision | None) -> None:
-        if decision is None:
-            return
-        approval_id = decision.approval_id if isinstance(decision, Decision) else int(decision)
-        stands = ApprovalRequest.objects.filter(
-            pk=approval_id, run_id__in=self._fork_lineage(), status=ApprovalStatus.APPROVED
-        ).exists()
-        if not stands:
-            raise ApprovalRevoked(
-                f"approval #{approval_id} no longer stands; the step did not start"
-            )

@@ -89,9 +89,9 @@ class Waits(ContextState):
             return record.output
         timed_out = False
         with atomic(self._lease):
-            event_seq, now = self._enter_wait()
+            event_seq, now = self.checkpoints.enter_wait()
             if record is None:
-                record = self._new_step(
+                record = self.checkpoints.new_step(
                     seq, key, StepKind.EVENT, StepStatus.WAITING,
                     input={"signal": name}, wake_at=None if delta is None else now + delta,
                 )  # fmt: skip
@@ -104,7 +104,7 @@ class Waits(ContextState):
             )
             if signal is not None:
                 Signal.objects.filter(pk=signal.pk).update(consumed_by=key, consumed_at=now)
-                self._finish_wait(
+                self.checkpoints.finish_wait(
                     record, event_seq, now, output=signal.payload, signal_id=signal.pk
                 )
                 return signal.payload
@@ -112,14 +112,14 @@ class Waits(ContextState):
                 error = WaitTimeout(
                     f"no signal {name!r} arrived before {record.wake_at:%Y-%m-%d %H:%M:%S}"
                 )
-                self._finish_wait(record, event_seq, now, error=error)
+                self.checkpoints.finish_wait(record, event_seq, now, error=error)
                 timed_out = True
             else:
-                self._event(
+                self.checkpoints.event(
                     event_seq, EventType.SIGNAL_WAITING, key, name=name,
                     timeout_at=record.wake_at.isoformat() if record.wake_at else None,
                 )  # fmt: skip
-                self._suspend(record.wake_at)
+                self.checkpoints.suspend(record.wake_at)
         if timed_out:
             raise error
         raise Suspended(f"waiting for signal {name!r}")
@@ -148,10 +148,10 @@ class Waits(ContextState):
         data = to_json(payload, what=f"the payload of approval {key!r}")
         error: StepguardError | None = None
         with atomic(self._lease):
-            event_seq, now = self._enter_wait()
+            event_seq, now = self.checkpoints.enter_wait()
             if record is None:
                 expires = None if delta is None else now + delta
-                record = self._new_step(
+                record = self.checkpoints.new_step(
                     seq, key, StepKind.APPROVAL, StepStatus.WAITING,
                     input={"action": action, "summary": summary}, wake_at=expires,
                 )  # fmt: skip
@@ -163,26 +163,28 @@ class Waits(ContextState):
                     payload=data,
                     expires_at=expires,
                 )
-                self._event(
+                self.checkpoints.event(
                     event_seq, EventType.APPROVAL_REQUESTED, key,
                     approval_id=request.pk, action=action,
                     expires_at=expires.isoformat() if expires else None,
                 )  # fmt: skip
-                self._suspend(expires)
+                self.checkpoints.suspend(expires)
             else:
                 request = ApprovalRequest.objects.select_related("decided_by").get(
                     run_id=self._lease.run_id, step_key=key
                 )
                 outcome = self._approval_outcome(request, now)
                 if isinstance(outcome, Decision):
-                    self._finish_wait(record, event_seq, now, output=outcome.as_json())
+                    self.checkpoints.finish_wait(record, event_seq, now, output=outcome.as_json())
                     return outcome
                 if outcome is None:
-                    self._event(event_seq, EventType.APPROVAL_WAITING, key, approval_id=request.pk)
-                    self._suspend(request.expires_at)
+                    self.checkpoints.event(
+                        event_seq, EventType.APPROVAL_WAITING, key, approval_id=request.pk
+                    )
+                    self.checkpoints.suspend(request.expires_at)
                 else:
                     error = outcome
-                    self._finish_wait(record, event_seq, now, error=error)
+                    self.checkpoints.finish_wait(record, event_seq, now, error=error)
         if error is not None:
             raise error
         raise Suspended(f"waiting for approval of {action!r}")
@@ -212,7 +214,7 @@ class Waits(ContextState):
             i: to_json(asks[i].payload, what=f"the payload of {asks[i].key!r}") for i in open_
         }
         with atomic(self._lease):
-            event_seq, now = self._enter_wait()
+            event_seq, now = self.checkpoints.enter_wait()
             events: list[tuple[str, str, dict]] = []
             waits: list[datetime | None] = []
             for i in open_:
@@ -223,7 +225,7 @@ class Waits(ContextState):
                         if ask.timeout is None
                         else now + as_timedelta(ask.timeout, "a timeout")
                     )
-                    self._new_step(
+                    self.checkpoints.new_step(
                         seq, key, StepKind.APPROVAL, StepStatus.WAITING,
                         input={"action": ask.action, "summary": ask.summary}, wake_at=expires,
                     )  # fmt: skip
@@ -247,10 +249,10 @@ class Waits(ContextState):
                     continue
                 outcomes[i] = outcome
                 events.append(self._finish_approval(record, now, outcome))
-            self._append_events(event_seq, events)  # needs the lease: before _suspend
+            self.checkpoints.append_events(event_seq, events)  # needs the lease: before suspend
             if waits:
                 deadlines = [w for w in waits if w is not None]
-                self._suspend(min(deadlines) if len(deadlines) == len(waits) else None)
+                self.checkpoints.suspend(min(deadlines) if len(deadlines) == len(waits) else None)
         if waits:
             raise Suspended(f"waiting for {len(waits)} approvals")
         return cast("list[Decision | StepguardError]", outcomes)  # each one settled above
@@ -259,8 +261,8 @@ class Waits(ContextState):
         """Finish a waiting approval step with its decision or error (inside the caller's
         transaction); returns its event for the caller to append."""
         if isinstance(outcome, Decision):
-            return self._close_wait(record, now, output=outcome.as_json())
-        return self._close_wait(record, now, error=outcome)
+            return self.checkpoints.close_wait(record, now, output=outcome.as_json())
+        return self.checkpoints.close_wait(record, now, error=outcome)
 
     @staticmethod
     def _approval_outcome(request: ApprovalRequest, now: datetime):
@@ -309,7 +311,7 @@ class Waits(ContextState):
                 plans[e.key] = (definition, to_json(e.input, what=f"the input of child {e.key!r}"))
         failure: ChildFailed | None = None
         with atomic(self._lease):
-            event_seq, now = self._enter_wait()
+            event_seq, now = self.checkpoints.enter_wait()
             events = self._start_children(entries, plans)
             waiting = self._record_ended_children(entries, now, events)
             failed = [e for e in entries if e.step.status == StepStatus.FAILED]
@@ -320,9 +322,9 @@ class Waits(ContextState):
             elif waiting:
                 pending = sum(1 for e in entries if e.step.status == StepStatus.WAITING)
                 events.append((EventType.CHILDREN_WAITING, "", {"pending": pending}))
-            self._append_events(event_seq, events)  # needs the lease: before _suspend
+            self.checkpoints.append_events(event_seq, events)  # needs the lease: before suspend
             if waiting and not failed:
-                self._suspend(None)
+                self.checkpoints.suspend(None)
         if failure is not None:
             raise failure
         if waiting:
@@ -347,7 +349,7 @@ class Waits(ContextState):
                 labels=self.labels,  # the tenant a parent works for, its children work for
                 **default_run_budget(definition.name),
             )
-            e.record = self._new_step(
+            e.record = self.checkpoints.new_step(
                 e.seq, e.key, StepKind.CHILD, StepStatus.WAITING,
                 input={"workflow": definition.ref, "run_id": str(child.id)},
             )  # fmt: skip
@@ -366,13 +368,15 @@ class Waits(ContextState):
         ):
             e = keys[child.key or ""]  # filtered on key above
             if child.status == RunStatus.COMPLETED:
-                self._end_step(e.step.pk, now, output=child.output)
+                self.checkpoints.end_step(e.step.pk, now, output=child.output)
                 e.step.status, e.step.output = StepStatus.COMPLETED, child.output
                 events.append((EventType.STEP_COMPLETED, e.key, {"child": str(child.id)}))
             elif child.status in (RunStatus.FAILED, RunStatus.CANCELLED):
                 message = (child.error or {}).get("message", child.status)
                 error = ChildFailed(f"child run {child.id} ({e.key}) {child.status}: {message}")
-                self._end_step(e.step.pk, now, error={**error.as_record(), "child": str(child.id)})
+                self.checkpoints.end_step(
+                    e.step.pk, now, error={**error.as_record(), "child": str(child.id)}
+                )
                 e.step.status = StepStatus.FAILED
                 payload = {"child": str(child.id), "error": brief(error)}
                 events.append((EventType.STEP_FAILED, e.key, payload))
@@ -385,21 +389,23 @@ class Waits(ContextState):
         if record is not None and record.status == StepStatus.COMPLETED:
             return
         with atomic(self._lease):
-            event_seq, now = self._enter_wait()
+            event_seq, now = self.checkpoints.enter_wait()
             if record is None:
                 when = deadline(now)
-                record = self._new_step(
+                record = self.checkpoints.new_step(
                     seq, key, StepKind.SLEEP, StepStatus.WAITING,
                     input={"until": when.isoformat()}, wake_at=when,
                 )  # fmt: skip
             wake_at = record.wake_at
             assert wake_at is not None  # a sleep's row is written with its deadline
             if wake_at <= now:
-                self._end_step(record.pk, now)
-                self._event(event_seq, EventType.TIMER_FIRED, key, wake_at=wake_at.isoformat())
+                self.checkpoints.end_step(record.pk, now)
+                self.checkpoints.event(
+                    event_seq, EventType.TIMER_FIRED, key, wake_at=wake_at.isoformat()
+                )
                 return
-            self._event(event_seq, EventType.TIMER_SET, key, wake_at=wake_at.isoformat())
-            self._suspend(wake_at)
+            self.checkpoints.event(event_seq, EventType.TIMER_SET, key, wake_at=wake_at.isoformat())
+            self.checkpoints.suspend(wake_at)
         raise Suspended(f"sleeping until {wake_at.isoformat()}")
 
     def _sleep(self, seconds: float) -> None:
