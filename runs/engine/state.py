@@ -1,10 +1,13 @@
 """What the engine's concerns share: the state of one execution of a run, and the methods one
 concern calls on another.
 
-RunContext (context.py) is assembled from mixins, one module a concern. Each mixin inherits
-this declaration, so each module type-checks on its own against the same contract; the
-methods below exist at run time only in the mixin that defines them, and a type checker
-refuses a mixin whose definition no longer matches its declaration here.
+Execution (context.py) is assembled from four mixins, one module a concern (replay, steps,
+model calls, waits), which call one another; each inherits this declaration, so each module
+type-checks on its own against the same contract; the methods below exist at run time only
+in the mixin that defines them, and a type checker refuses a mixin whose definition no longer
+matches its declaration here. The concerns that own their state are collaborators instead,
+reached through an attribute and declared by their own class: `history` (the replay cursor)
+and `checkpoints` (the one writer), which call back into none of the mixins.
 """
 
 from __future__ import annotations
