@@ -261,3 +261,19 @@ def test_a_workflow_target_cannot_reach_a_labels_budget(cast, client):
     assert policy.halted_at is None and policy.run_budget_micros is None
     with pytest.raises(ValueError, match="starts with 'label:'"):
         registry.register("label:tenant=acme", "1", lambda ctx, input: None)
+
+
+def test_the_budgets_page_sums_every_labels_spend_in_one_statement(
+    drive, django_assert_num_queries
+):
+    from runs.views import _spent_per_label
+
+    for tenant in ("acme", "acme", "bolt"):
+        start_run("metered", {"steps": 1}, labels={"tenant": tenant})
+    drive()
+    midnight = timezone.now().replace(hour=0, minute=0, second=0, microsecond=0)
+    one = Run.objects.filter(labels__tenant="bolt").get().cost_micros
+    assert one > 0
+    with django_assert_num_queries(1):
+        spent = _spent_per_label(midnight, ["tenant=acme", "tenant=bolt", "tenant=none"])
+    assert spent == {"tenant=acme": 2 * one, "tenant=bolt": one, "tenant=none": 0}
