@@ -445,6 +445,20 @@ def test_within_an_execution_events_are_appended_by_checkpoints_alone():
     assert appenders == {"checkpoints.py", "store.py", "claims.py", "lifecycle.py", "starts.py"}
 
 
+def test_within_an_execution_fenced_writes_are_made_by_checkpoints_alone():
+    """The fence (`fence`, `fenced_write`) is the write of an execution's lease: its concerns
+    reach it through Checkpoints; the run's end (lifecycle) fences its own last write."""
+    fencers = {
+        m.name
+        for m in ENGINE.glob("*.py")
+        if any(
+            isinstance(c.func, ast.Name) and c.func.id in ("fence", "fenced_write")
+            for c in _calls(m)
+        )
+    }
+    assert fencers == {"checkpoints.py", "store.py", "lifecycle.py"}
+
+
 def _engine_imports(module: Path) -> set[str]:
     """The engine modules `module` imports anywhere: at the top, in a function, or for type
     checking only (each of those dodges a cycle rather than removing it)."""

@@ -19,7 +19,6 @@ from runs.engine.records import Decision, accepts, signature_names
 from runs.engine.retry import RetryPolicy
 from runs.engine.serialization import describe_input
 from runs.engine.state import ContextState
-from runs.engine.store import fenced_write
 from runs.engine.wakeup import doorbell
 from runs.errors import UnpricedModel
 from runs.models import EventType, Policy, Run, Step, StepKind
@@ -192,7 +191,7 @@ class ModelCalls(ContextState):
         if model not in self._unpriced_models:
             self._unpriced_models.add(model)
             log.warning("run %s: model %r has no price; its calls count as $0", self.run_id, model)
-            fenced_write(self._lease, (EventType.MODEL_UNPRICED, key, {"model": model}))
+            self.checkpoints.note(EventType.MODEL_UNPRICED, key, model=model)
 
     def _under_usd_budget(self) -> bool:
         if self._usd_budget:

@@ -35,7 +35,7 @@ from runs.engine.fences import Completion, Fence, Lease, Spend
 from runs.engine.records import INTERRUPTED, Decision, brief, error_record
 from runs.engine.retry import retryable
 from runs.engine.store import append_event, atomic, complete_later, fence, fenced_write
-from runs.errors import REPLAYED, ApprovalRevoked, StepFailed, StepguardError
+from runs.errors import REPLAYED, ApprovalRevoked, Cancelled, StepFailed, StepguardError
 from runs.models import EventType, Run, RunStatus, Step, StepKind, StepStatus
 
 
@@ -376,6 +376,20 @@ class Checkpoints:
         Run.objects.filter(pk=self._lease.run_id).update(
             status=RunStatus.WAITING, wake_at=wake_at, worker=None, lease_until=None
         )
+
+    def note(self, type_: str, key: str, **payload: Any) -> None:
+        """An event of the execution's own (a model with no price): one fenced write."""
+        fenced_write(self._lease, (type_, key, payload))
+
+    def mark_patch(self, seq: int, key: str, change_id: str, *, cancelled: bool) -> None:
+        """A patch marker at `seq`: a completed step row and its event. It spends nothing:
+        halts and cancels (`cancelled`) stop it, a spent budget does not."""
+        with atomic(self._lease):
+            event_seq = fence(self._lease, Fence(starting=True, compensating=True))
+            if cancelled:
+                raise Cancelled("cancel requested")
+            self.new_step(seq, key, StepKind.CALL, StepStatus.COMPLETED, finished_at=timezone.now())
+            self.event(event_seq, EventType.STEP_COMPLETED, key, patch=change_id)
 
     def check_approval(self, decision: Decision | int | None) -> None:
         """A step started under `approval=` starts only if that approval still stands: checked

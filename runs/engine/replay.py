@@ -9,11 +9,9 @@ from uuid import UUID
 
 from django.utils import timezone
 
-from runs.engine.fences import Fence
 from runs.engine.state import ContextState
-from runs.engine.store import atomic, fence
 from runs.errors import Cancelled, LeaseLost, NonDeterminismError, Released, StepMisuse
-from runs.models import EventType, Step, StepKind, StepStatus
+from runs.models import Step
 
 
 class Replay(ContextState):
@@ -82,14 +80,7 @@ class Replay(ContextState):
             return False
         self.history.skip()
         if record is None:
-            with atomic(self._lease):
-                # A marker spends nothing: halts and cancels stop it, a spent budget does not.
-                event_seq = fence(self._lease, Fence(starting=True, compensating=True))
-                if self._cancel_requested and not self._undo.running:
-                    raise Cancelled("cancel requested")
-                self.checkpoints.new_step(
-                    seq, key, StepKind.CALL, StepStatus.COMPLETED, finished_at=timezone.now()
-                )
-                self.checkpoints.event(event_seq, EventType.STEP_COMPLETED, key, patch=change_id)
+            cancelled = self._cancel_requested and not self._undo.running
+            self.checkpoints.mark_patch(seq, key, change_id, cancelled=cancelled)
         self._patches[change_id] = True
         return True
