@@ -85,12 +85,12 @@ def test_the_live_feeds_answer_under_the_mount_point_without_a_channel_layer(hos
         for path, count in ((f"/agents/ws/runs/{run.pk}/?after=0&last=-1", 3),
                             ("/agents/ws/live/", 1)):  # fmt: skip
             comm = feed(path)
-            connected, _ = await comm.connect()
+            connected, _ = await comm.connect(timeout=10)
             assert connected, path
             frames += [await comm.receive_from(timeout=5) for _ in range(count)]
             await comm.disconnect()
         with pytest.raises(ValueError, match="No route found"):  # not at the site's root
-            await feed(f"/ws/runs/{run.pk}/").connect()
+            await feed(f"/ws/runs/{run.pk}/").connect(timeout=10)
         return frames
 
     status, _, row, live = run_async(go)

@@ -62,7 +62,7 @@ def session_of(user):
 
 def collect(comm, count: int) -> list[str]:
     async def go():
-        connected, _ = await comm.connect()
+        connected, _ = await comm.connect(timeout=10)
         assert connected
         frames = [await comm.receive_from(timeout=5) for _ in range(count)]
         await comm.disconnect()
@@ -129,14 +129,14 @@ def test_the_feed_refuses_anonymous_users_and_foreign_origins(drive):
 
     async def anonymous():
         comm = communicator(run, AnonymousUser(), after=0)
-        connected, _ = await comm.connect()
+        connected, _ = await comm.connect(timeout=10)
         return connected
 
     async def foreign_origin():
         comm = WebsocketCommunicator(
             application, f"/ws/runs/{run.pk}/", headers=[(b"origin", b"https://evil.example")]
         )
-        connected, _ = await comm.connect()
+        connected, _ = await comm.connect(timeout=10)
         return connected
 
     assert run_async(anonymous) is False
@@ -183,7 +183,7 @@ def test_a_streamed_answer_reaches_the_live_page_piece_by_piece(drive, demo_mode
             connections.close_all()
 
     async def go():
-        connected, _ = await comm.connect()
+        connected, _ = await comm.connect(timeout=10)
         assert connected
         await asyncio.sleep(0)
         outcome = asyncio.get_running_loop().run_in_executor(None, worker)
@@ -200,7 +200,7 @@ def test_a_streamed_answer_reaches_the_live_page_piece_by_piece(drive, demo_mode
             if await comm.receive_nothing(timeout=0.1):
                 assert asyncio.get_running_loop().time() < deadline, (pieces, outcome)
                 continue
-            frame = await comm.receive_from()
+            frame = await comm.receive_from(timeout=10)
             found = re.fullmatch(
                 r'<output id="stream-0" hx-swap-oob="beforeend">(.*)</output>', frame, re.S
             )

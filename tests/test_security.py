@@ -194,7 +194,7 @@ def test_an_open_feed_closes_within_seconds_when_the_session_no_longer_stands(
 
     async def go():
         comm = communicator(run, vera, after=0)
-        connected, _ = await comm.connect()
+        connected, _ = await comm.connect(timeout=10)
         assert connected
         assert "live" in await comm.receive_from(timeout=5)  # open while allowed
         from channels.db import database_sync_to_async
@@ -212,10 +212,10 @@ def test_open_feeds_per_user_are_capped(cast, settings):
 
     async def go():
         comms = [communicator(run, cast["vera"], after=0) for _ in range(3)]
-        results = [(await c.connect())[0] for c in comms]
+        results = [(await c.connect(timeout=10))[0] for c in comms]
         await comms[0].disconnect()
         again = communicator(run, cast["vera"], after=0)
-        results.append((await again.connect())[0])
+        results.append((await again.connect(timeout=10))[0])
         for c in (comms[1], again):
             await c.disconnect()
         return results
@@ -230,7 +230,7 @@ def test_a_feed_with_non_ascii_digits_in_rows_connects(cast):
 
     async def go():
         comm = communicator(run, cast["vera"], after=0, query="&rows=%C2%B2,1")
-        connected, _ = await comm.connect()
+        connected, _ = await comm.connect(timeout=10)
         await comm.disconnect()
         return connected
 
@@ -263,7 +263,7 @@ def test_a_websocket_origin_must_match_scheme_host_and_port(origin, allowed, set
             "/ws/",
             headers=[(b"host", b"127.0.0.1:8000"), (b"origin", origin.encode())],
         )
-        connected, _ = await comm.connect()
+        connected, _ = await comm.connect(timeout=10)
         if connected:
             await comm.disconnect()
         return connected

@@ -78,7 +78,7 @@ def test_an_open_feed_closes_when_the_session_times_out(field, cast, monkeypatch
     async def go():
         try:
             comm = communicator(run, cast["vera"], after=0)
-            connected, _ = await comm.connect()
+            connected, _ = await comm.connect(timeout=10)
             assert connected
             assert "live" in await comm.receive_from(timeout=5)  # open while the session is
             await database_sync_to_async(age)(comm.scope["session"], field, settings)
@@ -100,7 +100,7 @@ def test_a_feed_is_refused_on_a_timed_out_session(cast, settings):
         try:
             comm = communicator(run, cast["vera"], after=0)
             await database_sync_to_async(age)(comm.scope["session"], SEEN_AT, settings)
-            connected, _ = await comm.connect()
+            connected, _ = await comm.connect(timeout=10)
             if connected:
                 await comm.disconnect()
             return connected
