@@ -9,6 +9,8 @@
    times the runs list (first page, filtered pages, key and short-id search, a workflow and
    status that match nothing, a deep keyset page), a run page, the inbox, the audit page, the
    API's runs list and /metrics through Django's test client, and prints medians and p95.
+   Each run carries a tenant label (50 values) and one priced step, for the label filters,
+   `/api/spend` per tenant over the last 7 days and the budgets page with 5 label budgets.
    Target: under 200 ms median. Then the run page of a 5,000-step run (10,000 events)
    against a 10-step run's, the baseline measured in the same invocation: median server time,
    bytes, and their ratios. Both runs are written once with bulk_create (`bench.long`).
@@ -134,7 +136,7 @@ from runs import queries  # noqa: E402
 from runs.engine.fences import Fence, Lease  # noqa: E402
 from runs.engine.store import create_run, fenced_write  # noqa: E402
 from runs.engine.wakeup import doorbell  # noqa: E402
-from runs.models import Event, Run, RunStatus, Step, StepKind, StepStatus  # noqa: E402
+from runs.models import Event, Policy, Run, RunStatus, Step, StepKind, StepStatus  # noqa: E402
 
 FILL = f"""
 INSERT INTO runs_run (id, workflow, version, input, status, key, lease_epoch, attempt,
@@ -152,15 +154,40 @@ FROM runs_run r, generate_series(1, {EVENTS_PER_RUN}) s WHERE r.workflow LIKE 'b
 """
 
 
+#: Who each run is for, and what it spent: a tenant label (50 values) and one finished step
+#: with a cost per run, for the label filter, the spend report and the budgets page. Filled
+#: apart from FILL, so a database filled before labels existed gets them too.
+TENANTS = 50
+FILL_SPEND = f"""
+UPDATE runs_run
+SET labels = jsonb_build_object('tenant', 't-' || substr(key, 3)::bigint % {TENANTS})
+WHERE workflow LIKE 'bench-%' AND labels = '{{}}'::jsonb;
+INSERT INTO runs_step (run_id, seq, key, kind, status, idempotency_key, attempt, run_attempt,
+    recovered, tokens_in, tokens_out, cost_micros, reserved_micros, possibly_spent_micros,
+    possibly_spent_tokens, reserved_tokens, reserved_scopes, inherited, started_at, finished_at)
+SELECT r.id, 0, 'model', 'llm', 'completed', r.id || ':model', 1, 1, '', r.tokens_in,
+    r.tokens_out, r.cost_micros, 0, 0, 0, 0, '[]'::jsonb, false, r.created_at, r.created_at
+FROM runs_run r WHERE r.workflow LIKE 'bench-%'
+    AND NOT EXISTS (SELECT 1 FROM runs_step s WHERE s.run_id = r.id);
+"""
+
+
 def fill() -> None:
-    if Run.objects.exclude(workflow__in=[LIVE_WORKFLOW, LONG_WORKFLOW]).count() >= RUNS:
-        return
+    history = Run.objects.exclude(workflow__in=[LIVE_WORKFLOW, LONG_WORKFLOW])
     started = time.monotonic()
     with connection.cursor() as cursor:
-        cursor.execute(FILL)
+        if history.count() < RUNS:
+            cursor.execute(FILL)
+            print(f"filled {RUNS:,} runs and {RUNS * EVENTS_PER_RUN:,} events", end="; ")
+        if not Step.objects.filter(run__workflow="bench-0").exists():
+            cursor.execute(FILL_SPEND)
+            print(f"labelled them ({TENANTS} tenants), one priced step each", end="; ")
         cursor.execute("ANALYZE")
-    took = time.monotonic() - started
-    print(f"filled {RUNS:,} runs and {RUNS * EVENTS_PER_RUN:,} events in {took:.0f} s")
+    print(f"{time.monotonic() - started:.0f} s")
+    for tenant in range(5):  # label budgets, as the budgets page lists them
+        Policy.objects.get_or_create(
+            scope=f"label:tenant=t-{tenant}", defaults={"daily_budget_micros": 10_000_000}
+        )
 
 
 def p95(samples: list[float]) -> float:
@@ -197,6 +224,10 @@ def server_times(user) -> None:
         ("approvals inbox", "/approvals", {}),
         ("audit page", "/audit", {}),
         ("API runs list", "/api/runs", {}),
+        ("runs list, label tenant=t-7", "/", {"label": "tenant=t-7"}),
+        ("API runs list, label tenant=t-7", "/api/runs", {"label": "tenant=t-7"}),
+        ("API spend per tenant, 7 days", "/api/spend", {"label": "tenant"}),
+        ("budgets page (5 label budgets)", "/budgets", {}),
         ("/metrics (summary cached)", "/metrics", {}),
     ]
     print(f"\n{RUNS:,} runs, {history.count() * EVENTS_PER_RUN:,} events; {REPEATS} requests each")

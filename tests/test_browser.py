@@ -425,8 +425,12 @@ def test_a_dropped_live_feed_reconnects_and_backfills_the_missed_steps_once(
     # the ws extension reconnects with backoff) and, while "offline", every reconnect attempt
     # fails too. (Chromium's offline emulation leaves websockets alone, so the page does it,
     # with a route of the same origin that refuses: the CSP allows no other host.)
+    # Counted from the drop: on a loaded machine the first socket may already have dropped and
+    # reconnected by itself (a reconnect is what this test is about; it counts the one it makes).
+    at_drop = len(sockets)
     page.evaluate(
         """() => {
+        window.__ws = {open: 0, close: 0};
         window.__offline = true;
         const connect = htmx.createWebSocket;
         htmx.createWebSocket = (url) =>
@@ -458,9 +462,9 @@ def test_a_dropped_live_feed_reconnects_and_backfills_the_missed_steps_once(
     expect(page.locator("#ws-status")).to_have_attribute("data-state", "open")
     # The new socket resumed after the last event the page showed when it dropped.
     feed = server.replace("http", "ws") + "/ws/runs/"
-    live = [ws.url for ws in sockets if ws.url.startswith(feed)]
+    live = [ws.url for ws in sockets[at_drop:] if ws.url.startswith(feed)]
     resumed_after = rf"[?&]after={last_event.removeprefix('event-')}(&|$)"
-    assert len(live) == 2 and re.search(resumed_after, live[1]), live
+    assert live and re.search(resumed_after, live[-1]), live
     expect(page.locator("#run-status")).to_have_text("completed", timeout=20_000)
     expect(page.locator(f"#step-{steps - 1}")).to_contain_text("completed")
     expect(page.locator("#timeline tr[id^=step-]")).to_have_count(steps)  # each step once

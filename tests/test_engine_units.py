@@ -386,6 +386,28 @@ def test_an_undo_goes_where_it_was_recorded_else_past_everything_recorded():
     assert history.next_seq == 3
 
 
+# --- Outage: said once --------------------------------------------------------------------------
+
+
+def test_an_outage_is_said_once_and_a_straggler_of_the_last_one_opens_no_new_one(caplog):
+    import time
+
+    from runs.engine.outage import Outage
+
+    outage, lost = Outage(), ConnectionError("server closed the connection")
+    with caplog.at_level("DEBUG", logger="stepguard.database"):
+        began = time.monotonic()  # an attempt that fails after the outage is over
+        outage.failed(lost, "claiming", time.monotonic())
+        outage.failed(lost, "heartbeat", time.monotonic())
+        outage.ok()
+        outage.ok()
+        outage.failed(lost, "a run thread reconnecting", began)
+        assert [r.levelname for r in caplog.records] == ["ERROR", "DEBUG", "WARNING", "DEBUG"]
+        outage.failed(lost, "claiming", time.monotonic())  # begun after: a new outage
+    assert caplog.records[-1].levelname == "ERROR"
+    assert "database unreachable (claiming: server closed the connection)" in caplog.text
+
+
 # --- the façade ------------------------------------------------------------------------------
 
 

@@ -48,10 +48,14 @@ class Outage:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._since: float | None = None
+        self._over_at = float("-inf")  # when the last outage closed
 
-    def failed(self, exc: BaseException, where: str) -> None:
+    def failed(self, exc: BaseException, where: str, attempted_at: float) -> None:
+        """A failed attempt, begun at `attempted_at` (time.monotonic()). One begun before the
+        last outage closed is a straggler of it, not a new one: during a failover a thread
+        still connecting to the old side fails just after another found the new primary."""
         with self._lock:
-            first = self._since is None
+            first = self._since is None and attempted_at >= self._over_at
             if first:
                 self._since = time.monotonic()
         if first:
@@ -65,6 +69,8 @@ class Outage:
             return
         with self._lock:
             since, self._since = self._since, None
+            if since is not None:
+                self._over_at = time.monotonic()
         if since is not None:
             log.warning("database back after %.1f s", time.monotonic() - since)
 
@@ -79,13 +85,14 @@ def reconnect(where: str) -> bool:
     already over is replaced without a word, so each outage is said once, not once per thread.
     """
     connection.close()
+    attempted_at = time.monotonic()
     try:
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")
     except Exception as exc:
         if not is_disconnect(exc):
             raise
-        outage.failed(exc, where)
+        outage.failed(exc, where, attempted_at)
         return False
     outage.ok()
     return True
