@@ -228,6 +228,7 @@ def server_times(user) -> None:
         ("API runs list, label tenant=t-7", "/api/runs", {"label": "tenant=t-7"}),
         ("API spend per tenant, 7 days", "/api/spend", {"label": "tenant"}),
         ("budgets page (5 label budgets)", "/budgets", {}),
+        ("halts page", "/halts", {}),
         ("/metrics (summary cached)", "/metrics", {}),
     ]
     print(f"\n{RUNS:,} runs, {history.count() * EVENTS_PER_RUN:,} events; {REPEATS} requests each")

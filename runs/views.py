@@ -839,8 +839,7 @@ def scope_rows(*, labels: bool = False) -> list[dict]:
     each label value that has a budget (`label:tenant=acme`: budgets only, never halted)."""
     policies = {p.scope: p for p in Policy.objects.all()}
     by_label = sorted(s for s in policies if s.startswith(run_labels.SCOPE_PREFIX))
-    workflows = sorted(set(Run.objects.values_list("workflow", flat=True).distinct()) | (
-        policies.keys() - {GLOBAL, *by_label}))  # fmt: skip
+    workflows = sorted(set(queries.workflow_names()) | (policies.keys() - {GLOBAL, *by_label}))
     rows = [
         {"scope": name, "label": "everything" if name == GLOBAL else name,
          "policy": policies.get(name)}

@@ -161,3 +161,11 @@ def test_a_role_that_may_not_create_pg_trgm_migrates_and_the_warning_says_how_to
         assert cluster.psql(index, dbname="narrow") == "1"
         shown = manage("showmigrations", "runs")
         assert "[ ] " not in shown.stdout, shown.stdout  # nothing was migrated back
+
+
+def test_the_workflow_names_the_policy_pages_list_are_every_workflow_with_runs(db):
+    names = ["zeta", "alpha", "ledger", "alpha", "Alpha-2", "zeta"]
+    for i, name in enumerate(names):
+        run = start_run("ledger", {"steps": 1}, key=f"k-{i}")
+        Run.objects.filter(pk=run.pk).update(workflow=name)
+    assert sorted(queries.workflow_names()) == sorted(set(names))
