@@ -47,15 +47,21 @@ def embedding_section() -> tuple[list[tuple[str, str, str]], list[str]]:
     return files, commands
 
 
-def build_wheel(tmp_path: Path) -> Path:
-    """The wheel, built offline from a copy of the sources (concurrent builds in the checkout
-    would share its build/ directory), with the checkout's setuptools."""
+def copy_sources(tmp_path: Path) -> Path:
+    """What a wheel is built from, copied: a build in the checkout writes its build/ and
+    egg-info there, which another build (a test's, CI's editable install) may be writing."""
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
         shutil.copy(ROOT / name, src)
     for package in ("controlplane", "runs", "approvals", "templates", "static"):
         shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    return src
+
+
+def build_wheel(tmp_path: Path) -> Path:
+    """The wheel, built offline from a copy of the sources, with the checkout's setuptools."""
+    src = copy_sources(tmp_path)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
          "--no-index", "-q", "-w", str(tmp_path / "dist"), str(src)],
@@ -286,7 +292,7 @@ def test_the_built_wheel_installs_migrates_runs_a_workflow_and_serves_the_dashbo
     dist = tmp_path / "dist"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
-         "-w", str(dist), str(ROOT)],
+         "-w", str(dist), str(copy_sources(tmp_path))],
         check=True, timeout=300,
     )  # fmt: skip
     (wheel,) = dist.glob("stepguard-*.whl")

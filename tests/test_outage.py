@@ -5,6 +5,7 @@ these are the same behaviours one at a time, in-process, on the project's Postgr
 """
 
 import logging
+import time
 
 import psycopg
 import pytest
@@ -115,7 +116,9 @@ def test_an_outage_is_said_in_two_lines(caplog):
     outage = Outage()
     with caplog.at_level(logging.DEBUG, logger="stepguard.database"):
         for _ in range(50):
-            outage.failed(RuntimeError("connection refused\nmore detail"), "claiming runs")
+            outage.failed(
+                RuntimeError("connection refused\nmore detail"), "claiming runs", time.monotonic()
+            )
         outage.ok()
         outage.ok()
     said = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno > logging.DEBUG]
