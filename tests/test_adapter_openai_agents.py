@@ -199,8 +199,11 @@ def test_the_sdk_s_approval_policy_is_asked_of_each_call_s_arguments(
 def test_an_approval_nobody_gives_in_time_is_a_refusal(drive, demo_model, tmp_path):
     input = {"script": "book", "effects": str(tmp_path), "approval_timeout": 0.2}
     run = start_run("oa-agent", input)
-    assert drive() == ["waiting"]
-    wait_until(lambda: drive() == ["completed"], what="the approval to expire")
+    outcomes = drive()
+    assert outcomes[0] == "waiting", outcomes  # it waits, durably, holding no worker
+    # Expired 0.2 s later: on a loaded machine the same drive may already have taken it again.
+    wait_until(lambda: outcomes[-1] == "completed" or drive() == ["completed"],
+               what="the approval to expire")  # fmt: skip
     assert effects(tmp_path) == []
     told = request_of(Step.objects.get(run=run, key="model:planner#2"))["input"][-1]
     assert "not approved" in told["output"] and "expired" in told["output"]

@@ -68,8 +68,11 @@ def test_two_signals_feed_two_waits_in_order_each_consumed_once(drive):
 
 def test_a_wait_times_out_with_wait_timeout(drive):
     run = start_run("waiter", {"timeout": 0.2})
-    assert drive() == ["waiting"]
-    wait_until(lambda: drive() == ["completed"], what="the timeout")
+    outcomes = drive()
+    assert outcomes[0] == "waiting", outcomes
+    # Timed out 0.2 s later: on a loaded machine the same drive may already have taken it again.
+    wait_until(lambda: outcomes[-1] == "completed" or drive() == ["completed"],
+               what="the timeout")  # fmt: skip
     assert Run.objects.get(pk=run.pk).output == "timed out"
     assert Step.objects.get(run=run, key="wait").error["code"] == "wait_timeout"
 
