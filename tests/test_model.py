@@ -44,9 +44,9 @@ After every rule both check, against the database (letters refine one numbered i
 
 Profiles: by default the first runs 25 examples of up to 40 rules, the second 12 of up to 30
 (together about a minute on PostgreSQL on two cores; the first ran 50 alone before the second
-came); STEPGUARD_MODEL_PROFILE=long runs 70 of up to 50 and 30 of up to 30 (CI, on
-PostgreSQL: about 130 s and 40 s there, the suite's longest tests, sized so that CI stays
-well under its 20 minutes on two cores). Failing examples are kept under
+came); STEPGUARD_MODEL_PROFILE=long runs 40 of up to 50 and 20 of up to 30 (CI, on
+PostgreSQL: about 80 s and 25 s there, the suite's longest tests, sized so that CI stays
+under its 20 minutes on two cores). Failing examples are kept under
 STEPGUARD_VAR_DIR (hypothesis-model/) and replayed first on the next run. A failure prints the
 rule sequence that reproduces it; shrinking one can take Hypothesis minutes.
 """
@@ -127,14 +127,14 @@ hypothesis_settings.register_profile(
 )
 hypothesis_settings.register_profile(
     "stepguard-concurrent-long",
-    max_examples=30,
+    max_examples=20,
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=list(HealthCheck),
 )
 hypothesis_settings.register_profile(
     "stepguard-model-long",
-    max_examples=70,
+    max_examples=40,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=list(HealthCheck),
