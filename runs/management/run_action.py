@@ -1,12 +1,13 @@
 """The shape shared by the commands that act on one run with a user and a reason."""
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from runs.errors import StepguardError
+from runs.management.base import StepguardCommand
 from runs.management.targets import run_arg
 
 
-class RunActionCommand(BaseCommand):
+class RunActionCommand(StepguardCommand):
     def add_arguments(self, parser):
         parser.add_argument("run_id", type=run_arg, help="a run id, or its first characters")
         parser.add_argument("--user", required=True)

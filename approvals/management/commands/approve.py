@@ -1,10 +1,11 @@
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from approvals.services import decide
 from runs.errors import StepguardError
+from runs.management.base import StepguardCommand
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = "Approve a pending action. The decision is final and recorded with its actor."
     decision = "approve"
 

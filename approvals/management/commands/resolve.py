@@ -1,12 +1,13 @@
 import json
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from approvals.services import resolve
 from runs.errors import StepguardError
+from runs.management.base import StepguardCommand
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = (
         "Say what happened to a step whose worker died mid-call: 'happened' (with --output, "
         "recorded as its result), 'resend' (same idempotency key), or 'fail' (the run)."

@@ -1,11 +1,12 @@
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from runs.apikeys import create_key, parse_expiry, revoke_key
 from runs.errors import StepguardError
+from runs.management.base import StepguardCommand
 from runs.models import ApiKey, ApiKeyScope
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = "Manage REST API keys: create (shown once), list, revoke."
 
     def add_arguments(self, parser):

@@ -1,8 +1,9 @@
 from decimal import Decimal, InvalidOperation
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from runs.errors import StepguardError
+from runs.management.base import StepguardCommand
 from runs.management.targets import add_target_arguments, target_from
 from runs.operations import KEEP, set_budget
 
@@ -27,7 +28,7 @@ def count(text: str):
     return int(text)
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = (
         "Set budgets: a run's own (--usd/--tokens), a workflow's, a label value's (--label "
         "tenant=acme) or the global shared daily budget (--usd/--tokens), and a workflow's or "

@@ -1,13 +1,14 @@
 import json
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from runs.errors import StepguardError
+from runs.management.base import StepguardCommand
 from runs.management.targets import run_arg
 from runs.operations import fork_preview, fork_run
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = (
         "Fork a run from a step: a new run that reuses the recorded outputs before it and runs "
         "the rest again. Prints the steps that will run again; --yes to create the fork."

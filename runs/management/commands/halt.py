@@ -1,11 +1,12 @@
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from runs.errors import StepguardError
+from runs.management.base import StepguardCommand
 from runs.management.targets import add_target_arguments, target_from
 from runs.operations import halt
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = "Halt a run (and its children), a workflow, or everything. Only unhalt clears it."
     action = staticmethod(halt)
     verb = "halted"

@@ -1,10 +1,11 @@
 """`manage.py limits WORKFLOW`: show or set a workflow's concurrency limits."""
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from runs import operations
 from runs.engine import flow
 from runs.errors import StepguardError
+from runs.management.base import StepguardCommand
 
 
 def limit(text: str) -> int | str:
@@ -16,7 +17,7 @@ def shown(*values) -> str:
     return str(next((v for v in values if v is not None), "unlimited"))
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = "Show a workflow's load and limits, or set an operator's limits over the code's."
 
     def add_arguments(self, parser):

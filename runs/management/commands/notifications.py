@@ -3,14 +3,15 @@ what happened."""
 
 import os
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from runs import notifications
 from runs.errors import StepguardError
+from runs.management.base import StepguardCommand
 from runs.models import NOTIFIABLE, NotificationChannel
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = "Add, list, remove, pause, resume and test notification channels (webhooks, email)."
 
     def add_arguments(self, parser):

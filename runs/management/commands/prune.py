@@ -1,10 +1,11 @@
 from datetime import timedelta
 from pathlib import Path
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.utils import timezone
 
 from runs.errors import StepguardError
+from runs.management.base import StepguardCommand
 from runs.operations import require
 from runs.retention import BATCH_SIZE, prune
 
@@ -19,7 +20,7 @@ def days(text: str) -> float:
     return value
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = (
         "Delete runs that ended more than DAYS ago, with their steps, events, signals and "
         "approvals, in short batches (safe while workers run). Audited with the counts."

@@ -1,15 +1,16 @@
 """`manage.py ratelimit set|list|remove`: rate limits on models and other resources."""
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.utils import timezone
 
 from runs import operations
 from runs.engine import rates
 from runs.errors import StepguardError
+from runs.management.base import StepguardCommand
 from runs.models import RateLimit
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = "Set, list and remove rate limits (calls and tokens per window) on resources."
 
     def add_arguments(self, parser):

@@ -6,11 +6,12 @@ import sys
 import time
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from runs import logcontext, notifications, retention, schedules
 from runs.engine import registry
 from runs.engine.worker import Chore, WorkerProcess
+from runs.management.base import StepguardCommand
 
 log = logging.getLogger("stepguard.worker")
 
@@ -23,7 +24,7 @@ def chores() -> list[Chore]:
     return [chore for chore in found if chore is not None]
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = "Run a worker: claim runnable runs, execute their steps, heartbeat their leases."
 
     def add_arguments(self, parser):

@@ -2,16 +2,17 @@
 
 import json
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.utils import timezone
 
 from runs import operations
 from runs.engine import registry
 from runs.errors import StepguardError
+from runs.management.base import StepguardCommand
 from runs.models import Catchup, Schedule
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = "Add, list, pause, resume and remove cron schedules: one run per tick."
 
     def add_arguments(self, parser):

@@ -2,8 +2,9 @@ import json
 import time
 
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from runs.management.base import StepguardCommand
 from runs.management.targets import run_arg
 from runs.models import Event, EventType, Run
 from runs.operations import unserved_reason
@@ -57,7 +58,7 @@ def describe(event: Event) -> str:
     return text
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = "Show a run and its steps; --json for machines, --follow to watch it until it ends."
 
     def add_arguments(self, parser):

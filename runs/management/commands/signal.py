@@ -1,12 +1,13 @@
 import json
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from runs.management.base import StepguardCommand
 from runs.management.targets import run_arg
 from runs.sdk import StepguardError, send_signal
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = "Send a signal to a run; the next ctx.wait_for_event for that name consumes it."
 
     def add_arguments(self, parser):

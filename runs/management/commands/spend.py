@@ -1,9 +1,10 @@
 from datetime import UTC, date, timedelta
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.utils import timezone
 
 from runs.errors import StepguardError
+from runs.management.base import StepguardCommand
 from runs.queries import spend_by_label
 
 
@@ -14,7 +15,7 @@ def day(text: str) -> date:
         raise CommandError(f"{text!r} is not a day (YYYY-MM-DD)") from None
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = (
         "What runs spent per value of a label (--label tenant), per UTC day: the steps that "
         "finished that day, and apart what crashes may have spent. The last 7 days by default."

@@ -1,14 +1,15 @@
 import json
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from runs.engine import registry
 from runs.labels import parse as parse_labels
+from runs.management.base import StepguardCommand
 from runs.sdk import StepguardError, start_run
 
 
-class Command(BaseCommand):
+class Command(StepguardCommand):
     help = "Start a run of a workflow and print its id (idempotent with --key)."
 
     def add_arguments(self, parser):
