@@ -7,16 +7,15 @@ with a text alternative that says what the chart shows, so a screen reader reads
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import date, timedelta
 
 from django.db.models import Sum
-from django.db.models.functions import TruncDate
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from runs.engine.budget import to_usd
-from runs.models import Run, Step
+from runs.models import Run, SpendDay, Step
 
 WIDTH, HEIGHT = 240, 48
 DAYS = 14
@@ -74,12 +73,9 @@ def spend_per_day(today: date | None = None, limit: int = 12) -> list[DailySpend
     today = today or timezone.now().date()
     first = today - timedelta(days=DAYS - 1)
     rows = (
-        Step.objects.filter(
-            finished_at__gte=datetime.combine(first, time.min, tzinfo=UTC), cost_micros__gt=0
-        )
-        .annotate(day=TruncDate("finished_at"))
-        .values_list("run__workflow", "day")
-        .annotate(total=Sum("cost_micros"))
+        SpendDay.objects.filter(day__gte=first, micros__gt=0)
+        .values_list("workflow", "day")
+        .annotate(total=Sum("micros"))
         .order_by()
     )
     by_workflow: dict[str, dict[date, int]] = {}

@@ -602,6 +602,50 @@ class BudgetLedger(models.Model):
         return f"{self.scope} {self.day}"
 
 
+class SpendDay(models.Model):
+    """What runs of one workflow carrying one set of labels spent on one UTC day: what the
+    budgets page, the spend charts and `/api/spend` read, so their cost follows the number of
+    workflows and label sets, not of steps. Kept by database triggers on the steps table
+    (migration 0023), whichever code writes a step's cost; it outlives the runs retention
+    deletes, so a report of past spend stays whole."""
+
+    day = models.DateField()
+    workflow = models.CharField(max_length=200)
+    labels = models.JSONField(default=dict)
+    micros = models.BigIntegerField(default=0, help_text="USD recorded, in 1e-6 USD")
+    tokens = models.BigIntegerField(default=0)
+    possibly_micros = models.BigIntegerField(
+        default=0, help_text="estimates of model calls cut off in flight: maybe paid"
+    )
+    runs = models.PositiveIntegerField(default=0, help_text="runs that spent that day")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["day", "workflow", "labels"], name="runs_spendday_unique"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.workflow} {self.labels} {self.day}"
+
+
+class SpendRun(models.Model):
+    """A run that spent on a day: so a run spending twice that day counts once in
+    `SpendDay.runs`. Written by the same triggers, deleted with the run."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="spend_days")
+    day = models.DateField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["run", "day"], name="runs_spendrun_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.run_id} {self.day}"
+
+
 class RateLimit(models.Model):
     """At most `requests` calls and `tokens` tokens of a resource (a model, an API) in any
     `window_seconds`, across every worker (runs/engine/rates.py)."""

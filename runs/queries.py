@@ -10,19 +10,18 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Mapping
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import date, datetime
 from decimal import Decimal
 from uuid import UUID
 
 from django.db import connection
-from django.db.models import Count, F, Q, QuerySet, Sum
+from django.db.models import F, Q, QuerySet, Sum
 from django.db.models.fields.json import KeyTextTransform
-from django.db.models.functions import TruncDate
 
 from runs import labels as run_labels
 from runs.engine.budget import to_usd
 from runs.errors import OperationError, StepguardError
-from runs.models import Run, RunStatus, Step, StepKind, StepStatus
+from runs.models import Run, RunStatus, SpendDay, StepKind, StepStatus
 from runs.operations import in_utc
 
 
@@ -263,30 +262,23 @@ SPEND_DAYS_MAX = 366
 
 def spend_by_label(name: str, since: date, until: date) -> list[dict]:
     """What runs spent per value of label `name`, per UTC day from `since` to `until`
-    (inclusive): the steps that finished each day, priced as recorded, with the estimates of
-    model calls a crash cut off (possibly spent) apart. Runs without the label are the value
-    None: the rows of a day add up to everything spent that day."""
+    (inclusive), from the days' spend rows (SpendDay): priced as recorded, with the estimates
+    of model calls a crash cut off (possibly spent) apart. Runs without the label are the
+    value None: the rows of a day add up to everything spent that day."""
     run_labels.pair(f"{name}=x")  # the name is a label name, or BadLabel says why not
     if until < since:
         raise BadFilter(f"until ({until}) is before since ({since})")
     if (until - since).days >= SPEND_DAYS_MAX:
         raise BadFilter(f"a spend query covers at most {SPEND_DAYS_MAX} days")
-    start = datetime.combine(since, time(0), tzinfo=UTC)
-    end = datetime.combine(until + timedelta(days=1), time(0), tzinfo=UTC)
-    spent = Q(cost_micros__gt=0) | Q(possibly_spent_micros__gt=0) | Q(tokens_in__gt=0)
     rows = (
-        Step.objects.filter(
-            spent | Q(tokens_out__gt=0), finished_at__gte=start, finished_at__lt=end
-        )
-        .annotate(
-            value=KeyTextTransform(name, "run__labels"), day=TruncDate("finished_at", tzinfo=UTC)
-        )
+        SpendDay.objects.filter(day__gte=since, day__lte=until)
+        .annotate(value=KeyTextTransform(name, "labels"))
         .values("day", "value")
         .annotate(
-            micros=Sum("cost_micros"),
-            tokens=Sum(F("tokens_in") + F("tokens_out")),
-            possibly=Sum("possibly_spent_micros"),
-            runs=Count("run_id", distinct=True),
+            micros=Sum("micros"),
+            tokens=Sum("tokens"),
+            possibly=Sum("possibly_micros"),
+            runs=Sum("runs"),
         )
         .order_by("day", F("value").asc(nulls_first=True))  # runs without it first
     )

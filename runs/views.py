@@ -10,7 +10,7 @@ import json
 import logging
 import re
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import date, timedelta
 from decimal import Decimal
 from typing import Any
 from urllib.parse import urlencode
@@ -54,6 +54,7 @@ from runs.models import (
     Run,
     RunStatus,
     Schedule,
+    SpendDay,
     Step,
     StepKind,
     StepStatus,
@@ -870,16 +871,13 @@ def halts_page(request):
     )
 
 
-def _spent_per_label(since, labels: list[str]) -> dict[str, int]:
-    """Micro-USD spent since `since` by the runs carrying each label: one statement, however
-    many label budgets the page lists."""
+def _spent_per_label(day: date, labels: list[str]) -> dict[str, int]:
+    """Micro-USD spent on `day` by the runs carrying each label: one statement over the day's
+    spend rows, however many label budgets the page lists."""
     if not labels:
         return {}
-    sums = {
-        f"l{i}": Sum("cost_micros", filter=Q(run__in=Run.objects.filter(run_labels.carrying(t))))
-        for i, t in enumerate(labels)
-    }
-    found = Step.objects.filter(finished_at__gte=since, cost_micros__gt=0).aggregate(**sums)
+    sums = {f"l{i}": Sum("micros", filter=run_labels.carrying(t)) for i, t in enumerate(labels)}
+    found = SpendDay.objects.filter(day=day).aggregate(**sums)
     return {t: found[f"l{i}"] or 0 for i, t in enumerate(labels)}
 
 
@@ -887,18 +885,19 @@ def _spent_per_label(since, labels: list[str]) -> dict[str, int]:
 def budgets_page(request):
     """Shared daily budgets with what was spent today, and the runs a budget has stopped.
 
-    Today's spend is summed from the steps that finished today, not read from the ledgers: a
-    ledger only counts a scope while it has a daily budget, so a page reading them said $0 for
+    Today's spend is read from the day's spend rows (SpendDay), not from the ledgers: a ledger
+    only counts a scope while it has a daily budget, so a page reading them said $0 for
     workflows that spent money."""
-    midnight = timezone.now().replace(hour=0, minute=0, second=0, microsecond=0)
+    today = timezone.now().date()
     spent = dict(
-        Step.objects.filter(finished_at__gte=midnight, cost_micros__gt=0)
-        .values_list("run__workflow")
-        .annotate(total=Sum("cost_micros"))
+        SpendDay.objects.filter(day=today)
+        .values_list("workflow")
+        .annotate(total=Sum("micros"))
+        .order_by()
     )
-    held = {row.scope: row for row in BudgetLedger.objects.filter(day=midnight.date())}
+    held = {row.scope: row for row in BudgetLedger.objects.filter(day=today)}
     scopes = scope_rows(labels=True)
-    labelled = _spent_per_label(midnight, [r["label_value"] for r in scopes if "label_value" in r])
+    labelled = _spent_per_label(today, [r["label_value"] for r in scopes if "label_value" in r])
     for row in scopes:
         row["ledger"] = ledger = held.get(row["scope"])
         policy = row["policy"]

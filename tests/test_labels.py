@@ -148,6 +148,72 @@ def test_spend_is_queryable_per_label_value_per_day(drive, client, cast):
     assert "acme" in out and "2.5" in out and "(no label)" in out
 
 
+def test_every_write_of_a_steps_spend_is_booked_on_its_day_once_per_run(drive):
+    """The spend rows the reports read (SpendDay) are kept by the database, whatever writes a
+    step's cost: the engine, a raw update, a copied-in step; a run counts once a day; the rows
+    outlive the runs retention deletes; and migration 0023's backfill rebuilds them alike."""
+    import importlib
+
+    from django.db import connection
+    from django.db.models import F
+
+    from runs.models import SpendDay, SpendRun, Step
+    from runs.retention import prune
+
+    def rows():
+        found = [
+            (r.day, r.workflow, r.labels, r.micros, r.tokens, r.possibly_micros, r.runs)
+            for r in SpendDay.objects.all()
+        ]
+        return sorted(found, key=lambda row: (row[0], row[1], sorted(row[2].items())))
+
+    start_run("metered", {"steps": 2}, labels={"tenant": "acme"})
+    start_run("metered", {"steps": 1, "usd": "0.5"}, labels={"tenant": "acme"})
+    start_run("metered", {"steps": 1})
+    assert drive() == ["completed"] * 3
+    today = timezone.now().date()
+    acme = (today, "metered", {"tenant": "acme"})
+    assert rows() == [
+        (today, "metered", {}, 1_000_000, 150, 0, 1),
+        (*acme, 2_500_000, 3 * 150, 0, 2),
+    ]
+    # Any write of a cost is booked, where it happens: here a raw update, and a step that
+    # finished yesterday, which lands on yesterday's row and counts its run there.
+    step = Step.objects.filter(run__labels__tenant="acme", cost_micros=500_000).get()
+    Step.objects.filter(pk=step.pk).update(
+        cost_micros=F("cost_micros") + 7, possibly_spent_micros=F("possibly_spent_micros") + 3
+    )
+    yesterday = timezone.now() - timedelta(days=1)
+    Step.objects.create(
+        run=step.run, seq=99, key="late", status="completed", idempotency_key="late",
+        cost_micros=11, tokens_in=1, started_at=yesterday, finished_at=yesterday,
+    )  # fmt: skip
+    booked = rows()
+    assert booked == [
+        (yesterday.date(), "metered", {"tenant": "acme"}, 11, 1, 0, 1),
+        (today, "metered", {}, 1_000_000, 150, 0, 1),
+        (*acme, 2_500_007, 3 * 150, 3, 2),
+    ]
+
+    # The backfill of migration 0023 finds the same rows from the steps alone.
+    migration = importlib.import_module("runs.migrations.0023_spend_days")
+    day = {
+        "postgresql": "(COALESCE(s.finished_at, s.started_at) AT TIME ZONE 'UTC')::date",
+        "sqlite": "date(COALESCE(s.finished_at, s.started_at))",
+    }[connection.vendor]
+    SpendDay.objects.all().delete()
+    SpendRun.objects.all().delete()
+    with connection.cursor() as cursor:
+        for statement in migration._backfill(day):
+            cursor.execute(statement)
+    assert rows() == booked
+
+    # Retention deletes the runs; what they spent stays reported.
+    prune(finished_before=timezone.now() + timedelta(seconds=1))
+    assert not Run.objects.exists() and not SpendRun.objects.exists()
+    assert rows() == booked
+
+
 # --- the surfaces -------------------------------------------------------------------------------
 
 
@@ -271,9 +337,9 @@ def test_the_budgets_page_sums_every_labels_spend_in_one_statement(
     for tenant in ("acme", "acme", "bolt"):
         start_run("metered", {"steps": 1}, labels={"tenant": tenant})
     drive()
-    midnight = timezone.now().replace(hour=0, minute=0, second=0, microsecond=0)
     one = Run.objects.filter(labels__tenant="bolt").get().cost_micros
     assert one > 0
+    today = timezone.now().date()
     with django_assert_num_queries(1):
-        spent = _spent_per_label(midnight, ["tenant=acme", "tenant=bolt", "tenant=none"])
+        spent = _spent_per_label(today, ["tenant=acme", "tenant=bolt", "tenant=none"])
     assert spent == {"tenant=acme": 2 * one, "tenant=bolt": one, "tenant=none": 0}

@@ -29,6 +29,7 @@ from runs.models import (
     RunShaper,
     RunStatus,
     Signal,
+    SpendRun,
     Step,
     Worker,
 )
@@ -60,6 +61,8 @@ def rows_of(run) -> dict:
         "approvals": ApprovalRequest.objects.filter(run=run).count(),
         "delivery": NotificationDelivery.objects.filter(run=run).count(),  # a notify run's
         "shapers": RunShaper.objects.filter(run=run).count(),  # who started it (four eyes)
+        "spend_days": SpendRun.objects.filter(run=run).count(),  # days it spent (the rows
+        # of what was spent, SpendDay, stay: they are not the run's)
     }
 
 
