@@ -86,10 +86,16 @@ def test_a_running_runs_steps_appear_live_without_a_reload(server, page, cast, s
 
 
 AXE = os.path.join(os.path.dirname(__file__), "vendor", "axe.min.js")
-# `make screenshots` runs the accessibility test, which leaves a picture of each page here.
-SHOTS = Path(
-    os.environ.get("STEPGUARD_SCREENSHOTS", Path(__file__).parent.parent / "var" / "screenshots")
-)
+# `make screenshots` sets this: the page tests then leave a picture of each page there. Other
+# runs take none (CI's time goes to what the tests check).
+SHOTS = os.environ.get("STEPGUARD_SCREENSHOTS")
+
+
+def shoot(target, name: str, **options) -> None:
+    """A picture of a page or a part of it, if `make screenshots` asked for pictures."""
+    if SHOTS:
+        Path(SHOTS).mkdir(parents=True, exist_ok=True)
+        target.screenshot(path=str(Path(SHOTS) / f"{name}.png"), **options)
 
 
 @pytest.mark.parametrize("scheme", ["light", "dark", "narrow"])
@@ -132,8 +138,7 @@ def test_the_main_pages_have_no_serious_accessibility_violations(
             if page.locator("#timeline .step-open").count():  # the step panel too
                 page.locator("#timeline .step-open").last.click()
                 expect(page.locator("#step-panel .step-body")).to_be_attached()
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SHOTS / f"{scheme}-{name}.png"), full_page=True)
+        shoot(page, f"{scheme}-{name}", full_page=True)
         page.add_script_tag(path=AXE)
         found = page.evaluate(
             "async () => (await axe.run(document, {runOnly: ['wcag2a', 'wcag2aa', 'wcag21a',"
@@ -161,8 +166,7 @@ def test_the_main_pages_fit_a_360_px_wide_screen(server, browser, cast, drive):
                  "/flow"):  # fmt: skip
         page.goto(f"{server}{path}")
         name = path.strip("/").split("/")[0] or "runs-list"
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SHOTS / f"narrow-{name}.png"), full_page=True)
+        shoot(page, f"narrow-{name}", full_page=True)
         # Wide tables scroll inside their own box; the page itself never scrolls sideways.
         width = page.evaluate("document.documentElement.scrollWidth")
         if width > 360:

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from runs.sdk import start_run
-from tests.test_browser import AXE, SHOTS, _form_with, login
+from tests.test_browser import AXE, _form_with, login, shoot
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -55,8 +55,7 @@ def test_an_operator_edits_what_the_model_said_and_forks_from_the_next_step(
     form = _form_with(page, "Fork")
     form.get_by_label("Reason").fill("try a kinder answer")
     problems = {"form": axe_problems(page)}
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.locator("#fork").screenshot(path=str(SHOTS / f"{scheme}-fork-with-edits.png"))
+    shoot(page.locator("#fork"), f"{scheme}-fork-with-edits")
     form.get_by_role("button", name="Fork", exact=True).click()
 
     page.wait_for_url(re.compile(r"/runs/(?!" + str(origin.pk) + ")"))
@@ -73,7 +72,7 @@ def test_an_operator_edits_what_the_model_said_and_forks_from_the_next_step(
     page.reload()  # the finished fork as an operator opening it reads it
     expect(page.locator("#run-forked-from")).to_contain_text("with the output of step ask edited")
     problems["fork"] = axe_problems(page)
-    page.screenshot(path=str(SHOTS / f"{scheme}-run-edited-fork.png"), full_page=True)
+    shoot(page, f"{scheme}-run-edited-fork", full_page=True)
     page.goto(f"{server}/runs/{origin.pk}")
     expect(page.locator("#run-forks").get_by_role("link", name=str(fork.pk)[:8])).to_be_visible()
     context.close()
