@@ -33,8 +33,9 @@ class AsyncRunContext:
 
     def __init__(self, ctx: Execution, loop: asyncio.AbstractEventLoop, db: ThreadPoolExecutor):
         self._ctx, self._loop, self._db = ctx, loop, db
-        self.run_id, self.workflow, self.version = ctx.run_id, ctx.workflow, ctx.version
-        self.input, self.attempt = ctx.input, ctx.attempt
+        who = ctx.who
+        self.run_id, self.workflow, self.version = who.run_id, who.workflow, who.version
+        self.input, self.attempt = ctx.input, who.attempt
         self._in_flight: set[Future] = set()  # calls running on a database thread
 
     async def drain(self) -> None:

@@ -152,7 +152,7 @@ class ModelCalls(ContextState):
         """Each streamed piece of text to `on_delta` and to the run's live page."""
         running = self._running()
         assert running is not None  # called from inside the model call's step
-        run_id, seq = self.run_id, running.seq
+        run_id, seq = self.who.run_id, running.seq
 
         def relay(text: str) -> None:
             doorbell.stream(run_id, seq, text)
@@ -190,13 +190,15 @@ class ModelCalls(ContextState):
         name that answers as a priced model is priced as that model."""
         if model not in self._unpriced_models:
             self._unpriced_models.add(model)
-            log.warning("run %s: model %r has no price; its calls count as $0", self.run_id, model)
+            log.warning(
+                "run %s: model %r has no price; its calls count as $0", self.who.run_id, model
+            )
             self.checkpoints.note(EventType.MODEL_UNPRICED, key, model=model)
 
     def _under_usd_budget(self) -> bool:
         if self._usd_budget:
             return True
-        scopes = scopes_for(self.workflow, self.labels)
+        scopes = scopes_for(self.who.workflow, self.who.labels)
         return Policy.objects.filter(scope__in=scopes, daily_budget_micros__isnull=False).exists()
 
     def tool(

@@ -32,7 +32,7 @@ from runs.engine.budget import (
 )
 from runs.engine.compensation import Compensations
 from runs.engine.fences import Completion, Fence, Lease, Spend
-from runs.engine.records import INTERRUPTED, Decision, brief, error_record
+from runs.engine.records import INTERRUPTED, Decision, Identity, brief, error_record
 from runs.engine.retry import retryable
 from runs.engine.store import append_event, atomic, complete_later, fence, fenced_write
 from runs.errors import REPLAYED, ApprovalRevoked, Cancelled, StepFailed, StepguardError
@@ -49,26 +49,13 @@ class Checkpoints:
     """
 
     def __init__(
-        self,
-        lease: Lease,
-        run: Run,
-        undo: Compensations,
-        *,
-        labels: dict[str, str],
-        give_up: StepguardError | None,
+        self, lease: Lease, who: Identity, undo: Compensations, *, give_up: StepguardError | None
     ):
         self._lease = lease
-        self.run_id = str(run.id)
-        self.workflow = run.workflow
-        self.attempt = run.attempt
-        self.labels = labels
-        self.worker_id = str(run.worker_id or "")
+        self.who = who
         self._undo = undo
         #: Past the poison-run bound: the steps it still finishes are no progress.
         self._give_up = give_up
-        #: Recovering from a lost worker: each step's completion is written at once.
-        self._recovering = run.recoveries > 0
-        self._forked_from = run.forked_from_id
 
     @property
     def start_fence(self) -> Fence:
@@ -83,8 +70,8 @@ class Checkpoints:
             key=key,
             kind=kind,
             status=status,
-            idempotency_key=f"{self.run_id}:{key}",
-            run_attempt=self.attempt,
+            idempotency_key=f"{self.who.run_id}:{key}",
+            run_attempt=self.who.attempt,
             started_at=timezone.now(),
             **fields,
         )
@@ -102,7 +89,7 @@ class Checkpoints:
             )
         else:
             Step.objects.filter(pk=step_pk).update(
-                status=StepStatus.FAILED, error=error, run_attempt=self.attempt, finished_at=now
+                status=StepStatus.FAILED, error=error, run_attempt=self.who.attempt, finished_at=now
             )
 
     def park_step(self, step_pk: Any, until: datetime, error: dict) -> None:
@@ -137,7 +124,7 @@ class Checkpoints:
                 "reserved_micros", "reserved_tokens", "reserved_scopes", "reserved_on"
             ).get()
             if not (micros or tokens) or day is None:
-                scopes, day = scopes_for(self.workflow, self.labels), timezone.now().date()
+                scopes, day = scopes_for(self.who.workflow, self.who.labels), timezone.now().date()
             if scopes:
                 reserve_shared(list(scopes), amount, NOTHING, day)
             held = Amount(micros, tokens) + amount
@@ -152,7 +139,7 @@ class Checkpoints:
         """The fence of a transaction step (inside its transaction); its event's seq. Like
         any step, none starts once a shared daily budget is spent."""
         event_seq = fence(self._lease, replace(self.start_fence, progress=True))
-        if shared := scopes_for(self.workflow, self.labels):
+        if shared := scopes_for(self.who.workflow, self.who.labels):
             reserve_shared(shared, NOTHING, NOTHING, timezone.now().date())
         return event_seq
 
@@ -163,7 +150,7 @@ class Checkpoints:
         if record is None:
             Step.objects.create(
                 run_id=self._lease.run_id, seq=seq, key=key, kind=StepKind.TRANSACTION,
-                input=input_, idempotency_key=f"{self.run_id}:{key}", **fields,
+                input=input_, idempotency_key=f"{self.who.run_id}:{key}", **fields,
             )  # fmt: skip
         else:
             Step.objects.filter(pk=record.pk).update(**fields)
@@ -236,7 +223,7 @@ class Checkpoints:
                 defer
                 and event == EventType.STEP_COMPLETED
                 and not self._undo.running
-                and not self._recovering
+                and not self.who.recovering
                 and not settings.STEPGUARD_EAGER_COMPLETIONS
             ):
                 complete_later(self._lease, Completion(step_pk, key, payload, fields, progress))
@@ -271,9 +258,8 @@ class Checkpoints:
                 self._lease, (event, key, payload), Fence(progress=progress, spend=spend),
                 update_step=(step_pk, fields),
             )  # fmt: skip
-            warnings = book_shared(
-                scopes_for(self.workflow, self.labels), usage, held.shared, held.reserved, held.day
-            )
+            scopes = scopes_for(self.who.workflow, self.who.labels)
+            warnings = book_shared(scopes, usage, held.shared, held.reserved, held.day)
             ratio = settings.STEPGUARD_BUDGET_WARN_AT
             near = Q(budget_micros__isnull=False, cost_micros__gte=F("budget_micros") * ratio) | Q(
                 budget_tokens__isnull=False,
@@ -308,9 +294,9 @@ class Checkpoints:
             "status": StepStatus.FAILED,
             "error": error,
             "attempt": attempt,
-            "run_attempt": self.attempt,
+            "run_attempt": self.who.attempt,
         }
-        payload = {"attempt": attempt, "error": brief(exc), "worker": self.worker_id}
+        payload = {"attempt": attempt, "error": brief(exc), "worker": self.who.worker_id}
         if step_pk is not None:
             self.finish_step(step_pk, key, payload, fields, None, held or Reservation())
         else:
@@ -407,7 +393,7 @@ class Checkpoints:
 
     def _fork_lineage(self) -> list:
         """This run and the runs it was forked from: a fork replays their approvals."""
-        chain, origin = [self._lease.run_id], self._forked_from
+        chain, origin = [self._lease.run_id], self.who.forked_from
         while origin is not None:
             chain.append(origin)
             origin = Run.objects.filter(pk=origin).values_list("forked_from_id", flat=True)[0]

@@ -18,6 +18,7 @@ from runs.engine.compensation import Compensations
 from runs.engine.fences import Lease
 from runs.engine.history import History
 from runs.engine.host import AsyncHost
+from runs.engine.records import Identity
 from runs.engine.replay import Replay
 from runs.engine.steps import Steps
 from runs.engine.waits import Waits
@@ -37,15 +38,9 @@ class Execution(Steps, ModelCalls, Waits, Replay):
         trace: Any = None,
         give_up: StepguardError | None = None,
     ):
-        self.run_id: str = str(run.id)
-        self.workflow: str = run.workflow
-        self.version: str = run.version
+        #: Who this execution is (run, workflow, attempt, labels, worker), read once here.
+        self.who = Identity.of(run)
         self.input: Any = run.input
-        self.attempt: int = run.attempt
-        #: Who the run is for (runs/labels.py): its spend counts against their budgets too.
-        self.labels: dict[str, str] = dict(run.labels or {})
-        #: Recorded with each step attempt, so an attempt's error names where it happened.
-        self.worker_id: str = str(run.worker_id or "")
         #: The replay cursor: which position each call takes, what is recorded there.
         self.history = History(
             history,
@@ -60,7 +55,7 @@ class Execution(Steps, ModelCalls, Waits, Replay):
         self._give_up = give_up
         self._undo = Compensations()  # the undo list, the steps in doubt, whether undoing
         #: The one writer of the execution's step rows and events, fenced by its lease.
-        self.checkpoints = Checkpoints(lease, run, self._undo, labels=self.labels, give_up=give_up)
+        self.checkpoints = Checkpoints(lease, self.who, self._undo, give_up=give_up)
         self._answered: dict[Any, Usage] = {}
         self._answered_now: dict[str, Usage | None] = {}  # by idempotency key, from ctx.llm
         #: By step: what it holds, the model calls made inside it included
@@ -115,13 +110,14 @@ class RunContext:
 
     def __init__(self, execution: Execution):
         self._execution = execution
-        self.run_id: str = execution.run_id
-        self.workflow: str = execution.workflow
-        self.version: str = execution.version
+        who = execution.who
+        self.run_id: str = who.run_id
+        self.workflow: str = who.workflow
+        self.version: str = who.version
         self.input: Any = execution.input
-        self.attempt: int = execution.attempt
-        self.labels: dict[str, str] = dict(execution.labels)  # who the run is for: a copy
-        self.worker_id: str = execution.worker_id
+        self.attempt: int = who.attempt
+        self.labels: dict[str, str] = dict(who.labels)  # who the run is for: a copy
+        self.worker_id: str = who.worker_id
 
     def __repr__(self) -> str:
         return f"<RunContext run={self.run_id} workflow={self.workflow!r}>"

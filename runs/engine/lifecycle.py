@@ -455,7 +455,7 @@ def run_compensations(ctx: Execution) -> tuple[list[str], dict | None]:
     try:
         undo = ctx._run_step
         return ctx._undo.run(
-            ctx.run_id,
+            ctx.who.run_id,
             ctx.history.seek_undo,
             lambda key, compensate, output: undo(
                 f"undo:{key}", compensate, (output,), {}, internal=True

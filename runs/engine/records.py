@@ -1,4 +1,5 @@
-"""Values the engine and workflow code share: NOT_FOUND, a granted Decision, error records."""
+"""Values the engine and workflow code share: NOT_FOUND, a granted Decision, error records, an
+execution's Identity."""
 
 from __future__ import annotations
 
@@ -8,12 +9,44 @@ import contextvars
 import inspect
 import queue
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from runs.errors import StepguardError, StepMisuse
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who an execution is and how it was claimed: read from the run row once, at the claim,
+    and handed to the execution and its checkpoints, so neither derives it again."""
+
+    run_id: str
+    workflow: str
+    version: str
+    attempt: int
+    #: Who the run is for (runs/labels.py): its spend counts against their budgets too.
+    labels: Mapping[str, str]
+    #: Recorded with each step attempt, so an attempt's error names where it happened.
+    worker_id: str
+    #: The run this one was forked from: a fork replays its origin's approvals.
+    forked_from: Any
+    #: Recovering from a lost worker: each step's completion is written at once.
+    recovering: bool
+
+    @classmethod
+    def of(cls, run: Any) -> Identity:
+        return cls(
+            run_id=str(run.id),
+            workflow=run.workflow,
+            version=run.version,
+            attempt=run.attempt,
+            labels=dict(run.labels or {}),
+            worker_id=str(run.worker_id or ""),
+            forked_from=run.forked_from_id,
+            recovering=run.recoveries > 0,
+        )
 
 
 class _NotFound:

@@ -46,7 +46,7 @@ class Replay(ContextState):
         if record is not None and record.key != key:
             raise NonDeterminismError(seq=seq, recorded=record.key, requested=key)
         if self._lease.lost.is_set():
-            raise LeaseLost(f"run {self.run_id}: lease lost")
+            raise LeaseLost(f"run {self.who.run_id}: lease lost")
         if self._lease.stopping.is_set():
             raise Released("worker shutting down")
 

@@ -23,7 +23,7 @@ from runs.engine.compensation import Compensations
 from runs.engine.fences import Lease
 from runs.engine.history import History
 from runs.engine.host import AsyncHost
-from runs.engine.records import Decision, Running
+from runs.engine.records import Decision, Identity, Running
 from runs.engine.retry import RetryPolicy
 from runs.errors import StepguardError
 from runs.models import Step
@@ -32,13 +32,8 @@ from runs.models import Step
 class ContextState:
     """Set by RunContext.__init__; see there for what each one means."""
 
-    run_id: str
-    workflow: str
-    version: str
+    who: Identity
     input: Any
-    attempt: int
-    labels: dict[str, str]
-    worker_id: str
     history: History
     checkpoints: Checkpoints
     _lease: Lease

@@ -157,7 +157,7 @@ class Steps(ContextState):
             # this run undoes only what it did itself.
             undo = None if record.inherited else o.compensate
             return self._undo.remember(key, undo, record.output)
-        idem = f"{self.run_id}:{key}"
+        idem = f"{self.who.run_id}:{key}"
         tries = 0  # the tries of this retry sequence so far: a durable retry delay goes on with it
         if record is not None:
             found = self._recover(record, seq, key, idem, o)
@@ -171,14 +171,14 @@ class Steps(ContextState):
         if input is None and record is None:
             input = describe_input(args, kwargs)
         attempt, fields, payload = start_row(
-            record, seq, key, o.kind, idem, input, self.attempt, self.worker_id
+            record, seq, key, o.kind, idem, input, self.who.attempt, self.who.worker_id
         )
         rate = None
         if o.resource and not self._undo.running:
             tokens = o.estimate.tokens_in + o.estimate.tokens_out if o.estimate else 0
             rate = rates.Grant(o.resource, tokens)
         possibly = possibly_spent(record, o.kind, self._undo.running, fields, payload)
-        shared = [] if self._undo.running else scopes_for(self.workflow, self.labels)
+        shared = [] if self._undo.running else scopes_for(self.who.workflow, self.who.labels)
         hold = Hold.of(record, o.estimate, shared, timezone.now().date())
         fields |= hold.columns()
         ending = rate.ended_on_error() if rate is not None else nullcontext()
@@ -275,7 +275,7 @@ class Steps(ContextState):
         if record is not None and record.status == StepStatus.COMPLETED:
             return record.output
         policy = retry or DEFAULT_RETRY
-        idem = f"{self.run_id}:{key}"
+        idem = f"{self.who.run_id}:{key}"
         flush(self._lease)  # the step before is recorded whatever this transaction does
         tries = 0
         while True:
@@ -291,7 +291,7 @@ class Steps(ContextState):
                         "output": output,
                         "error": None,
                         "attempt": tries,
-                        "run_attempt": self.attempt,
+                        "run_attempt": self.who.attempt,
                         "started_at": now,
                         "finished_at": now,
                     }
@@ -418,7 +418,7 @@ class Steps(ContextState):
                 self._book_answered(step_pk, self._answered_now.pop(idem, None))
                 if (delay := call.policy.next_delay(exc, tries)) is not None:
                     payload: dict[str, Any] = {"attempt": attempt + 1, "delay_s": round(delay, 3)}
-                    payload |= {"error": brief(exc), "worker": self.worker_id}
+                    payload |= {"error": brief(exc), "worker": self.who.worker_id}
                     if (
                         delay >= settings.STEPGUARD_DURABLE_RETRY_SECONDS
                         or retry_after(exc) is not None  # a provider's 429 or 503: never slept

@@ -342,11 +342,11 @@ class Waits(ContextState):
                 workflow=definition.name,
                 version=definition.version,
                 input=data,
-                key=f"{self.run_id}:{e.key}",
+                key=f"{self.who.run_id}:{e.key}",
                 parent_id=self._lease.run_id,
                 priority=definition.priority,
                 concurrency_key=definition.key_for(data),
-                labels=self.labels,  # the tenant a parent works for, its children work for
+                labels=self.who.labels,  # the tenant a parent works for, its children work for
                 **default_run_budget(definition.name),
             )
             e.record = self.checkpoints.new_step(
@@ -359,9 +359,8 @@ class Waits(ContextState):
     def _record_ended_children(self, entries: list[Child], now: datetime, events: list) -> bool:
         """Record each child that has ended on its step (completed or failed), appending the
         events; whether any is still running."""
-        keys = {
-            f"{self.run_id}:{e.key}": e for e in entries if e.step.status != StepStatus.COMPLETED
-        }
+        run_id = self.who.run_id
+        keys = {f"{run_id}:{e.key}": e for e in entries if e.step.status != StepStatus.COMPLETED}
         waiting = False
         for child in Run.objects.filter(key__in=keys).only(
             "id", "key", "status", "output", "error"
@@ -417,6 +416,6 @@ class Waits(ContextState):
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             if self._lease.lost.wait(min(left, 0.1)):
-                raise LeaseLost(f"run {self.run_id}: lease lost during a retry delay")
+                raise LeaseLost(f"run {self.who.run_id}: lease lost during a retry delay")
             if self._lease.stopping.is_set():
                 raise Released("worker shutting down during a retry delay")
