@@ -619,12 +619,9 @@ class SpendDay(models.Model):
     )
     runs = models.PositiveIntegerField(default=0, help_text="runs that spent that day")
 
-    class Meta:
-        constraints = [
-            models.UniqueConstraint(
-                fields=["day", "workflow", "labels"], name="runs_spendday_unique"
-            ),
-        ]
+    # Unique by (day, workflow, labels): an index of migration 0023, not a constraint here, as
+    # on PostgreSQL it keys the labels by their md5 (a long label set passes a btree entry's
+    # size limit) and the triggers name it in their ON CONFLICT.
 
     def __str__(self) -> str:
         return f"{self.workflow} {self.labels} {self.day}"

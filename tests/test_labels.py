@@ -214,6 +214,23 @@ def test_every_write_of_a_steps_spend_is_booked_on_its_day_once_per_run(drive):
     assert rows() == booked
 
 
+def test_the_longest_label_set_a_run_may_carry_still_books_its_spend(drive):
+    """Ten labels of 100 four-byte characters (4 kB of jsonb) are more than a btree entry
+    holds (2,704 bytes): the day's spend row is keyed by their md5 on PostgreSQL, so the run's
+    priced steps still complete and count."""
+    from runs.labels import MAX_LABELS, MAX_VALUE
+    from runs.models import SpendDay
+
+    def value(i: int) -> str:  # CJK Extension B: four bytes each, none repeated (incompressible)
+        return "".join(chr(0x20000 + (i * MAX_VALUE + j) * 37 % 42_000) for j in range(MAX_VALUE))
+
+    labels = {f"k{i}": value(i) for i in range(MAX_LABELS)}
+    run = start_run("metered", {"steps": 2}, labels=labels)
+    assert drive() == ["completed"]
+    row = SpendDay.objects.get()
+    assert (row.labels, row.micros, row.runs) == (labels, Run.objects.get(pk=run.pk).cost_micros, 1)
+
+
 # --- the surfaces -------------------------------------------------------------------------------
 
 

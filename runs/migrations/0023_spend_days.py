@@ -16,14 +16,26 @@ CHANGED = (
     " OR OLD.tokens_out <> NEW.tokens_out OR OLD.possibly_spent_micros <> NEW.possibly_spent_micros"
 )
 COLUMNS = "cost_micros, tokens_in, tokens_out, possibly_spent_micros"
-ADD = """
-    ON CONFLICT (day, workflow, labels) DO UPDATE SET
+
+
+def _add(target: str) -> str:
+    return f"""
+    ON CONFLICT ({target}) DO UPDATE SET
         micros = runs_spendday.micros + excluded.micros,
         tokens = runs_spendday.tokens + excluded.tokens,
         possibly_micros = runs_spendday.possibly_micros + excluded.possibly_micros,
         runs = runs_spendday.runs + excluded.runs
 """
+
+
+# One row per day, workflow and label set. On PostgreSQL the index keys the labels by their
+# md5: a jsonb of ten long labels passes a btree entry's size limit (about 2.7 kB).
+PG_KEY = "day, workflow, md5(labels::text)"
+SQLITE_KEY = "day, workflow, labels"
+# Constraint triggers, deferred: the day's row is locked at commit, after everything else the
+# transaction locks (run rows, ledgers), so two steps booking on one row never deadlock.
 PG_TRIGGERS = f"""
+CREATE UNIQUE INDEX runs_spendday_unique ON runs_spendday ({PG_KEY});
 CREATE OR REPLACE FUNCTION runs_spend_book() RETURNS trigger AS $$
 DECLARE
     spent_on date := (COALESCE(NEW.finished_at, now()) AT TIME ZONE 'UTC')::date;
@@ -42,13 +54,15 @@ BEGIN
     INSERT INTO runs_spendday (day, workflow, labels, micros, tokens, possibly_micros, runs)
     SELECT spent_on, r.workflow, r.labels, add_micros, add_tokens, add_possibly, first_today
     FROM runs_run r WHERE r.id = NEW.run_id
-    {ADD};
+    {_add(PG_KEY)};
     RETURN NULL;
 END;
 $$ LANGUAGE plpgsql;
-CREATE TRIGGER runs_spend_insert AFTER INSERT ON runs_step FOR EACH ROW
+CREATE CONSTRAINT TRIGGER runs_spend_insert AFTER INSERT ON runs_step
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
     WHEN ({CONTRIBUTES}) EXECUTE FUNCTION runs_spend_book();
-CREATE TRIGGER runs_spend_update AFTER UPDATE OF {COLUMNS} ON runs_step FOR EACH ROW
+CREATE CONSTRAINT TRIGGER runs_spend_update AFTER UPDATE OF {COLUMNS} ON runs_step
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
     WHEN ({CHANGED}) EXECUTE FUNCTION runs_spend_book();
 """
 PG_DROP = """
@@ -67,13 +81,14 @@ BEGIN
     SELECT {day}, r.workflow, r.labels, {delta},
         NOT EXISTS (SELECT 1 FROM runs_spendrun s WHERE s.run_id = NEW.run_id AND s.day = {day})
     FROM runs_run r WHERE r.id = NEW.run_id
-    {ADD};
+    {_add(SQLITE_KEY)};
     INSERT OR IGNORE INTO runs_spendrun (run_id, day) VALUES (NEW.run_id, {day});
 END;
 """
 
 
 SQLITE_TRIGGERS = [
+    f"CREATE UNIQUE INDEX runs_spendday_unique ON runs_spendday ({SQLITE_KEY});",
     _sqlite_trigger(
         "runs_spend_insert", "INSERT", CONTRIBUTES,
         "NEW.cost_micros, NEW.tokens_in + NEW.tokens_out, NEW.possibly_spent_micros",
@@ -165,13 +180,6 @@ class Migration(migrations.Migration):
                     models.PositiveIntegerField(default=0, help_text="runs that spent that day"),
                 ),
             ],
-            options={
-                "constraints": [
-                    models.UniqueConstraint(
-                        fields=("day", "workflow", "labels"), name="runs_spendday_unique"
-                    )
-                ],
-            },
         ),
         migrations.CreateModel(
             name="SpendRun",
