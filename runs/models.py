@@ -333,12 +333,8 @@ class Step(models.Model):
                 name="runs_step_completed_has_finish",
             ),
         ]
-        indexes = [
-            # The Budgets page: what steps that cost something spent since midnight.
-            models.Index(
-                fields=["finished_at"], condition=Q(cost_micros__gt=0), name="runs_step_spent_idx"
-            ),
-        ]
+        # No index on what a step spent: the spend pages read SpendDay (migration 0024 drops
+        # the one they used, which every priced step's write kept up for nothing).
 
     def __str__(self) -> str:
         return f"{self.run_id}#{self.seq} {self.key} ({self.status})"
