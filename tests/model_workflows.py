@@ -21,6 +21,7 @@ from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
+from runs.engine.context import engine_of
 from runs.sdk import (
     NOT_FOUND,
     ApprovalExpired,
@@ -141,7 +142,7 @@ def _call(ctx: RunContext, key: str, args: Any, usage: Usage | None, fail: str |
     idem = ctx.idempotency_key
     probe.call_starts(ctx, key)
     # A step in doubt that a cancel re-sends (with its key) to learn what to undo.
-    probe.started(ctx, key, **info, resolving=ctx._execution._undo.running)
+    probe.started(ctx, key, **info, resolving=engine_of(ctx).execution.undo.running)
     calls = probe.calls[idem] = probe.calls.get(idem, 0) + 1
     if fail == "always" or (fail == "outage" and probe.outage) or (fail == "first" and calls == 1):
         probe.call_ends(idem, "raised")

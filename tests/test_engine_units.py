@@ -21,7 +21,8 @@ import pytest
 
 from runs.engine import deltas
 from runs.engine.budget import NOTHING, Amount
-from runs.engine.context import Execution, RunContext
+from runs.engine.calls import ModelCalls
+from runs.engine.context import Engine, RunContext
 from runs.engine.fences import (
     CONDITIONS,
     Fence,
@@ -33,6 +34,9 @@ from runs.engine.fences import (
 )
 from runs.engine.history import History
 from runs.engine.host import Turnstile
+from runs.engine.recorded import Recorded
+from runs.engine.steps import Steps
+from runs.engine.waits import Waits
 from runs.errors import NonDeterminismError, StepFailed, StepMisuse
 from runs.models import Run, Step
 
@@ -420,10 +424,13 @@ def test_workflow_code_sees_the_public_calls_and_the_runs_identity_and_nothing_o
     identity = {"run_id", "workflow", "version", "input", "attempt", "worker_id", "labels"}
     assert {name for name in dir(RunContext) if not name.startswith("_")} == calls | identity
     private = {n for n in vars(RunContext) if n.startswith("_") and not n.startswith("__")}
-    assert private == {"_execution"}
+    assert private == {"_engine"}
     # Each call is the engine's own, signature and docstring included (one-line delegations).
     for name in calls - {"idempotency_key"}:
-        assert getattr(RunContext, name).__doc__ == getattr(Execution, name).__doc__, name
+        delegate = getattr(RunContext, name)
+        owner = {"steps": Steps, "waits": Waits, "calls": ModelCalls, "recorded": Recorded}
+        assert delegate.part in Engine.__slots__, name
+        assert delegate.__doc__ == getattr(owner[delegate.part], name).__doc__, name
 
 
 # --- One writer -------------------------------------------------------------------------------

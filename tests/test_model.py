@@ -90,7 +90,17 @@ from hypothesis.stateful import (
 
 from approvals.models import ApprovalRequest
 from approvals.services import decide, revoke
-from runs.engine import calls, checkpoints, compensation, lifecycle, replay, steps, waits, wakeup
+from runs.engine import (
+    calls,
+    checkpoints,
+    compensation,
+    execution,
+    lifecycle,
+    recorded,
+    steps,
+    waits,
+    wakeup,
+)
 from runs.engine.budget import forget_cached_scopes
 from runs.engine.fences import Lease
 from runs.engine.lifecycle import execute
@@ -1886,7 +1896,9 @@ def _profile(machine: str = "model") -> hypothesis_settings:
 
 
 #: The modules whose writes the suite counts and breaks (every one that writes checkpoints).
-ENGINE_MODULES = (replay, checkpoints, steps, calls, waits, compensation, lifecycle)
+ENGINE_MODULES = (
+    execution, recorded, checkpoints, steps, calls, waits, compensation, lifecycle,
+)  # fmt: skip
 
 
 def _instrument(monkeypatch, settings, cast) -> Instruments:

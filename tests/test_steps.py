@@ -11,7 +11,7 @@ from django.test.utils import CaptureQueriesContext
 from approvals.models import ApprovalRequest
 from runs.engine import budget, flow, registry
 from runs.engine.budget import forget_cached_scopes, shared_budget_scopes
-from runs.engine.context import Execution
+from runs.engine.context import Engine, RunContext, engine_of
 from runs.engine.fences import Lease
 from runs.errors import ApprovalRevoked, StepMisuse
 from runs.models import Event, Run, RunStatus, Step, StepStatus
@@ -270,7 +270,7 @@ def two_new_steps():
     Run.objects.filter(pk=run.pk).update(
         status=RunStatus.RUNNING, lease_until=run.created_at + timedelta(hours=1)
     )
-    ctx = Execution(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch))
+    ctx = RunContext(Engine(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch)))
     shared_budget_scopes()  # cached for a second: steps do not look budgets up each time
     # ... and held for the whole measure: on a busy host two steps may take more than a second,
     # and the count would then include a look-up no step made (13 for 12 on a loaded SQLite).
@@ -309,7 +309,8 @@ def test_a_step_costs_one_write_and_its_completion_rides_with_the_next(drive):
         ("step.completed", "one"),
         ("step.started", "two"),
     ]
-    assert ctx._lease.pending is not None and ctx._lease.pending.key == "two"
+    pending = engine_of(ctx).execution.lease.pending
+    assert pending is not None and pending.key == "two"
 
 
 def test_eager_completions_write_each_step_completed_at_once(drive, settings):
@@ -317,7 +318,7 @@ def test_eager_completions_write_each_step_completed_at_once(drive, settings):
     run, ctx, queries = two_new_steps()
     assert len(business_statements(queries)) == (4 if connection.vendor == "postgresql" else 12)
     assert {s.status for s in steps_of(run).values()} == {"completed"}
-    assert ctx._lease.pending is None
+    assert engine_of(ctx).execution.lease.pending is None
 
 
 def test_a_crash_before_the_next_write_resends_the_finished_step_with_its_key(drive, expire_lease):
@@ -350,7 +351,7 @@ def test_a_refused_start_rolls_back_to_a_pending_completion_and_the_failure_carr
         "three": "failed",
     }
     assert [t for t, k in history(run) if k == "two"] == ["step.started", "step.completed"]
-    assert ctx._lease.pending is None
+    assert engine_of(ctx).execution.lease.pending is None
 
 
 def test_a_transaction_step_records_the_step_before_it_first(drive):
@@ -399,7 +400,7 @@ def prepared_after_eight_steps() -> int:
     Run.objects.filter(pk=run.pk).update(
         status=RunStatus.RUNNING, lease_until=run.created_at + timedelta(hours=1)
     )
-    ctx = Execution(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch))
+    ctx = RunContext(Engine(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch)))
     for i in range(8):
         ctx.step(f"s{i}", int, i)
     with connection.cursor() as cursor:

@@ -70,6 +70,7 @@ from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
 
 from runs.engine.bridge import AsyncRunContext, run_async
+from runs.engine.context import engine_of
 from runs.engine.llm import CAP_FIELD
 from runs.sdk import ApprovalRevoked, Ask, Decision, RetryPolicy, StepMisuse
 
@@ -180,7 +181,7 @@ class StepguardAgent(WrapperAgent[AgentDepsT, OutputDataT]):
             finally:
                 self._bridged = None
 
-        return run_async(run, self.ctx._execution, None)  # the engine behind the façade
+        return run_async(run, engine_of(self.ctx), None)
 
     def run_stream_sync(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         raise StepMisuse(

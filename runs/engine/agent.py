@@ -344,7 +344,7 @@ def _tool_turn(ctx, tools: dict[str, Tool], calls: list[Call], turn: int) -> lis
             )
             for p in asking
         ]
-        for pending, decision in zip(asking, ctx.approvals(asks), strict=True):
+        for pending, decision in zip(asking, ctx.waits.approvals(asks), strict=True):
             pending.decision = decision
     jobs, order = [], []
     for i, pending in ready.items():
@@ -353,7 +353,7 @@ def _tool_turn(ctx, tools: dict[str, Tool], calls: list[Call], turn: int) -> lis
             continue
         jobs.append(functools.partial(_run_tool, ctx, pending))
         order.append(i)
-    for i, answer in zip(order, ctx._concurrently(jobs), strict=True):
+    for i, answer in zip(order, ctx.concurrently(jobs), strict=True):
         answers[i] = answer
     return [(call, answers[i]) for i, call in enumerate(calls)]
 

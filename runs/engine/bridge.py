@@ -13,7 +13,7 @@ from uuid import UUID
 
 from django.db import connection
 
-from runs.engine.context import Execution
+from runs.engine.context import Engine
 from runs.engine.host import AsyncHost, Turnstile
 from runs.engine.loop import engine_loop
 from runs.engine.records import CURRENT_STEP
@@ -31,11 +31,11 @@ class AsyncRunContext:
     of workflow share one engine and one set of semantics.
     """
 
-    def __init__(self, ctx: Execution, loop: asyncio.AbstractEventLoop, db: ThreadPoolExecutor):
-        self._ctx, self._loop, self._db = ctx, loop, db
-        who = ctx.who
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, db: ThreadPoolExecutor):
+        self._engine, self._loop, self._db = engine, loop, db
+        who = engine.execution.who
         self.run_id, self.workflow, self.version = who.run_id, who.workflow, who.version
-        self.input, self.attempt = ctx.input, who.attempt
+        self.input, self.attempt = engine.execution.input, who.attempt
         self._in_flight: set[Future] = set()  # calls running on a database thread
 
     async def drain(self) -> None:
@@ -47,7 +47,7 @@ class AsyncRunContext:
 
     @property
     def idempotency_key(self) -> str:
-        return self._ctx.idempotency_key
+        return self._engine.steps.idempotency_key
 
     async def _call(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
         """Every call runs on a database thread: checkpoints block, the event loop must not."""
@@ -59,9 +59,9 @@ class AsyncRunContext:
 
     async def _enter(self, releasable: bool, method: Callable, *args: Any, **kwargs: Any):
         running = CURRENT_STEP.get()
-        if running is not None and running.owner == id(self._ctx):
+        if running is not None and running.owner == id(self._engine.execution):
             raise StepMisuse(f"a step was called inside step {running.key!r}; steps do not nest")
-        host = self._ctx._host
+        host = self._engine.execution.host
         assert host is not None  # run_async set it before handing this out
         turnstile = host.turnstile
         ticket = turnstile.ticket()
@@ -85,64 +85,64 @@ class AsyncRunContext:
 
     async def step(self, key: str, fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
         """`ctx.step`; `fn` may be an `async def`: it runs on this workflow's event loop."""
-        return await self._step(self._ctx.step, key, fn, *args, **kwargs)
+        return await self._step(self._engine.steps.step, key, fn, *args, **kwargs)
 
     async def transaction(self, key: str, fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
         """`ctx.transaction`: `fn` runs on the database thread, inside the transaction."""
-        return await self._call(self._ctx.transaction, key, fn, *args, **kwargs)
+        return await self._call(self._engine.steps.transaction, key, fn, *args, **kwargs)
 
     async def now(self) -> datetime:
-        return await self._call(self._ctx.now)
+        return await self._call(self._engine.recorded.now)
 
     async def random(self) -> float:
-        return await self._call(self._ctx.random)
+        return await self._call(self._engine.recorded.random)
 
     async def uuid(self) -> UUID:
-        return await self._call(self._ctx.uuid)
+        return await self._call(self._engine.recorded.uuid)
 
     async def patched(self, change_id: str) -> bool:
-        return await self._call(self._ctx.patched, change_id)
+        return await self._call(self._engine.recorded.patched, change_id)
 
     async def sleep(self, key: str, duration: float | timedelta) -> None:
-        return await self._call(self._ctx.sleep, key, duration)
+        return await self._call(self._engine.waits.sleep, key, duration)
 
     async def sleep_until(self, key: str, when: datetime) -> None:
-        return await self._call(self._ctx.sleep_until, key, when)
+        return await self._call(self._engine.waits.sleep_until, key, when)
 
     async def wait_for_event(self, key: str, name: str, **options: Any) -> Any:
-        return await self._call(self._ctx.wait_for_event, key, name, **options)
+        return await self._call(self._engine.waits.wait_for_event, key, name, **options)
 
     async def approval(self, key: str, **options: Any) -> Any:
-        return await self._call(self._ctx.approval, key, **options)
+        return await self._call(self._engine.waits.approval, key, **options)
 
     async def approvals(self, asks: Iterable[Any]) -> list[Any]:
-        return await self._call(self._ctx.approvals, list(asks))
+        return await self._call(self._engine.waits.approvals, list(asks))
 
     async def child(self, key: str, workflow: str, input: Any = None) -> Any:
-        return await self._call(self._ctx.child, key, workflow, input)
+        return await self._call(self._engine.waits.child, key, workflow, input)
 
     async def children(self, specs: Iterable[tuple[str, str, Any]]) -> list[Any]:
-        return await self._call(self._ctx.children, list(specs))
+        return await self._call(self._engine.waits.children, list(specs))
 
     async def llm(self, key: str, call: Callable, /, **request: Any) -> Any:
         """`ctx.llm`; an async client's call runs on this workflow's event loop, concurrently
         with the workflow's other steps in flight (asyncio.gather)."""
-        return await self._step(self._ctx.llm, key, call, **request)
+        return await self._step(self._engine.calls.llm, key, call, **request)
 
     async def tool(self, key: str, fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
-        return await self._step(self._ctx.tool, key, fn, *args, **kwargs)
+        return await self._step(self._engine.calls.tool, key, fn, *args, **kwargs)
 
     async def agent_loop(self, **options: Any) -> dict:
-        return await self._call(self._ctx.agent_loop, **options)
+        return await self._call(self._engine.calls.agent_loop, **options)
 
 
-def run_async(fn: Callable, ctx: Execution, input: Any) -> Any:
+def run_async(fn: Callable, engine: Engine, input: Any) -> Any:
     """Run an async workflow on the process's event loop (runs/engine/loop.py) until it
     returns, its checkpoints written from database threads of its own."""
     db = ThreadPoolExecutor(MAX_CONCURRENT_STEPS, thread_name_prefix="stepguard-db")
     loop = engine_loop()
 
-    async_ctx = AsyncRunContext(ctx, loop, db)
+    async_ctx = AsyncRunContext(engine, loop, db)
 
     async def main():
         try:
@@ -150,11 +150,12 @@ def run_async(fn: Callable, ctx: Execution, input: Any) -> Any:
         finally:
             await async_ctx.drain()
 
-    ctx._host = AsyncHost(loop, Turnstile(), async_ctx)
+    execution = engine.execution
+    execution.host = AsyncHost(loop, Turnstile(), async_ctx)
     try:
         return asyncio.run_coroutine_threadsafe(main(), loop).result()
     finally:
-        ctx._host = None
+        execution.host = None
         _close_connections(db)
         db.shutdown()
 

@@ -15,10 +15,12 @@ from runs import tracing
 from runs.engine import agent, deltas
 from runs.engine import llm as llm_engine
 from runs.engine.budget import Metered, Usage, scopes_for
+from runs.engine.execution import Execution
 from runs.engine.records import Decision, accepts, signature_names
 from runs.engine.retry import RetryPolicy
 from runs.engine.serialization import describe_input
-from runs.engine.state import ContextState
+from runs.engine.steps import Steps
+from runs.engine.waits import Waits
 from runs.engine.wakeup import doorbell
 from runs.errors import UnpricedModel
 from runs.models import EventType, Policy, Run, Step, StepKind
@@ -26,8 +28,16 @@ from runs.models import EventType, Policy, Run, Step, StepKind
 log = logging.getLogger("stepguard.executor")
 
 
-class ModelCalls(ContextState):
+class ModelCalls:
     """Steps that call a model (priced, estimated against budgets) or a tool (maybe approved)."""
+
+    def __init__(self, ex: Execution, steps: Steps, waits: Waits):
+        self.ex, self.steps, self.waits = ex, steps, waits
+        self.checkpoints = ex.checkpoints
+        self._unpriced_models: set[str] = set()  # flagged on the timeline this execution
+        #: The run's last model call: (seq, its whole request, whether its stored form is known
+        #: to expand to that request, None until checked); the next request is stored against it.
+        self._last_request: tuple[int, dict, bool | None] | None = None
 
     def llm(
         self,
@@ -62,7 +72,7 @@ class ModelCalls(ContextState):
         if streaming:
             llm_engine.stream_call(call, request)  # refuses what cannot stream, before the step
         model = str(request.get("model", ""))
-        if self._budgeted and not any(k in request for k in llm_engine.MAX_TOKENS_FIELDS):
+        if self.ex.budgeted and not any(k in request for k in llm_engine.MAX_TOKENS_FIELDS):
             request = self._capped(call, model, request)
         guess = llm_engine.estimate(model, request) if estimate is True else (estimate or None)
 
@@ -70,13 +80,13 @@ class ModelCalls(ContextState):
             return self._send(key, call, model, request, streaming, on_delta)
 
         recorded = llm_engine.recorded_request(request | ({"stream": True} if streaming else {}))
-        seq, described = self.history.next_seq, None
-        if self.history.peek() is None:  # a new step: its request is written now
+        seq, described = self.ex.history.next_seq, None
+        if self.ex.history.peek() is None:  # a new step: its request is written now
             stored = deltas.against(recorded, self._request_base())
             described = describe_input(
                 (stored,), {}, limit=settings.STEPGUARD_MAX_OUTPUT_BYTES
             )  # fmt: skip
-        output = self._run_step(
+        output = self.steps.run_step(
             key, invoke, (), {}, retry=retry, estimate=guess, kind=StepKind.LLM,
             described=described, model=model, resource=model or None,
         )  # fmt: skip
@@ -97,13 +107,13 @@ class ModelCalls(ContextState):
     ) -> Metered:
         """One attempt of a model call: sent with the step's idempotency key and the SDK's own
         retries off (the step retries); the answer and its usage, or what it cost if it failed."""
-        idem = self.idempotency_key
-        self._answered_now.pop(idem, None)
+        idem = self.steps.idempotency_key
+        self.steps.answered_now.pop(idem, None)
         if llm_engine.price_of(model) is None:
             self._refuse_unpriced(model)  # before paying; flagged after, by the answer
         kwargs = request
         if accepts(call, "extra_headers"):  # the SDKs' create() methods do
-            headers = {"Idempotency-Key": self.idempotency_key}
+            headers = {"Idempotency-Key": self.steps.idempotency_key}
             headers |= request.get("extra_headers") or {}
             kwargs = {**request, "extra_headers": headers}
         try:
@@ -111,20 +121,20 @@ class ModelCalls(ContextState):
                 helper, kwargs = llm_engine.stream_call(call, kwargs)
                 manager = llm_engine.without_sdk_retries(helper)(**kwargs)
                 relay = self._relay(on_delta)
-                response = self._await(llm_engine.consume(manager, relay))
+                response = self.ex.wait_for(llm_engine.consume(manager, relay))
             elif raw := llm_engine.parsed_call(llm_engine.without_sdk_retries(call)):
-                answer = self._await(raw(**kwargs))
+                answer = self.ex.wait_for(raw(**kwargs))
                 try:
                     response = answer.parse()
                 except Exception as exc:  # the answer came, and was paid: its usage too
                     data = answer.http_response.json()
-                    self._answered_now[idem] = llm_engine.answered(exc, model, data)
+                    self.steps.answered_now[idem] = llm_engine.answered(exc, model, data)
                     raise
             else:
-                response = self._await(llm_engine.without_sdk_retries(call)(**kwargs))
+                response = self.ex.wait_for(llm_engine.without_sdk_retries(call)(**kwargs))
         except Exception as exc:
-            if idem not in self._answered_now:
-                self._answered_now[idem] = llm_engine.answered(exc, model)
+            if idem not in self.steps.answered_now:
+                self.steps.answered_now[idem] = llm_engine.answered(exc, model)
             if (refused := llm_engine.rejected(exc)) is not None:
                 raise refused from exc
             raise
@@ -142,7 +152,7 @@ class ModelCalls(ContextState):
             return None
         seq, request, trusted = self._last_request
         if trusted is None:  # recorded by an earlier execution: the same request as now?
-            stored = Step.objects.filter(run_id=self._lease.run_id, seq=seq)
+            stored = Step.objects.filter(run_id=self.ex.lease.run_id, seq=seq)
             found = stored.values_list(KT(f"input__0__{deltas.HASH}"), flat=True).first()
             trusted = found == deltas.fingerprint(request)
             self._last_request = (seq, request, trusted)
@@ -150,9 +160,9 @@ class ModelCalls(ContextState):
 
     def _relay(self, on_delta: Callable[[str], Any] | None) -> Callable[[str], None]:
         """Each streamed piece of text to `on_delta` and to the run's live page."""
-        running = self._running()
+        running = self.ex.running()
         assert running is not None  # called from inside the model call's step
-        run_id, seq = self.who.run_id, running.seq
+        run_id, seq = self.ex.who.run_id, running.seq
 
         def relay(text: str) -> None:
             doorbell.stream(run_id, seq, text)
@@ -168,11 +178,11 @@ class ModelCalls(ContextState):
         field = llm_engine.max_tokens_field(call)
         if field is None:
             return request
-        record = self.history.peek()
+        record = self.ex.history.peek()
         if record is not None and record.input and isinstance(record.input[0], dict):
             cap = record.input[0].get(field)
         else:
-            cap = llm_engine.answer_cap(model, request, Run.objects.get(pk=self._lease.run_id))
+            cap = llm_engine.answer_cap(model, request, Run.objects.get(pk=self.ex.lease.run_id))
         return request if cap is None else {**request, field: cap}
 
     def _refuse_unpriced(self, model: str) -> None:
@@ -191,14 +201,14 @@ class ModelCalls(ContextState):
         if model not in self._unpriced_models:
             self._unpriced_models.add(model)
             log.warning(
-                "run %s: model %r has no price; its calls count as $0", self.who.run_id, model
+                "run %s: model %r has no price; its calls count as $0", self.ex.who.run_id, model
             )
             self.checkpoints.note(EventType.MODEL_UNPRICED, key, model=model)
 
     def _under_usd_budget(self) -> bool:
-        if self._usd_budget:
+        if self.ex.budgeted_usd:
             return True
-        scopes = scopes_for(self.who.workflow, self.who.labels)
+        scopes = scopes_for(self.ex.who.workflow, self.ex.who.labels)
         return Policy.objects.filter(scope__in=scopes, daily_budget_micros__isnull=False).exists()
 
     def tool(
@@ -229,7 +239,7 @@ class ModelCalls(ContextState):
         needed = requires_approval(args) if callable(requires_approval) else requires_approval
         decision = approved
         if needed and decision is None:
-            decision = self.approval(
+            decision = self.waits.approval(
                 f"{key}.approval",
                 action=(action or f"call {name}")[:200],
                 summary=summary,
@@ -239,20 +249,20 @@ class ModelCalls(ContextState):
         if "idempotency_key" in signature_names(fn):
 
             def call(**kwargs):
-                return fn(**kwargs, idempotency_key=self.idempotency_key)
+                return fn(**kwargs, idempotency_key=self.steps.idempotency_key)
 
         else:
             call = fn
-        return self._run_step(
+        return self.steps.run_step(
             key, call, (), args, retry=retry, approval=decision, compensate=compensate,
             kind=StepKind.TOOL, model=name,  # the tool's name, for its span
         )  # fmt: skip
 
-    def _concurrently(self, jobs: list[Callable[[], Any]]) -> list[Any]:
+    def concurrently(self, jobs: list[Callable[[], Any]]) -> list[Any]:
         """Run `jobs`, each making its own steps, as concurrent steps of an async workflow
         (positions in the order given, as asyncio.gather would); one after another in a sync
         workflow. The first exception, in order, is raised once all have ended."""
-        host = self._host
+        host = self.ex.host
         if host is None or len(jobs) < 2:
             return [job() for job in jobs]
         bridge, loop = host.context, host.loop
@@ -262,7 +272,7 @@ class ModelCalls(ContextState):
             return await asyncio.gather(*steps, return_exceptions=True)
 
         future = asyncio.run_coroutine_threadsafe(gather(), loop)
-        with self._released(force=True):
+        with self.ex.released(force=True):
             results = future.result()
         for result in results:
             if isinstance(result, BaseException):

@@ -4,7 +4,7 @@ Each call in workflow code takes the next position; what an earlier execution re
 handed back (a completed step's output, a failure raised again) instead of run. The cursor owns
 its own state, so the positions a call takes are decided in one place, apart from the code that
 writes checkpoints (checkpoints.py) and the execution's modes (a cancel, a halt, a lost lease),
-which `Replay._admit` checks after the cursor has spoken.
+which `Execution.admit` checks after the cursor has spoken.
 """
 
 from __future__ import annotations

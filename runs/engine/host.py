@@ -98,7 +98,7 @@ class Turnstile:
 class AsyncHost:
     """What an execution of an async workflow runs on: the process's event loop, the turnstile
     its steps take turns at, and the context its workflow function received (to start
-    concurrent steps from engine code, `Execution._concurrently`). Set by `run_async` for the
+    concurrent steps from engine code, `ModelCalls.concurrently`). Set by `run_async` for the
     workflow's duration; None for a sync workflow."""
 
     loop: asyncio.AbstractEventLoop

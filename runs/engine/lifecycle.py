@@ -22,7 +22,7 @@ from runs.engine import holds, registry
 from runs.engine.bridge import run_async
 from runs.engine.budget import NOTHING, next_day_start
 from runs.engine.checkpoints import book_possibly_spent, fail_in_doubt, release_reservations
-from runs.engine.context import Execution, RunContext
+from runs.engine.context import Engine, RunContext
 from runs.engine.fences import Fence, Lease
 from runs.engine.history import REPLAY_FIELDS
 from runs.engine.outage import is_disconnect
@@ -118,14 +118,14 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
             + (f", each time during step {started!r}" if started else "")
             + " (STEPGUARD_MAX_RECOVERIES)"
         )
-    ctx = Execution(run, history, lease, trace=trace_parent, give_up=give_up)
+    engine = Engine(run, history, lease, trace=trace_parent, give_up=give_up)
     try:
         definition = registry.get(run.workflow, run.version)
         if inspect.iscoroutinefunction(definition.fn):
-            result = run_async(definition.fn, ctx, run.input)
+            result = run_async(definition.fn, engine, run.input)
         else:
-            result = run_sync(definition.fn, ctx, run.input)
-        ctx.history.check_all_replayed()
+            result = run_sync(definition.fn, engine, run.input)
+        engine.execution.history.check_all_replayed()
         output = to_json(result, what=f"the result of workflow {run.workflow!r}")
     except Suspended:
         return Outcome.WAITING
@@ -133,7 +133,7 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
         log.warning("run %s: lease lost; another worker owns it now, stopping here", run.id)
         return Outcome.LOST
     except (Released, Cancelled, Halted, OverBudget) as stop:
-        return _interrupted(run, ctx, lease, stop)
+        return _interrupted(run, engine, lease, stop)
     except DatabaseError as exc:
         return _database_error(run, exc, "writing a checkpoint")
     except KeyboardInterrupt:
@@ -141,14 +141,14 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
     except BaseException as exc:
         # `sys.exit()` in workflow code, a cancelled task, any error at all: the run's own
         # error, under its retry policy, never a worker's log line and a lease left to lapse.
-        return _fail(run, ctx, lease, exc)
+        return _fail(run, engine, lease, exc)
     try:
         _finish(
             lease,
             EventType.RUN_COMPLETED,
             {},
             parent_id=run.parent_id,
-            in_doubt=ctx._left_started,
+            in_doubt=engine.execution.left_started,
             status=RunStatus.COMPLETED,
             output=output,
             error=None,
@@ -306,8 +306,8 @@ def release(lease: Lease, reason: str) -> bool:
     return True
 
 
-def run_sync(fn: Callable, ctx: Execution, input: Any) -> Any:
-    return fn(RunContext(ctx), input)
+def run_sync(fn: Callable, engine: Engine, input: Any) -> Any:
+    return fn(RunContext(engine), input)
 
 
 def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> Outcome:
@@ -345,10 +345,10 @@ def _pause(run: Run, lease: Lease, stop: Halted | OverBudget) -> Outcome:
         return Outcome.LOST
 
 
-def _cancelled(run: Run, ctx: Execution, lease: Lease) -> Outcome:
-    ctx._cancel_requested = True
+def _cancelled(run: Run, engine: Engine, lease: Lease) -> Outcome:
+    engine.execution.cancel_requested = True
     try:
-        undone, failure = run_compensations(ctx)
+        undone, failure = run_compensations(engine)
         who = Run.objects.filter(pk=run.pk).values("cancel_requested_by", "cancel_reason").get()
         if failure is not None:
             _finish(
@@ -378,11 +378,11 @@ def _cancelled(run: Run, ctx: Execution, lease: Lease) -> Outcome:
             lease_until=None,
         )
     except (LeaseLost, Released, Halted, OverBudget) as stop:
-        return _interrupted(run, ctx, lease, stop)
+        return _interrupted(run, engine, lease, stop)
     return Outcome.CANCELLED
 
 
-def _fail(run: Run, ctx: Execution, lease: Lease, exc: BaseException) -> Outcome:
+def _fail(run: Run, engine: Engine, lease: Lease, exc: BaseException) -> Outcome:
     error = error_record(exc)
     retryable = getattr(exc, "retryable", True)
     try:
@@ -413,7 +413,7 @@ def _fail(run: Run, ctx: Execution, lease: Lease, exc: BaseException) -> Outcome
             undone: list[str] = []
             failure: dict | None = None
         else:
-            undone, failure = run_compensations(ctx)
+            undone, failure = run_compensations(engine)
         if failure is not None:
             error["compensation_error"] = failure
         _finish(
@@ -428,14 +428,14 @@ def _fail(run: Run, ctx: Execution, lease: Lease, exc: BaseException) -> Outcome
             lease_until=None,
         )
     except (LeaseLost, Released, Cancelled, Halted, OverBudget) as stop:
-        return _interrupted(run, ctx, lease, stop)
+        return _interrupted(run, engine, lease, stop)
     log.warning("run %s failed (%s): %s", run.id, reason, error["message"])
     return Outcome.FAILED
 
 
 def _interrupted(
     run: Run,
-    ctx: Execution,
+    engine: Engine,
     lease: Lease,
     stop: LeaseLost | Released | Cancelled | Halted | OverBudget,
 ) -> Outcome:
@@ -446,17 +446,17 @@ def _interrupted(
     if isinstance(stop, Released):
         return Outcome.RELEASED if release(lease, "worker shutting down") else Outcome.LOST
     if isinstance(stop, Cancelled):
-        return _cancelled(run, ctx, lease)
+        return _cancelled(run, engine, lease)
     return _pause(run, lease, stop)
 
 
-def run_compensations(ctx: Execution) -> tuple[list[str], dict | None]:
+def run_compensations(engine: Engine) -> tuple[list[str], dict | None]:
     """Returns the undone step keys and, if an undo failed, its error. Control flow passes."""
     try:
-        undo = ctx._run_step
-        return ctx._undo.run(
-            ctx.who.run_id,
-            ctx.history.seek_undo,
+        undo, ex = engine.steps.run_step, engine.execution
+        return ex.undo.run(
+            ex.who.run_id,
+            ex.history.seek_undo,
             lambda key, compensate, output: undo(
                 f"undo:{key}", compensate, (output,), {}, internal=True
             ),

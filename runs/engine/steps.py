@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 from collections.abc import Callable
 from concurrent.futures import CancelledError
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import replace
 from datetime import timedelta
 from decimal import Decimal
@@ -20,12 +19,11 @@ from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Reso
 from runs import tracing
 from runs.engine import rates
 from runs.engine.budget import Amount, Metered, Reservation, Usage, scopes_for, to_usd
+from runs.engine.execution import Execution
 from runs.engine.llm import retry_after
-from runs.engine.loop import engine_loop
 from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, StepThread, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import describe_input, to_json
-from runs.engine.state import ContextState
 from runs.engine.step_starts import (
     Hold,
     StepCall,
@@ -46,8 +44,19 @@ from runs.errors import (
 from runs.models import EventType, Recovery, Step, StepKind, StepStatus
 
 
-class Steps(ContextState):
+class Steps:
     """`ctx.step` and `ctx.transaction`, their retry loop, and the ambiguous-outcome policies."""
+
+    def __init__(self, ex: Execution):
+        self.ex = ex
+        self.checkpoints = ex.checkpoints
+        #: By step: the usage of attempts that failed after the provider answered (paid).
+        self._answered: dict[Any, Usage] = {}
+        #: By idempotency key: the answer the attempt failing now came after (ModelCalls
+        #: records it; the step's retry loop books it).
+        self.answered_now: dict[str, Usage | None] = {}
+        #: By step: what it holds, the model calls made inside it included (_reserve_in_step).
+        self._reserved_in_step: dict[Any, Reservation] = {}
 
     @property
     def idempotency_key(self) -> str:
@@ -56,7 +65,7 @@ class Steps(ContextState):
         Hand it to the downstream service (an `Idempotency-Key` header, a unique column) so a
         call re-sent after a crash is recognised there instead of repeated.
         """
-        running = self._running()
+        running = self.ex.running()
         key = running.idempotency_key if running is not None else None
         if key is None:
             raise StepMisuse("ctx.idempotency_key is only defined while a step's function runs")
@@ -93,13 +102,13 @@ class Steps(ContextState):
         """
         if on_ambiguous not in ("resend", "ask"):
             raise StepMisuse("on_ambiguous must be 'resend' or 'ask'")
-        return self._run_step(
+        return self.run_step(
             key, fn, args, kwargs, retry=retry, reconcile=reconcile, on_ambiguous=on_ambiguous,
             compensate=compensate, approval=approval, estimate=estimate, kind=kind,
             resource=resource,
         )  # fmt: skip
 
-    def _run_step(
+    def run_step(
         self,
         key: str,
         fn: Callable,
@@ -118,7 +127,7 @@ class Steps(ContextState):
         model: str = "",
         resource: str | None = None,
     ) -> Any:
-        key, seq, record = self._position(key, internal=internal)
+        key, seq, record = self.ex.position(key, internal=internal)
         options = StepOptions(
             retry, reconcile, on_ambiguous, compensate, approval, estimate, kind, described, model,
             resource,
@@ -129,21 +138,23 @@ class Steps(ContextState):
             and may_have_run(record)
             and compensate is not None
             and on_ambiguous == "resend"
-            and not self._undo.running
+            and not self.ex.undo.running
         )
         if in_doubt:
             # If a cancel refuses the re-send, the cancel resolves it (reconciles or re-sends
             # it with its key, as a compensation) and then undoes it: it may have happened.
-            self._undo.in_doubt[key] = lambda: self._at(key, seq, record, fn, args, kwargs, options)
+            self.ex.undo.in_doubt[key] = lambda: self._at(
+                key, seq, record, fn, args, kwargs, options
+            )
         try:
-            self._admit(key, seq, record)
+            self.ex.admit(key, seq, record)
             output = self._at(key, seq, record, fn, args, kwargs, options)
         except Cancelled:
             raise
         except BaseException:
-            self._undo.in_doubt.pop(key, None)
+            self.ex.undo.in_doubt.pop(key, None)
             raise
-        self._undo.in_doubt.pop(key, None)
+        self.ex.undo.in_doubt.pop(key, None)
         return output
 
     def _at(
@@ -156,13 +167,13 @@ class Steps(ContextState):
             # A step copied from the run this one was forked from did its side effect there:
             # this run undoes only what it did itself.
             undo = None if record.inherited else o.compensate
-            return self._undo.remember(key, undo, record.output)
-        idem = f"{self.who.run_id}:{key}"
+            return self.ex.undo.remember(key, undo, record.output)
+        idem = f"{self.ex.who.run_id}:{key}"
         tries = 0  # the tries of this retry sequence so far: a durable retry delay goes on with it
         if record is not None:
             found = self._recover(record, seq, key, idem, o)
             if found is not NOT_FOUND:
-                return self._undo.remember(key, o.compensate, found)
+                return self.ex.undo.remember(key, o.compensate, found)
             if record.status == StepStatus.WAITING:
                 tries = (record.error or {}).get("tries", record.attempt)
                 if record.wake_at is not None and record.wake_at > timezone.now():
@@ -171,18 +182,19 @@ class Steps(ContextState):
         if input is None and record is None:
             input = describe_input(args, kwargs)
         attempt, fields, payload = start_row(
-            record, seq, key, o.kind, idem, input, self.who.attempt, self.who.worker_id
+            record, seq, key, o.kind, idem, input, self.ex.who.attempt, self.ex.who.worker_id
         )
         rate = None
-        if o.resource and not self._undo.running:
+        if o.resource and not self.ex.undo.running:
             tokens = o.estimate.tokens_in + o.estimate.tokens_out if o.estimate else 0
             rate = rates.Grant(o.resource, tokens)
-        possibly = possibly_spent(record, o.kind, self._undo.running, fields, payload)
-        shared = [] if self._undo.running else scopes_for(self.who.workflow, self.who.labels)
+        possibly = possibly_spent(record, o.kind, self.ex.undo.running, fields, payload)
+        who = self.ex.who
+        shared = [] if self.ex.undo.running else scopes_for(who.workflow, who.labels)
         hold = Hold.of(record, o.estimate, shared, timezone.now().date())
         fields |= hold.columns()
         ending = rate.ended_on_error() if rate is not None else nullcontext()
-        with ending, tracing.step(self._trace, key, o.kind, attempt, o.model):
+        with ending, tracing.step(self.ex.trace, key, o.kind, attempt, o.model):
             if rate is not None:
                 self._take_rate(rate, record, seq, key, o.kind, fields, tries)
             step_pk = self._start(record, seq, key, idem, fields, payload, hold, possibly, o)
@@ -197,7 +209,7 @@ class Steps(ContextState):
                 rate=rate,
             )  # fmt: skip
             output = self._call(call, attempt, tries)
-        return self._undo.remember(key, o.compensate, output)
+        return self.ex.undo.remember(key, o.compensate, output)
 
     def _recover(self, record: Step, seq: int, key: str, idem: str, options: StepOptions) -> Any:
         """A step an earlier execution left unfinished: the outcome its ambiguous-outcome policy
@@ -214,7 +226,7 @@ class Steps(ContextState):
             if reconcile is not None
             else self._ask(record, idem)
         )
-        if found is NOT_FOUND and self._undo.running:
+        if found is NOT_FOUND and self.ex.undo.running:
             # A cancel resolving it: it never happened, nothing to undo.
             gone = Cancelled("the run was cancelled before this step happened")
             held = Reservation.of(record)
@@ -271,17 +283,17 @@ class Steps(ContextState):
         together or not at all: exactly once for writes to Stepguard's own database. There is
         no `started` row, so a crash inside leaves nothing to reconcile.
         """
-        key, seq, record = self._enter(key)
+        key, seq, record = self.ex.enter(key)
         if record is not None and record.status == StepStatus.COMPLETED:
             return record.output
         policy = retry or DEFAULT_RETRY
-        idem = f"{self.who.run_id}:{key}"
-        flush(self._lease)  # the step before is recorded whatever this transaction does
+        idem = f"{self.ex.who.run_id}:{key}"
+        flush(self.ex.lease)  # the step before is recorded whatever this transaction does
         tries = 0
         while True:
             tries += 1
             try:
-                with atomic(self._lease):
+                with atomic(self.ex.lease):
                     event_seq = self.checkpoints.begin_transaction()
                     value = self._invoke(key, idem, seq, fn, args, kwargs)
                     output = to_json(value, what=f"the output of step {key!r}")
@@ -291,7 +303,7 @@ class Steps(ContextState):
                         "output": output,
                         "error": None,
                         "attempt": tries,
-                        "run_attempt": self.who.attempt,
+                        "run_attempt": self.ex.who.attempt,
                         "started_at": now,
                         "finished_at": now,
                     }
@@ -303,7 +315,7 @@ class Steps(ContextState):
             except Exception as exc:
                 if (delay := policy.next_delay(exc, tries)) is not None:
                     self.checkpoints.note_retry(key, tries, exc, delay)
-                    self._sleep(delay)
+                    self.ex.sleep(delay)
                     continue
                 step_pk = record.pk if record is not None else None
                 self.checkpoints.record_failure(
@@ -327,14 +339,14 @@ class Steps(ContextState):
         reserve = answered = None
         if step_pk is not None:
             reserve = functools.partial(self._reserve_in_step, step_pk)
-            answered = functools.partial(self._answered_now.__setitem__, idem)
-        running = Running(key, idem, seq, id(self), reserve, StepThread(), answered)
+            answered = functools.partial(self.answered_now.__setitem__, idem)
+        running = Running(key, idem, seq, id(self.ex), reserve, StepThread(), answered)
         token = CURRENT_STEP.set(running)
         try:
             if release:
-                with self._released():
-                    return self._await(fn(*args, **kwargs))
-            return self._await(fn(*args, **kwargs))
+                with self.ex.released():
+                    return self.ex.wait_for(fn(*args, **kwargs))
+            return self.ex.wait_for(fn(*args, **kwargs))
         finally:
             CURRENT_STEP.reset(token)
 
@@ -345,46 +357,6 @@ class Steps(ContextState):
         stays on the step's row until the step ends, so a crash with the call in flight books
         it as possibly spent when the step is re-sent. On the step's thread."""
         self._reserved_in_step[step_pk] = self.checkpoints.add_reservation(step_pk, amount)
-
-    def _running(self) -> Running | None:
-        """This run's step whose function runs in this thread or asyncio task, if any."""
-        running = CURRENT_STEP.get()
-        return running if running is not None and running.owner == id(self) else None
-
-    def _await(self, value: Any) -> Any:
-        """Run an `async def` step (or an async client's call) to completion on the process's
-        one event loop (runs/engine/loop.py), where an async workflow runs too: an async
-        client's pooled connections belong to the loop that opened them, so a client kept
-        across executions (module-level, or a framework's shared one) must always meet it."""
-        if not inspect.isawaitable(value):
-            return value
-
-        running = CURRENT_STEP.get()
-
-        async def wait():
-            CURRENT_STEP.set(running)  # this task's own: concurrent steps each see theirs
-            return await value
-
-        future = asyncio.run_coroutine_threadsafe(wait(), engine_loop())
-        with self._released():
-            if running is not None and running.thread is not None:
-                return running.thread.serve_until(future)  # its reservations are written here
-            return future.result()
-
-    @contextmanager
-    def _released(self, force: bool = False):
-        """While this thread only waits (an async call, a retry delay), let the async
-        workflow's other steps use the run's context (see bridge.Turnstile). The step's own
-        state lives in its task's CURRENT_STEP, which the others do not see."""
-        turnstile = self._host.turnstile if self._host is not None else None
-        if turnstile is None or not (force or turnstile.releasable()) or turnstile.released():
-            yield
-            return
-        turnstile.release()
-        try:
-            yield
-        finally:
-            turnstile.reacquire()
 
     def _call(self, call: StepCall, attempt: int, tries: int = 0) -> Any:
         """Run a started step's function, retrying it in place or durably per its policy, and
@@ -412,13 +384,13 @@ class Steps(ContextState):
             except (CancelledError, asyncio.CancelledError):
                 # Cancelled in flight: no attempt and no failure. The step stays `started`,
                 # re-sent with its key (marked `resent`) next time.
-                self._left_started = True
+                self.ex.left_started = True
                 raise
             except (Exception, SystemExit) as exc:  # sys.exit() in a step is its failure
-                self._book_answered(step_pk, self._answered_now.pop(idem, None))
+                self._book_answered(step_pk, self.answered_now.pop(idem, None))
                 if (delay := call.policy.next_delay(exc, tries)) is not None:
                     payload: dict[str, Any] = {"attempt": attempt + 1, "delay_s": round(delay, 3)}
-                    payload |= {"error": brief(exc), "worker": self.who.worker_id}
+                    payload |= {"error": brief(exc), "worker": self.ex.who.worker_id}
                     if (
                         delay >= settings.STEPGUARD_DURABLE_RETRY_SECONDS
                         or retry_after(exc) is not None  # a provider's 429 or 503: never slept
@@ -426,7 +398,7 @@ class Steps(ContextState):
                         # Resumed, the step takes its rate grant as any start does.
                         self._retry_later(step_pk, key, None, delay, payload, tries)
                     attempt += 1
-                    self._sleep(delay)
+                    self.ex.sleep(delay)
                     if rate is not None:  # a retry slept here is another call: a grant too
                         now = timezone.now()
                         until = rate.take(now)
@@ -447,7 +419,7 @@ class Steps(ContextState):
                     continue
                 self.checkpoints.record_failure(step_pk, None, key, idem, None, attempt, exc, held)
             else:
-                self._answered_now.pop(idem, None)  # its usage is the step's own: Metered
+                self.answered_now.pop(idem, None)  # its usage is the step's own: Metered
                 fields = {"status": StepStatus.COMPLETED, "output": output}
                 if kind is not None:
                     fields["kind"] = kind
@@ -465,7 +437,7 @@ class Steps(ContextState):
         if until is None:
             return
         resource = rate.resource
-        with atomic(self._lease):
+        with atomic(self.ex.lease):
             event_seq, _ = self.checkpoints.enter_wait()
             error = {**((record.error or {}) if record else {}), "tries": tries}
             error["throttled"] = resource
@@ -487,7 +459,7 @@ class Steps(ContextState):
         Retry-After of a minute costs no thread for a minute. The step is `waiting` until
         then, keeping what it holds against the budgets; the run resumes there and tries it
         again with the same idempotency key, counting on from `tries`."""
-        with atomic(self._lease):
+        with atomic(self.ex.lease):
             event_seq, now = self.checkpoints.enter_wait()
             if until is None:
                 until = now + timedelta(seconds=delay)
@@ -522,7 +494,7 @@ class Steps(ContextState):
         label = f"{record.key}@attempt-{record.attempt}"
         request = (
             ApprovalRequest.objects.select_related("decided_by")
-            .filter(run_id=self._lease.run_id, step_key=label)
+            .filter(run_id=self.ex.lease.run_id, step_key=label)
             .first()
         )
         if request is not None and request.status != ApprovalStatus.PENDING:
@@ -549,11 +521,11 @@ class Steps(ContextState):
             self.checkpoints.record_failure(
                 record.pk, None, record.key, idem, None, record.attempt, failure, held
             )
-        with atomic(self._lease):
+        with atomic(self.ex.lease):
             event_seq, _ = self.checkpoints.enter_wait()
             if request is None:
                 request = ApprovalRequest.objects.create(
-                    run_id=self._lease.run_id,
+                    run_id=self.ex.lease.run_id,
                     step_key=label,
                     kind=ApprovalKind.AMBIGUOUS,
                     action=f"resolve step {record.key}"[:200],

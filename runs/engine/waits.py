@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -13,17 +12,15 @@ from django.utils import timezone
 from approvals.models import ApprovalRequest, ApprovalStatus
 from runs.engine import registry
 from runs.engine.budget import default_run_budget
+from runs.engine.execution import Execution
 from runs.engine.records import Decision, as_timedelta, brief
 from runs.engine.serialization import to_json
-from runs.engine.state import ContextState
 from runs.engine.store import atomic, create_run
 from runs.errors import (
     ApprovalExpired,
     ApprovalRejected,
     ApprovalRevoked,
     ChildFailed,
-    LeaseLost,
-    Released,
     StepguardError,
     StepMisuse,
     Suspended,
@@ -58,9 +55,13 @@ class Child:
         return self.record
 
 
-class Waits(ContextState):
+class Waits:
     """A wait is a `waiting` step row, the run set waiting with a wake-up time and the lease given
     up in one transaction; `Suspended` then unwinds the workflow."""
+
+    def __init__(self, ex: Execution):
+        self.ex = ex
+        self.checkpoints = ex.checkpoints
 
     def sleep(self, key: str, duration: float | timedelta) -> None:
         """Wait `duration` (seconds or a timedelta) without holding a worker.
@@ -84,11 +85,11 @@ class Waits(ContextState):
         by one wait. After `timeout` (from when the wait was first reached) raises WaitTimeout.
         """
         delta = None if timeout is None else as_timedelta(timeout, "a timeout")
-        key, seq, record = self._enter(key)
+        key, seq, record = self.ex.enter(key)
         if record is not None and record.status == StepStatus.COMPLETED:
             return record.output
         timed_out = False
-        with atomic(self._lease):
+        with atomic(self.ex.lease):
             event_seq, now = self.checkpoints.enter_wait()
             if record is None:
                 record = self.checkpoints.new_step(
@@ -97,7 +98,7 @@ class Waits(ContextState):
                 )  # fmt: skip
             signal = (
                 Signal.objects.filter(
-                    run_id=self._lease.run_id, name=name, consumed_at__isnull=True
+                    run_id=self.ex.lease.run_id, name=name, consumed_at__isnull=True
                 )
                 .order_by("id")
                 .first()
@@ -140,14 +141,14 @@ class Waits(ContextState):
         so it re-checks, as it starts, that the approval was not revoked since.
         """
         delta = None if timeout is None else as_timedelta(timeout, "a timeout")
-        key, seq, record = self._enter(key)
+        key, seq, record = self.ex.enter(key)
         if record is not None and record.status == StepStatus.COMPLETED:
             return Decision.from_json(record.output)
         if not action or len(action) > 200:
             raise StepMisuse("an approval needs an action of 1 to 200 characters")
         data = to_json(payload, what=f"the payload of approval {key!r}")
         error: StepguardError | None = None
-        with atomic(self._lease):
+        with atomic(self.ex.lease):
             event_seq, now = self.checkpoints.enter_wait()
             if record is None:
                 expires = None if delta is None else now + delta
@@ -156,7 +157,7 @@ class Waits(ContextState):
                     input={"action": action, "summary": summary}, wake_at=expires,
                 )  # fmt: skip
                 request = ApprovalRequest.objects.create(
-                    run_id=self._lease.run_id,
+                    run_id=self.ex.lease.run_id,
                     step_key=key,
                     action=action,
                     summary=summary,
@@ -171,7 +172,7 @@ class Waits(ContextState):
                 self.checkpoints.suspend(expires)
             else:
                 request = ApprovalRequest.objects.select_related("decided_by").get(
-                    run_id=self._lease.run_id, step_key=key
+                    run_id=self.ex.lease.run_id, step_key=key
                 )
                 outcome = self._approval_outcome(request, now)
                 if isinstance(outcome, Decision):
@@ -195,11 +196,11 @@ class Waits(ContextState):
         resumes once none is pending. Returns, in order, each one's Decision or the error its
         rejection, revocation or expiry is (ApprovalRejected...), for the caller to act on."""
         asks = list(asks)
-        entries = [self._position(ask.key) for ask in asks]  # every position first, as on replay
+        entries = [self.ex.position(ask.key) for ask in asks]  # every position first, as on replay
         outcomes: list[Decision | StepguardError | None] = [None] * len(asks)
         for i, (key, seq, record) in enumerate(entries):
             try:
-                self._admit(key, seq, record)
+                self.ex.admit(key, seq, record)
             except (ApprovalRejected, ApprovalExpired, ApprovalRevoked) as refused:
                 outcomes[i] = refused
             if record is not None and record.status == StepStatus.COMPLETED:
@@ -213,7 +214,7 @@ class Waits(ContextState):
         payloads = {
             i: to_json(asks[i].payload, what=f"the payload of {asks[i].key!r}") for i in open_
         }
-        with atomic(self._lease):
+        with atomic(self.ex.lease):
             event_seq, now = self.checkpoints.enter_wait()
             events: list[tuple[str, str, dict]] = []
             waits: list[datetime | None] = []
@@ -230,7 +231,7 @@ class Waits(ContextState):
                         input={"action": ask.action, "summary": ask.summary}, wake_at=expires,
                     )  # fmt: skip
                     request = ApprovalRequest.objects.create(
-                        run_id=self._lease.run_id, step_key=key, action=ask.action,
+                        run_id=self.ex.lease.run_id, step_key=key, action=ask.action,
                         summary=ask.summary, payload=payloads[i], expires_at=expires,
                     )  # fmt: skip
                     events.append((EventType.APPROVAL_REQUESTED, key, {
@@ -240,7 +241,7 @@ class Waits(ContextState):
                     waits.append(expires)
                     continue
                 request = ApprovalRequest.objects.select_related("decided_by").get(
-                    run_id=self._lease.run_id, step_key=key
+                    run_id=self.ex.lease.run_id, step_key=key
                 )
                 outcome = self._approval_outcome(request, now)
                 if outcome is None:
@@ -298,10 +299,10 @@ class Waits(ContextState):
         """
         entries = []
         for key, workflow, child_input in specs:  # every position first, as on replay
-            key, seq, record = self._position(key)
+            key, seq, record = self.ex.position(key)
             entries.append(Child(key, seq, record, workflow, child_input))
         for e in entries:
-            self._admit(e.key, e.seq, e.record)
+            self.ex.admit(e.key, e.seq, e.record)
         if all(e.record is not None and e.record.status == StepStatus.COMPLETED for e in entries):
             return [e.step.output for e in entries]
         plans = {}
@@ -310,7 +311,7 @@ class Waits(ContextState):
                 definition = registry.get(e.workflow)
                 plans[e.key] = (definition, to_json(e.input, what=f"the input of child {e.key!r}"))
         failure: ChildFailed | None = None
-        with atomic(self._lease):
+        with atomic(self.ex.lease):
             event_seq, now = self.checkpoints.enter_wait()
             events = self._start_children(entries, plans)
             waiting = self._record_ended_children(entries, now, events)
@@ -342,11 +343,11 @@ class Waits(ContextState):
                 workflow=definition.name,
                 version=definition.version,
                 input=data,
-                key=f"{self.who.run_id}:{e.key}",
-                parent_id=self._lease.run_id,
+                key=f"{self.ex.who.run_id}:{e.key}",
+                parent_id=self.ex.lease.run_id,
                 priority=definition.priority,
                 concurrency_key=definition.key_for(data),
-                labels=self.who.labels,  # the tenant a parent works for, its children work for
+                labels=self.ex.who.labels,  # the tenant a parent works for, its children work for
                 **default_run_budget(definition.name),
             )
             e.record = self.checkpoints.new_step(
@@ -359,7 +360,7 @@ class Waits(ContextState):
     def _record_ended_children(self, entries: list[Child], now: datetime, events: list) -> bool:
         """Record each child that has ended on its step (completed or failed), appending the
         events; whether any is still running."""
-        run_id = self.who.run_id
+        run_id = self.ex.who.run_id
         keys = {f"{run_id}:{e.key}": e for e in entries if e.step.status != StepStatus.COMPLETED}
         waiting = False
         for child in Run.objects.filter(key__in=keys).only(
@@ -384,10 +385,10 @@ class Waits(ContextState):
         return waiting
 
     def _timer(self, key: str, deadline: Callable[[datetime], datetime]) -> None:
-        key, seq, record = self._enter(key)
+        key, seq, record = self.ex.enter(key)
         if record is not None and record.status == StepStatus.COMPLETED:
             return
-        with atomic(self._lease):
+        with atomic(self.ex.lease):
             event_seq, now = self.checkpoints.enter_wait()
             if record is None:
                 when = deadline(now)
@@ -406,16 +407,3 @@ class Waits(ContextState):
             self.checkpoints.event(event_seq, EventType.TIMER_SET, key, wake_at=wake_at.isoformat())
             self.checkpoints.suspend(wake_at)
         raise Suspended(f"sleeping until {wake_at.isoformat()}")
-
-    def _sleep(self, seconds: float) -> None:
-        """A retry delay that a lost lease or a shutdown cuts short."""
-        with self._released():
-            self._sleep_in_thread(seconds)
-
-    def _sleep_in_thread(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            if self._lease.lost.wait(min(left, 0.1)):
-                raise LeaseLost(f"run {self.who.run_id}: lease lost during a retry delay")
-            if self._lease.stopping.is_set():
-                raise Released("worker shutting down during a retry delay")

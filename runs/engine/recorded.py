@@ -1,0 +1,56 @@
+"""Values recorded once and handed back on replay: the time, randomness, ids and patch markers
+(`ctx.now`, `ctx.random`, `ctx.uuid`, `ctx.patched`)."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from datetime import datetime
+from uuid import UUID
+
+from django.utils import timezone
+
+from runs.engine.execution import Execution
+from runs.engine.steps import Steps
+
+
+class Recorded:
+    """What workflow code may not compute itself, since it re-runs on every resume: each value
+    is a step, so a replay sees the one the first execution saw."""
+
+    def __init__(self, ex: Execution, steps: Steps):
+        self.ex, self.steps = ex, steps
+        self._patches: dict[str, bool] = {}  # by change id: whether this run takes the new path
+
+    def now(self) -> datetime:
+        """The current time, recorded once: replay sees the same instant."""
+        return datetime.fromisoformat(self.steps.step("now", lambda: timezone.now().isoformat()))
+
+    def random(self) -> float:
+        """A random float in [0, 1), recorded once."""
+        return self.steps.step("random", random.random)
+
+    def uuid(self) -> UUID:
+        """A random UUID, recorded once."""
+        return UUID(self.steps.step("uuid", lambda: str(uuid.uuid4())))
+
+    def patched(self, change_id: str) -> bool:
+        """True where new code may take its new path; False for a run that recorded the old one.
+
+        Wrap a change to a running workflow: `if ctx.patched("use-v2-search"): new() else:
+        old()`. A run whose history already holds a different step at this position replays
+        the old path; any other run records a marker and takes the new path from here on.
+        """
+        if change_id in self._patches:
+            return self._patches[change_id]
+        key = f"patch:{change_id}"
+        seq, record = self.ex.history.next_seq, self.ex.history.peek()
+        if record is not None and record.key != key:
+            self._patches[change_id] = False
+            return False
+        self.ex.history.skip()
+        if record is None:
+            cancelled = self.ex.cancel_requested and not self.ex.undo.running
+            self.ex.checkpoints.mark_patch(seq, key, change_id, cancelled=cancelled)
+        self._patches[change_id] = True
+        return True
