@@ -40,11 +40,11 @@ from django.utils import timezone
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
 
-from approvals.models import ApprovalRequest, ApprovalStatus
 from controlplane import security
 from controlplane.health import LIVE_LEASES
 from runs import queries, replica
 from runs.apikeys import check_key
+from runs.approvals.models import ApprovalRequest, ApprovalStatus
 from runs.engine.worker import WAKEABLE
 from runs.models import (
     GLOBAL,

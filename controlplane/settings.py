@@ -44,7 +44,7 @@ CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
 INSTALLED_APPS = [
     # Before channels: our `runworker` (workflow runs) shadows channels' (channel-layer consumers).
     "runs",
-    "approvals",
+    "runs.approvals",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",

@@ -286,7 +286,7 @@ TOPICS = ("events", "approvals", "killswitch", "holds", "workers")
 def site_state(workers: bool) -> tuple:
     """What the site-wide pages show that can change: the newest event anywhere, the pending
     approvals, the kill switch, the workflow holds and (for the workers page) the heartbeats."""
-    from approvals.models import ApprovalRequest, ApprovalStatus
+    from runs.approvals.models import ApprovalRequest, ApprovalStatus
 
     last = Event.objects.order_by("-pk").values_list("pk", flat=True).first()
     pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).count()

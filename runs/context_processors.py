@@ -3,7 +3,7 @@ Django admin is (if the project has one)."""
 
 from django.urls import NoReverseMatch, reverse
 
-from approvals.models import ApprovalRequest, ApprovalStatus
+from runs.approvals.models import ApprovalRequest, ApprovalStatus
 from runs.models import GLOBAL, Policy
 
 

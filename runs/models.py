@@ -467,7 +467,7 @@ class Event(models.Model):
 
 
 class Shaped(models.TextChoices):
-    """How a person shaped what a run does (the four-eyes rule: approvals/services.py)."""
+    """How a person shaped what a run does (the four-eyes rule: runs/approvals/services.py)."""
 
     STARTED = "started", "started the run"
     FORKED = "forked", "forked it from another run"

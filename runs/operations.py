@@ -670,7 +670,7 @@ def fork_run(
             **_origin_options(origin),
             **_held_as(_inherited_hold(origin)),
             # The forker chose what the fork does again; the origin's shapers are found
-            # through `forked_from` (approvals.services.four_eyes).
+            # through `forked_from` (runs.approvals.services.four_eyes).
             shapers=[(user.pk, Shaped.FORKED)],
         )
         replaced = outputs or {}

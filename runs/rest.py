@@ -21,12 +21,12 @@ from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer, django_auth
 
-from approvals.api import router as approvals_router
 from controlplane import dbdown, security
 from controlplane.health import health as health_view
 from runs.api import create_run, signal_run
 from runs.api import router as runs_router
 from runs.apikeys import check_key, match_key
+from runs.approvals.api import router as approvals_router
 from runs.errors import Conflict, Forbidden, NotFound, StepguardError, UnknownWorkflow
 from runs.models import ApiKey, ApiKeyScope
 

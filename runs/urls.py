@@ -56,6 +56,6 @@ urlpatterns = [
     path("halts", views.halts_page, name="halts"),
     path("halts/budget", views.budget_scope, name="budget-scope"),
     path("halts/<str:action>", views.halt_scope, name="halt-scope"),
-    path("", include("approvals.urls")),  # no namespace of its own: stepguard:approvals
+    path("", include("runs.approvals.urls")),  # no namespace of its own: stepguard:approvals
     path("api/", api_urls()),  # every path under it answers the API's JSON, a 404 included
 ]

@@ -31,10 +31,10 @@ from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
-from approvals.models import ApprovalStatus
-from approvals.services import mark_four_eyes
 from runs import bounded, charts, notifications, operations, queries
 from runs import labels as run_labels
+from runs.approvals.models import ApprovalStatus
+from runs.approvals.services import mark_four_eyes
 from runs.conversation import conversation, last_answer
 from runs.engine import flow, rates, registry
 from runs.engine.budget import to_micros, to_usd

@@ -4,9 +4,9 @@ demo model on 127.0.0.1 and, in one test, real worker processes killed with SIGK
 import pytest
 from django.db.models import Count
 
-from approvals.models import ApprovalRequest
-from approvals.services import decide
 from runs.adapters.langgraph import MARK
+from runs.approvals.models import ApprovalRequest
+from runs.approvals.services import decide
 from runs.models import Run, RunStatus, Step
 from runs.sdk import send_signal, start_run
 from tests import adapter_langgraph_workflows as lg

@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from approvals.models import ApprovalRequest
-from approvals.services import decide
+from runs.approvals.models import ApprovalRequest
+from runs.approvals.services import decide
 from runs.models import Run, Step
 from runs.sdk import start_run
 from tests import adapter_mcp_workflows as wf

@@ -7,8 +7,8 @@ from decimal import Decimal
 
 import pytest
 
-from approvals.models import ApprovalRequest
-from approvals.services import decide
+from runs.approvals.models import ApprovalRequest
+from runs.approvals.services import decide
 from runs.engine.deltas import Conversations
 from runs.engine.llm import estimate, usage_of
 from runs.models import Run, RunStatus, Step

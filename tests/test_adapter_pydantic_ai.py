@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from approvals.models import ApprovalRequest
-from approvals.services import decide, revoke
+from runs.approvals.models import ApprovalRequest
+from runs.approvals.services import decide, revoke
 from runs.engine.deltas import Conversations
 from runs.models import Event, Run, RunStatus, Step
 from runs.operations import set_budget

@@ -18,8 +18,8 @@ from django.forms.models import model_to_dict
 from django.urls import reverse
 from django.utils import timezone
 
-from approvals.models import ApprovalRequest
 from runs import notifications
+from runs.approvals.models import ApprovalRequest
 from runs.models import (
     BudgetLedger,
     Event,

@@ -8,11 +8,11 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from approvals.models import ApprovalRequest
-from approvals.services import decide
 from examples import flight_agent, outreach, research  # noqa: F401  (registers them)
 from examples.models import Booking
 from examples.models import Effect as DemoEffect
+from runs.approvals.models import ApprovalRequest
+from runs.approvals.services import decide
 from runs.engine.deltas import Conversations
 from runs.engine.llm import cost
 from runs.errors import StepMisuse

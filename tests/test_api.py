@@ -7,8 +7,8 @@ import pytest
 from django.core.management import call_command
 from django.test import Client
 
-from approvals.models import ApprovalRequest
 from runs.apikeys import create_key
+from runs.approvals.models import ApprovalRequest
 from runs.models import ApiKey, Event, Run, RunStatus
 from runs.sdk import start_run
 

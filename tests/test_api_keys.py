@@ -10,8 +10,8 @@ from django.core.management.base import CommandError
 from django.test import Client
 from django.utils import timezone
 
-from approvals.models import ApprovalRequest
 from runs.apikeys import create_key
+from runs.approvals.models import ApprovalRequest
 from runs.errors import OperationError
 from runs.models import ApiKey, Event
 from runs.sdk import start_run

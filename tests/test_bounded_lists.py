@@ -9,8 +9,8 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from approvals.models import ApprovalRequest
 from runs.apikeys import create_key
+from runs.approvals.models import ApprovalRequest
 from runs.models import Event, Run
 from runs.sdk import start_run
 

@@ -43,7 +43,7 @@ def test_an_operator_logs_in_and_finds_a_run_and_its_steps_in_the_admin(
 def test_an_approver_logs_in_approves_and_the_run_goes_on(server, page, cast, spawn_worker):
     from playwright.sync_api import expect
 
-    from approvals.models import ApprovalRequest
+    from runs.approvals.models import ApprovalRequest
     from runs.models import Run
     from tests.conftest import wait_until
 
@@ -490,7 +490,7 @@ def test_a_viewer_sees_no_actions_and_the_server_refuses_her_posts(
 ):
     from playwright.sync_api import expect
 
-    from approvals.models import ApprovalRequest
+    from runs.approvals.models import ApprovalRequest
     from runs.models import Run
 
     run = start_run("approver", {"amount": 45})
@@ -561,7 +561,7 @@ XSS = '"><img src=x onerror="window.__xss=(window.__xss||0)+1"><script>window.__
 
 def seed_hostile_fields(user):
     """Every field an agent, a model, an API caller or an operator can fill, filled with XSS."""
-    from approvals.models import ApprovalRequest
+    from runs.approvals.models import ApprovalRequest
     from runs.models import ApiKey, Event, Run, Step, Worker
     from runs.operations import cancel_run, halt, set_budget
     from runs.sdk import send_signal
@@ -704,7 +704,7 @@ def test_approving_in_one_tab_updates_the_header_approvals_badge_and_actions_in_
     """2. Everything live: another tab's header, approvals, actions and nav badge follow."""
     from playwright.sync_api import expect
 
-    from approvals.models import ApprovalRequest
+    from runs.approvals.models import ApprovalRequest
 
     run = start_run("approver", {"amount": 30})
     spawn_worker()
@@ -868,7 +868,7 @@ def test_an_approval_shows_its_arguments_expiry_and_what_the_model_said_and_take
     """6. Approvals with context, decided with a comment from the run page."""
     from playwright.sync_api import expect
 
-    from approvals.models import ApprovalRequest
+    from runs.approvals.models import ApprovalRequest
 
     run = start_run("approver", {"amount": 77, "timeout": 3600})
     drive()

@@ -193,8 +193,8 @@ def test_a_second_make_run_prints_the_approvals_still_waiting(db):
     must say it again while the approval waits (it printed only a new password)."""
     from io import StringIO
 
-    from approvals.models import ApprovalRequest
     from examples.management.commands.rundemo import Command
+    from runs.approvals.models import ApprovalRequest
 
     run = start_run("ledger", {"steps": 1}, key="demo:agent")
     request = ApprovalRequest.objects.create(run=run, step_key="ask", action="book the flight")

@@ -12,7 +12,7 @@ from django.db import connection
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from approvals.models import ApprovalRequest
+from runs.approvals.models import ApprovalRequest
 from runs.engine.fences import Lease
 from runs.engine.lifecycle import execute
 from runs.engine.serialization import to_json
@@ -324,7 +324,7 @@ def test_a_recovered_step_gives_back_what_it_held(drive, expire_lease, cast, pol
 
 @pytest.mark.parametrize("resolution", ["happened", "fail"])
 def test_a_step_resolved_by_a_person_gives_back_what_it_held(drive, expire_lease, cast, resolution):
-    from approvals.services import resolve
+    from runs.approvals.services import resolve
 
     set_budget("workflow:metered-ambiguous", cast["otto"], "cap", usd=Decimal("100"))
     run = start_run("metered-ambiguous", {"policy": "ask"}, budget_usd=Decimal("10"))
@@ -356,7 +356,7 @@ def test_a_run_failed_by_the_lost_worker_bound_gives_back_its_reservation(
 
 
 def test_a_fork_past_an_approval_runs_the_guarded_step(drive, cast):
-    from approvals.services import decide
+    from runs.approvals.services import decide
 
     origin = start_run("approver", {"amount": 70})
     drive()

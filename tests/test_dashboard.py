@@ -6,7 +6,7 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from approvals.models import ApprovalRequest
+from runs.approvals.models import ApprovalRequest
 from runs.models import GLOBAL, Policy, Run, RunStatus, Worker
 from runs.sdk import start_run
 from tests import workflows  # noqa: F401  (registers "metered")

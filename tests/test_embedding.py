@@ -3,11 +3,13 @@ embedding section in a generated project): its URL names in their own namespace,
 the API and the websockets under the path the host mounts it at, the login page the app ships,
 the live feeds without a channel layer, and every setting defaulted inside the app."""
 
+import importlib
 import re
 from types import SimpleNamespace
 
 import pytest
 from channels.testing import WebsocketCommunicator
+from django.core.exceptions import ImproperlyConfigured
 from django.urls import reverse
 
 from runs import conf
@@ -108,10 +110,17 @@ def test_a_host_that_sets_no_stepguard_setting_gets_every_default():
     )  # fmt: skip
 
 
+def test_a_host_that_still_lists_the_old_approvals_app_is_told_its_new_name():
+    """Before it moved into the runs package, the approvals app was "approvals"."""
+    told = re.escape('replace "approvals" with "runs.approvals"')
+    with pytest.raises(ImproperlyConfigured, match=told):
+        importlib.import_module("approvals")
+
+
 def test_every_stepguard_setting_the_code_reads_has_its_default_in_runs_conf():
     read = {
         name
-        for package in ("runs", "approvals", "controlplane")
+        for package in ("runs", "controlplane")
         for path in (ROOT / package).rglob("*.py")
         for name in re.findall(r"settings\.(STEPGUARD_[A-Z0-9_]+)", path.read_text())
     }

@@ -12,9 +12,9 @@ import pytest
 from django.contrib.auth.models import Group
 from django.utils import timezone
 
-from approvals.models import ApprovalRequest
-from approvals.services import decide
 from runs import schedules
+from runs.approvals.models import ApprovalRequest
+from runs.approvals.services import decide
 from runs.errors import Forbidden
 from runs.models import Run, Schedule
 from runs.operations import fork_run, pause_schedule, save_schedule

@@ -6,8 +6,8 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.db import DatabaseError, transaction
 
-from approvals.models import ApprovalRequest
-from approvals.services import decide
+from runs.approvals.models import ApprovalRequest
+from runs.approvals.services import decide
 from runs.engine.holds import holds_on
 from runs.models import GLOBAL, BudgetLedger, Event, Policy, Run, RunStatus, Step
 from runs.operations import (

@@ -302,7 +302,7 @@ def test_the_built_wheel_installs_migrates_runs_a_workflow_and_serves_the_dashbo
     assert {"runs/py.typed", "runs/templates/stepguard/base.html",
             "runs/templates/registration/login.html", "runs/static/stepguard/js/live.js",
             "runs/static/stepguard/vendor/htmx.min.js", "runs/static/stepguard/js/run.js",
-            "approvals/templates/approvals/inbox.html",
+            "runs/approvals/templates/approvals/inbox.html",
             "runs/static/stepguard/css/app.css"} <= names  # fmt: skip
     assert not any(n.startswith(("examples/", "tests/", "templates/", "static/")) for n in names)
     venv = tmp_path / "venv"

@@ -10,10 +10,12 @@ while a workflow halt committed left the run `waiting` under the hold.
 
 import logging
 import threading
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
 from django.db import connection, connections
+from django.utils import timezone
 
 from runs.engine.fences import Lease
 from runs.engine.lifecycle import execute
@@ -336,3 +338,51 @@ def test_children_started_while_a_halt_of_their_parent_waits_end_halted(cast, no
     while drive_all(worker):
         pass
     assert {r.status for r in Run.objects.all()} == {RunStatus.COMPLETED}
+
+
+# -- two workers on the day's spend row ---------------------------------------------------------
+
+
+def test_a_resent_model_call_and_a_finishing_priced_call_of_one_workflow_never_deadlock(
+    cast, demo_model, no_deadlock
+):
+    """Two workers, two runs of one workflow under its shared daily budget, booking on the same
+    day's spend row (runs_spendday). One finishes a priced model call: its step row, then the
+    budget's ledger row. The other re-sends a model call cut off in flight: the ledger row,
+    then the possibly spent on its step row. The day's row is booked at commit (a deferred
+    trigger, docs/architecture.md's lock order, step 4), so it is the last lock either takes:
+    the re-send goes through while the finishing worker is held between its two writes.
+    Booked as each step row was written, each waited for the other: a deadlock."""
+    from runs.models import SpendDay
+    from tests import agent_workflows  # noqa: F401  (registers llm-cut-off)
+
+    set_budget("workflow:llm-cut-off", cast["otto"], "a shared cap", usd=Decimal("100"))
+    worker = WorkerProcess(concurrency=1)
+    worker.register()
+    cut = start_run("llm-cut-off")
+    (claimed,) = worker.claim(1)
+    workflows.crash_at.add("answered")
+    with pytest.raises(workflows.Crash):
+        execute(claimed, Lease(claimed.id, claimed.lease_epoch))
+    finishing = start_run("llm-cut-off")
+    (claimed,) = worker.claim(1)
+    assert claimed.pk == finishing.pk  # the cut-off run's lease has not lapsed yet
+    Run.objects.filter(pk=cut.pk).update(lease_until=timezone.now() - timedelta(seconds=1))
+    (resent,) = worker.claim(1)
+    assert resent.pk == cut.pk
+
+    resending: list[str] = []
+    outcome = race(
+        lambda: execute(claimed, Lease(claimed.id, claimed.lease_epoch)),
+        # Its finish: the fenced statement that writes the step's cost, before the ledgers.
+        lambda sql: sql.lstrip().startswith("WITH") and "cost_micros" in sql and "runs_step" in sql,
+        lambda: resending.append(str(execute(resent, Lease(resent.id, resent.lease_epoch)))),
+    )
+    assert outcome == {"worker": "completed", "operator": "done"}
+    assert resending == ["completed"]
+    runs = Run.objects.filter(pk__in=[cut.pk, finishing.pk])
+    assert set(runs.values_list("status", flat=True)) == {RunStatus.COMPLETED}
+    day = SpendDay.objects.get(workflow="llm-cut-off")
+    assert day.runs == 2
+    assert day.micros == sum(runs.values_list("cost_micros", flat=True)) > 0
+    assert day.possibly_micros == Run.objects.get(pk=cut.pk).possibly_spent_micros > 0

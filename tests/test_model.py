@@ -88,8 +88,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from approvals.models import ApprovalRequest
-from approvals.services import decide, revoke
+from runs.approvals.models import ApprovalRequest
+from runs.approvals.services import decide, revoke
 from runs.engine import (
     calls,
     checkpoints,

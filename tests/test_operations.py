@@ -16,10 +16,10 @@ from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from approvals.models import ApprovalRequest
-from approvals.services import decide
 from runs import logcontext, retention
 from runs.apikeys import create_key
+from runs.approvals.models import ApprovalRequest
+from runs.approvals.services import decide
 from runs.engine.worker import WorkerProcess
 from runs.models import (
     Chore,

@@ -17,8 +17,8 @@ import urllib.request
 import pytest
 from django.contrib.auth.models import User
 
-from approvals.models import ApprovalRequest
 from runs import replica
+from runs.approvals.models import ApprovalRequest
 from runs.models import ApiKey, Event, Run
 from tests.conftest import ROOT, daphne, own_cluster, wait_until
 from tests.test_failover import query, standby_of

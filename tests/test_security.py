@@ -21,11 +21,11 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import Group
 from django.test import Client, override_settings
 
-from approvals.models import ApprovalRequest
 from controlplane.security import LOGIN_AT, SEEN_AT
 from controlplane.wsorigin import SameOrigin
 from runs import consumers
 from runs.apikeys import create_key
+from runs.approvals.models import ApprovalRequest
 from runs.engine.budget import to_micros
 from runs.models import ApiKey, Event, Policy, Run, Step
 from runs.sdk import start_run

@@ -8,10 +8,11 @@ import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
-from approvals.models import ApprovalRequest
+from runs.approvals.models import ApprovalRequest
 from runs.engine import budget, flow, registry
 from runs.engine.budget import forget_cached_scopes, shared_budget_scopes
 from runs.engine.context import Engine, RunContext, engine_of
+from runs.engine.execution import Execution
 from runs.engine.fences import Lease
 from runs.errors import ApprovalRevoked, StepMisuse
 from runs.models import Event, Run, RunStatus, Step, StepStatus
@@ -264,13 +265,19 @@ def test_replaying_1000_completed_steps_costs_a_constant_number_of_queries(
     assert len(many) <= 15 + limited, many
 
 
+def held_context(run) -> RunContext:
+    """The context a worker holding `run` hands its workflow (the test is that worker)."""
+    execution = Execution(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch))
+    return RunContext(Engine(execution))
+
+
 def two_new_steps():
     """A run held by this test, its context, and the statements two new steps cost it."""
     run = start_run("many", {"steps": 2})
     Run.objects.filter(pk=run.pk).update(
         status=RunStatus.RUNNING, lease_until=run.created_at + timedelta(hours=1)
     )
-    ctx = RunContext(Engine(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch)))
+    ctx = held_context(run)
     shared_budget_scopes()  # cached for a second: steps do not look budgets up each time
     # ... and held for the whole measure: on a busy host two steps may take more than a second,
     # and the count would then include a look-up no step made (13 for 12 on a loaded SQLite).
@@ -400,7 +407,7 @@ def prepared_after_eight_steps() -> int:
     Run.objects.filter(pk=run.pk).update(
         status=RunStatus.RUNNING, lease_until=run.created_at + timedelta(hours=1)
     )
-    ctx = RunContext(Engine(Run.objects.get(pk=run.pk), {}, Lease(run.id, run.lease_epoch)))
+    ctx = held_context(run)
     for i in range(8):
         ctx.step(f"s{i}", int, i)
     with connection.cursor() as cursor:

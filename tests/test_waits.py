@@ -4,8 +4,8 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
-from approvals.models import ApprovalKind, ApprovalRequest
-from approvals.services import decide, resolve, revoke
+from runs.approvals.models import ApprovalKind, ApprovalRequest
+from runs.approvals.services import decide, resolve, revoke
 from runs.models import Event, Run, RunStatus, Step, StepStatus, Worker
 from runs.operations import cancel_run, unserved_reason
 from runs.sdk import DecisionError, OperationError, send_signal, start_run

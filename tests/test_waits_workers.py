@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from approvals.models import ApprovalRequest
-from approvals.services import decide
+from runs.approvals.models import ApprovalRequest
+from runs.approvals.services import decide
 from runs.models import Run, RunStatus, Step, StepStatus
 from runs.operations import cancel_run
 from runs.sdk import send_signal, start_run

@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
+from functools import cached_property
 from typing import Any, NoReturn
 
 from django.conf import settings
 from django.db.models import F, Q, Sum
 from django.utils import timezone
 
-from approvals.models import ApprovalRequest, ApprovalStatus
+from runs.approvals.models import ApprovalRequest, ApprovalStatus
 from runs.engine import holds
 from runs.engine.budget import (
     NOTHING,
@@ -384,15 +385,17 @@ class Checkpoints:
             return
         approval_id = decision.approval_id if isinstance(decision, Decision) else int(decision)
         stands = ApprovalRequest.objects.filter(
-            pk=approval_id, run_id__in=self._fork_lineage(), status=ApprovalStatus.APPROVED
+            pk=approval_id, run_id__in=self._fork_lineage, status=ApprovalStatus.APPROVED
         ).exists()
         if not stands:
             raise ApprovalRevoked(
                 f"approval #{approval_id} no longer stands; the step did not start"
             )
 
+    @cached_property
     def _fork_lineage(self) -> list:
-        """This run and the runs it was forked from: a fork replays their approvals."""
+        """This run and the runs it was forked from: a fork replays their approvals. Read
+        once an execution (a run's origin never changes), one query per ancestor."""
         chain, origin = [self._lease.run_id], self.who.forked_from
         while origin is not None:
             chain.append(origin)

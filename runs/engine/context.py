@@ -13,12 +13,9 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from runs.engine.calls import ModelCalls
 from runs.engine.execution import Execution
-from runs.engine.fences import Lease
 from runs.engine.recorded import Recorded
 from runs.engine.steps import Steps
 from runs.engine.waits import Waits
-from runs.errors import StepguardError
-from runs.models import Run, Step
 
 
 class Engine:
@@ -28,16 +25,8 @@ class Engine:
 
     __slots__ = ("calls", "execution", "recorded", "steps", "waits")
 
-    def __init__(
-        self,
-        run: Run,
-        history: dict[int, Step],
-        lease: Lease,
-        *,
-        trace: Any = None,
-        give_up: StepguardError | None = None,
-    ):
-        self.execution = ex = Execution(run, history, lease, trace=trace, give_up=give_up)
+    def __init__(self, execution: Execution):
+        self.execution = ex = execution
         self.steps = Steps(ex)
         self.waits = Waits(ex)
         self.calls = ModelCalls(ex, self.steps, self.waits)

@@ -16,13 +16,14 @@ from django.db.models import Case, DateTimeField, F, Q, Value, When
 from django.db.models.functions import Cast
 from django.utils import timezone
 
-from approvals.models import ApprovalRequest, ApprovalStatus
 from runs import tracing
+from runs.approvals.models import ApprovalRequest, ApprovalStatus
 from runs.engine import holds, registry
 from runs.engine.bridge import run_async
 from runs.engine.budget import NOTHING, next_day_start
 from runs.engine.checkpoints import book_possibly_spent, fail_in_doubt, release_reservations
 from runs.engine.context import Engine, RunContext
+from runs.engine.execution import Execution
 from runs.engine.fences import Fence, Lease
 from runs.engine.history import REPLAY_FIELDS
 from runs.engine.outage import is_disconnect
@@ -118,7 +119,7 @@ def _execute(run: Run, lease: Lease, trace_parent=None) -> Outcome:
             + (f", each time during step {started!r}" if started else "")
             + " (STEPGUARD_MAX_RECOVERIES)"
         )
-    engine = Engine(run, history, lease, trace=trace_parent, give_up=give_up)
+    engine = Engine(Execution(run, history, lease, trace=trace_parent, give_up=give_up))
     try:
         definition = registry.get(run.workflow, run.version)
         if inspect.iscoroutinefunction(definition.fn):

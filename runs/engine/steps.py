@@ -15,8 +15,8 @@ from typing import Any, NoReturn
 from django.conf import settings
 from django.utils import timezone
 
-from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs import tracing
+from runs.approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs.engine import rates
 from runs.engine.budget import Amount, Metered, Reservation, Usage, scopes_for, to_usd
 from runs.engine.execution import Execution

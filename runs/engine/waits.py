@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from django.utils import timezone
 
-from approvals.models import ApprovalRequest, ApprovalStatus
+from runs.approvals.models import ApprovalRequest, ApprovalStatus
 from runs.engine import registry
 from runs.engine.budget import default_run_budget
 from runs.engine.execution import Execution

@@ -17,9 +17,9 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
-from approvals.models import ApprovalRequest, ApprovalStatus
 from controlplane import devenv
 from examples.models import Booking, Effect
+from runs.approvals.models import ApprovalRequest, ApprovalStatus
 from runs.errors import Conflict
 from runs.management.commands.showrun import describe
 from runs.models import Event, Run, Step, StepStatus

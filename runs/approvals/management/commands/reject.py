@@ -1,4 +1,4 @@
-from approvals.management.commands.approve import Command as Approve
+from runs.approvals.management.commands.approve import Command as Approve
 
 
 class Command(Approve):

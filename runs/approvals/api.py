@@ -11,10 +11,10 @@ from django.db.models import Q
 from django.urls import reverse
 from ninja import Field, Query, Router, Schema
 
-from approvals.models import ApprovalRequest, ApprovalStatus
-from approvals.services import decide, resolve, revoke
 from runs import bounded
 from runs.api import ERRORS_422, TEXT, In, viewer
+from runs.approvals.models import ApprovalRequest, ApprovalStatus
+from runs.approvals.services import decide, resolve, revoke
 from runs.errors import Forbidden, NotFound
 
 router = Router(tags=["approvals"])

@@ -2,7 +2,7 @@ import json
 
 from django.core.management.base import CommandError
 
-from approvals.services import resolve
+from runs.approvals.services import resolve
 from runs.errors import StepguardError
 from runs.management.base import StepguardCommand
 

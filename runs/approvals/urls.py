@@ -1,6 +1,6 @@
 from django.urls import path
 
-from approvals import views
+from runs.approvals import views
 
 urlpatterns = [
     path("approvals", views.approvals_inbox, name="approvals"),

@@ -10,9 +10,9 @@ from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
-from approvals.models import ApprovalRequest, ApprovalStatus
-from approvals.services import decide, mark_four_eyes
 from runs import bounded
+from runs.approvals.models import ApprovalRequest, ApprovalStatus
+from runs.approvals.services import decide, mark_four_eyes
 from runs.views import do_action, json_download, viewer_required, with_context
 
 INBOX_PAGE = 50

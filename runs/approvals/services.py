@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
+from runs.approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs.engine.serialization import to_json
 from runs.engine.store import run_event
 from runs.errors import Conflict, DecisionError, Forbidden, NotFound

@@ -1,6 +1,6 @@
 from django.core.management.base import CommandError
 
-from approvals.services import decide
+from runs.approvals.services import decide
 from runs.errors import StepguardError
 from runs.management.base import StepguardCommand
 
