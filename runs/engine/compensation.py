@@ -12,7 +12,7 @@ log = logging.getLogger("stepguard.executor")
 
 
 class Compensations:
-    """One execution's undo list, owned by its Execution (`_undo`).
+    """One execution's undo list, owned by its Execution (`undo`).
 
     `done` holds each completed step's compensation with its output; `in_doubt` the steps
     found `started` (they may have run) whose re-send a cancel refused, each with how to

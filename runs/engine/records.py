@@ -182,7 +182,7 @@ class Running(NamedTuple):
     key: str
     idempotency_key: str
     seq: int
-    owner: int  # id() of the RunContext: another run executed inside a step is not nested
+    owner: int  # id() of the Execution: another run executed inside a step is not nested
     #: Reserve an Amount against the run's budget for a model call made inside the step (None:
     #: the step has no row, a transaction); called on the step's thread (`thread`).
     reserve: Callable[[Any], None] | None = None
