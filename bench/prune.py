@@ -128,18 +128,20 @@ def claim_latencies(stop, count: int | None, out) -> None:
     worker = WorkerProcess(concurrency=1)
     worker.register()
     samples: list[float] = []
+    done = (lambda: len(samples) >= count) if count else stop.is_set
     try:
-        while (count is None and not stop.is_set()) or (count is not None and len(samples) < count):
+        while not done():
             began = time.perf_counter()
             assert worker.claim(1) == []
             samples.append(time.perf_counter() - began)
+        worker.claims.mark_stopped()
     finally:
         connections.close_all()
     out.send(samples)
 
 
 def claiming(count: int | None = None):
-    """A claiming process started; returns (stop, collect), collect() its latencies."""
+    """Start a claiming process; returns collect(), which stops it and gives its latencies."""
     connections.close_all()  # the child opens its own
     fork = multiprocessing.get_context("fork")
     stop, (receive, send) = fork.Event(), fork.Pipe(duplex=False)
@@ -152,7 +154,7 @@ def claiming(count: int | None = None):
         child.join()
         return samples
 
-    return stop, collect
+    return collect
 
 
 def main() -> None:
@@ -166,12 +168,12 @@ def main() -> None:
     bench_steps.delete_bench_rows()  # an interrupted invocation's runs, and the other benches'
     seed(args.runs)
     progress(f"[1] {BASELINE_CLAIMS} idle claims, nothing else running")
-    _, collect = claiming(BASELINE_CLAIMS)
+    collect = claiming(BASELINE_CLAIMS)
     baseline = collect()
 
     progress(f"[2] prune of {args.runs:,} runs, a worker claiming beside it")
     before, (lsn, fpi) = deleted_bytes(), wal()
-    _, collect = claiming()
+    collect = claiming()
     began = time.monotonic()
     result = prune(finished_before=timezone.now() - timedelta(days=30), workflows=[PRUNED, KEPT])
     took = time.monotonic() - began
