@@ -12,7 +12,8 @@ database in the same invocation:
   beside it: its time, its batches, and the claims' latency against [1];
 - [3] the WAL the prune wrote (`pg_current_wal_lsn()` before and after), against the size of
   what it deleted and per run: retention should write WAL in proportion to what it keeps, not
-  to what it drops (issue 35: 1,407 MB for 500,018 runs and 5M events).
+  to what it drops (issue 35: 1,407 MB for 500,018 runs and 5M events). The pruned runs were
+  created in a month of their own, so their events' partition is dropped whole.
 
 Uses bench/steps.py's database (DATABASE_URL, default stepguard_bench) on PostgreSQL; cleans up
 after itself, so it runs twice in a row on the same database.
@@ -35,6 +36,7 @@ from django.utils import timezone
 
 from bench import steps as bench_steps
 from bench.steps import p, prepare_database, progress, table
+from runs import partitions
 from runs.engine.worker import WorkerProcess
 from runs.models import TERMINAL_STATUSES, Run, RunStatus
 from runs.retention import prune
@@ -53,12 +55,12 @@ INSERT INTO runs_run (id, workflow, version, input, status, key, lease_epoch, at
     finished_at)
 SELECT gen_random_uuid(), %(workflow)s, '1', '{}'::jsonb, %(status)s, %(workflow)s || '-' || g,
        1, 1, 3, 0, %(events)s, 0, 0, 0, 0, 0, false, '', '', '', '', '', 0, 0, 0,
-       now() - interval '61 days', now() + interval '1 day',
+       now() - %(age)s::interval, now() + interval '1 day',
        CASE WHEN %(status)s = 'completed' THEN now() - interval '60 days' END
 FROM generate_series(1, %(runs)s) g;
-INSERT INTO runs_event (run_id, seq, type, step_key, actor, payload, created_at)
+INSERT INTO runs_event (run_id, seq, type, step_key, actor, payload, created_at, run_created_at)
 SELECT r.id, s, 'step.completed', 'step-' || s, 'system',
-       jsonb_build_object('attempt', 1, 'worker', 'bench'), r.created_at
+       jsonb_build_object('attempt', 1, 'worker', 'bench'), r.created_at, r.created_at
 FROM runs_run r, generate_series(1, %(events)s) s WHERE r.workflow = %(workflow)s;
 INSERT INTO runs_step (run_id, seq, key, kind, status, idempotency_key, attempt, run_attempt,
     recovered, tokens_in, tokens_out, cost_micros, reserved_micros, possibly_spent_micros,
@@ -73,8 +75,14 @@ FROM runs_run r, generate_series(1, %(steps)s) s WHERE r.workflow = %(workflow)s
 def seed(runs: int) -> None:
     started = time.monotonic()
     with connection.cursor() as cursor:
-        for workflow, status, n in ((PRUNED, "completed", runs), (KEPT, "waiting", runs // 10)):
-            params = {"workflow": workflow, "status": status, "runs": n}
+        # The pruned runs were created 61 days ago, the kept ones today: a month of finished
+        # runs is then all gone, and its events' partition goes whole (runs/partitions.py).
+        partitions.ensure(since=timezone.now() - timedelta(days=61))
+        for workflow, status, n, age in (
+            (PRUNED, "completed", runs, "61 days"),
+            (KEPT, "waiting", runs // 10, "0 days"),
+        ):
+            params = {"workflow": workflow, "status": status, "runs": n, "age": age}
             cursor.execute(SEED, params | {"events": EVENTS, "steps": STEPS})
     with connection.cursor() as cursor:  # autocommit: VACUUM runs outside a transaction
         # Vacuumed now, not by autovacuum during the measure: a vacuum of pages just written
@@ -214,8 +222,9 @@ def main() -> None:
         ["WAL per event pruned", f"{written / max(result.counts['events'], 1):,.0f} B"],
     ]
     print(table(["what", "value"], rows))
-    print("  Today every pruned row is deleted one by one, so the WAL grows with what is")
-    print("  dropped; partitions dropped whole (issue 35) would write next to none for them.")
+    print(f"  event partitions dropped whole: {', '.join(result.partitions_dropped) or 'none'}; "
+          f"orphaned events deleted row by row: {result.orphaned_events:,}")  # fmt: skip
+    print("  Runs and steps are deleted row by row; events leave with their month's partition.")
 
 
 if __name__ == "__main__":

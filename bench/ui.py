@@ -74,6 +74,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from unittest import mock
 from urllib.parse import urlsplit
@@ -132,7 +133,7 @@ from django.db import connection, transaction  # noqa: E402
 from django.test import Client, override_settings  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
-from runs import queries  # noqa: E402
+from runs import partitions, queries  # noqa: E402
 from runs.engine.fences import Fence, Lease  # noqa: E402
 from runs.engine.store import create_run, fenced_write  # noqa: E402
 from runs.engine.wakeup import doorbell  # noqa: E402
@@ -148,8 +149,8 @@ SELECT gen_random_uuid(), 'bench-' || (g % 20), '1', '{{}}'::jsonb,
        3, 0, {EVENTS_PER_RUN}, g % 1000, g % 500, g * 7, 0, 0, false, '', '', '', '', '', 0, 0, 0,
        now() - (g || ' seconds')::interval, now()
 FROM generate_series(1, {RUNS}) g;
-INSERT INTO runs_event (run_id, seq, type, step_key, actor, payload, created_at)
-SELECT r.id, s, 'step.completed', 's' || s, 'system', '{{}}'::jsonb, r.created_at
+INSERT INTO runs_event (run_id, seq, type, step_key, actor, payload, created_at, run_created_at)
+SELECT r.id, s, 'step.completed', 's' || s, 'system', '{{}}'::jsonb, r.created_at, r.created_at
 FROM runs_run r, generate_series(1, {EVENTS_PER_RUN}) s WHERE r.workflow LIKE 'bench-%';
 """
 
@@ -177,6 +178,8 @@ def fill() -> None:
     started = time.monotonic()
     with connection.cursor() as cursor:
         if history.count() < RUNS:
+            # The months the runs were created in get their history partitions first.
+            partitions.ensure(since=timezone.now() - timedelta(seconds=RUNS))
             cursor.execute(FILL)
             print(f"filled {RUNS:,} runs and {RUNS * EVENTS_PER_RUN:,} events", end="; ")
         if not Step.objects.filter(run__workflow="bench-0").exists():
@@ -253,7 +256,6 @@ def idle_poll() -> None:
     statement, the held-runs sweep, the poison check and its next-timer query, all as
     `WorkerProcess` sends them. Issue 35: 556 ms median at a million runs before its sweep
     used an index; the target is under 10 ms."""
-    from datetime import timedelta
     from uuid import uuid4
 
     from runs.engine import registry

@@ -422,13 +422,43 @@ RENAMED_EVENTS = {
 }
 
 
-class Event(models.Model):
-    """Append-only history: the timeline, the audit log and the source of live updates."""
+#: The partition key of an event without a run (halts and budgets on a whole workflow or on
+#: everything): a partition of its own on PostgreSQL, never dropped by retention.
+NO_RUN = datetime(1970, 1, 1, tzinfo=timezone.get_fixed_timezone(0))
 
-    # No index of its own: the unique (run, seq) constraint leads with run. NULL for actions
-    # on a whole workflow or on everything (halts, budgets): those are audit-only events.
+
+class EventManager(models.Manager):
+    def bulk_create(self, objs, *args, **kwargs):
+        """Each event's partition key from its run, as Event.save() gives it."""
+        objs = list(objs)
+        missing = {e.run_id for e in objs if e.run_created_at is None and e.run_id is not None}
+        created = dict(Run.objects.filter(pk__in=missing).values_list("pk", "created_at"))
+        for event in objs:
+            if event.run_created_at is None:
+                event.run_created_at = created[event.run_id] if event.run_id else NO_RUN
+        return super().bulk_create(objs, *args, **kwargs)
+
+
+class Event(models.Model):
+    """Append-only history: the timeline, the audit log and the source of live updates.
+
+    On PostgreSQL the table is partitioned by month of `run_created_at` (runs/partitions.py),
+    so retention drops a month of history whole instead of deleting its rows one by one. That
+    is also why `run` is not a database foreign key: a pruned run's events stay until their
+    month goes. Every writer takes `run_created_at` from the run row in the statement that
+    writes the event (Event.save() for the ORM's).
+    """
+
+    # No index of its own: the unique (run, seq, ...) constraint leads with run. NULL for
+    # actions on a whole workflow or on everything (halts, budgets): audit-only events.
     run = models.ForeignKey(
-        Run, null=True, blank=True, on_delete=models.CASCADE, related_name="events", db_index=False
+        Run,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="events",
+        db_index=False,
+        db_constraint=False,
     )
     seq = models.BigIntegerField()
     type = models.CharField(max_length=64, choices=EventType.choices)
@@ -436,12 +466,25 @@ class Event(models.Model):
     actor = models.CharField(max_length=150, default="system")
     payload = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField()
+    #: The run's created_at (NO_RUN without a run): the partition key, so all of a run's
+    #: history is in one month's partition.
+    run_created_at = models.DateTimeField(editable=False)
+
+    objects = EventManager()
 
     class Meta:
         ordering = ["run", "seq"]
         constraints = [
-            # Also the index for tailing a run's history after a given seq.
-            models.UniqueConstraint(fields=["run", "seq"], name="runs_event_run_seq_unique"),
+            # Also the index for tailing a run's history after a given seq. The partition key
+            # is in it because PostgreSQL requires it; a run has one creation time.
+            models.UniqueConstraint(
+                fields=["run", "seq", "run_created_at"], name="runs_event_run_seq_unique"
+            ),
+            models.CheckConstraint(
+                condition=Q(run__isnull=False, run_created_at__gt=NO_RUN)
+                | Q(run__isnull=True, run_created_at=NO_RUN),
+                name="runs_event_partition_key",
+            ),
         ]
         indexes = [
             # The audit page: operator actions (actor other than "system"), newest first.
@@ -464,6 +507,22 @@ class Event(models.Model):
 
     def __str__(self) -> str:
         return f"{self.run_id}#{self.seq} {self.type}"
+
+    def save(self, *args, **kwargs):
+        """The partition key from the run row, read by the INSERT itself: no extra round trip,
+        and no caller can give a run's events another month."""
+        if self.run_created_at is None:
+            if self.run_id is None:
+                self.run_created_at = NO_RUN
+            elif (run := self._state.fields_cache.get("run")) is not None:
+                self.run_created_at = run.created_at
+            else:
+                self.run_created_at = models.Subquery(
+                    Run.objects.filter(pk=self.run_id).values("created_at")[:1]
+                )
+        super().save(*args, **kwargs)
+        if isinstance(self.run_created_at, models.Subquery):
+            del self.run_created_at  # read back on first use, like a deferred field
 
 
 class Shaped(models.TextChoices):

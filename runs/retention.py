@@ -5,6 +5,9 @@ it, for the transaction that deletes a batch of runs, and every prune is an audi
 its counts. A run leaves only with its whole family: a root run that ended before the limit,
 every descendant ended before the limit too, and no run outside the batch forked from any of
 them (Run.forked_from is PROTECT: a fork that stays keeps its origin).
+
+On PostgreSQL a pruned run's events are not deleted with it: they stay in their month's
+partition, which goes whole once no run created in that month is left (runs/partitions.py).
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from django.db import close_old_connections, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from runs import partitions
 from runs.engine.chores import Chore as WorkerChore
 from runs.engine.chores import ChoreContext
-from runs.models import TERMINAL_STATUSES, Chore, EventType, Run
+from runs.models import TERMINAL_STATUSES, Chore, Event, EventType, Run
 from runs.operations import audit
 
 log = logging.getLogger("stepguard.retention")
@@ -42,6 +46,10 @@ class PruneResult:
 
     counts: Counter = field(default_factory=Counter)
     batches: int = 0
+    #: PostgreSQL: the month partitions of events dropped whole, and the events of runs pruned
+    #: earlier deleted from a month a live run still pins (partitions.orphans).
+    partitions_dropped: list[str] = field(default_factory=list)
+    orphaned_events: int = 0
 
     @property
     def runs(self) -> int:
@@ -137,7 +145,16 @@ def _delete(ids: list, *, dry_run: bool, archive: Path | None) -> Counter:
     for rel in _related():
         rows = rel.related_model._base_manager.filter(**{f"{rel.field.name}__in": ids})
         name = rel.get_accessor_name()
-        counts[name] = rows.count() if dry_run else rows._raw_delete(rows.db)
+        if dry_run:
+            counts[name] = rows.count()
+        elif rel.related_model is Event and partitions.partitioned():
+            # Left in their month's partition, dropped whole later; only those the DEFAULT
+            # partition holds are deleted here.
+            counts[name] = rows.count()
+            with connection.cursor() as cursor:
+                cursor.execute(f"DELETE FROM {partitions.DEFAULT} WHERE run_id = ANY(%s)", [ids])
+        else:
+            counts[name] = rows._raw_delete(rows.db)
     runs = Run.objects.filter(pk__in=ids)
     counts["runs"] = len(ids) if dry_run else runs._raw_delete(runs.db)
     if not dry_run:
@@ -189,8 +206,15 @@ def prune(
             if counts is not None:  # told once committed: a batch that failed deleted nothing
                 result.counts.update(counts)
                 result.batches += 1
+        if not dry_run:
+            result.partitions_dropped = partitions.drop_empty()
+            result.orphaned_events = _delete_orphans(partitions.orphans(finished_before))
     finally:
         if not dry_run:
+            dropped = {
+                "partitions_dropped": result.partitions_dropped,
+                "orphaned_events": result.orphaned_events,
+            }
             audit(
                 actor,
                 EventType.RUNS_PRUNED,
@@ -198,8 +222,21 @@ def prune(
                 archive=str(archive) if archive else None,
                 batches=result.batches,
                 **{"runs": 0, **result.counts},
+                **(dropped if partitions.partitioned() else {}),
             )
     return result
+
+
+def _delete_orphans(runs: list) -> int:
+    """Delete the events of runs pruned earlier, `BATCH_SIZE` runs per transaction."""
+    deleted = 0
+    for start in range(0, len(runs), BATCH_SIZE):
+        with transaction.atomic():
+            _history_open(True)
+            rows = Event.objects.filter(run_id__in=runs[start : start + BATCH_SIZE])
+            deleted += rows._raw_delete(rows.db)
+            _history_open(False)
+    return deleted
 
 
 def claim_daily_prune(worker: str) -> bool:

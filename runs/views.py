@@ -799,6 +799,9 @@ def audit_page(request):
     with `system=1`, the system's own events too (lockouts, runs created by code, recoveries)."""
     system = request.GET.get("system") == "1"
     events = Event.objects.select_related("run").order_by("-created_at")
+    # Not the events of a pruned run, which on PostgreSQL stay until their month's partition
+    # is dropped (runs/partitions.py): a run's actions leave the log with the run.
+    events = events.filter(Q(run_id__isnull=True) | Q(run__created_at__isnull=False))
     if not system:
         events = events.exclude(actor="system")
     actor, action, run = (request.GET.get(k, "").strip() for k in ("actor", "action", "run"))

@@ -104,7 +104,7 @@ def _placeholders(sql: str) -> int:
 def test_fence_statement_binds_one_parameter_per_placeholder(checks):
     sql, params = fence_statement(_lease(), checks)
     assert _placeholders(sql) == len(params)
-    assert sql.startswith("UPDATE ") and sql.endswith(" RETURNING event_seq")
+    assert sql.startswith("UPDATE ") and sql.endswith(" RETURNING event_seq, created_at")
     assert params[0] == checks.events
 
 
@@ -112,7 +112,7 @@ def test_every_fenced_write_checks_the_lease_and_only_a_start_checks_more():
     lease = _lease()
     sql, params = fence_statement(lease, Fence(spend=Spend(1, 1, 1), progress=True))
     assert sql.split(" WHERE ", 1)[1] == (
-        "id = %s AND lease_epoch = %s AND status = %s RETURNING event_seq"
+        "id = %s AND lease_epoch = %s AND status = %s RETURNING event_seq, created_at"
     )
     assert params[-3:][1:] == [7, "running"]
     started, _ = fence_statement(lease, Fence(starting=True))

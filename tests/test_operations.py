@@ -99,7 +99,10 @@ def test_prune_deletes_runs_ended_before_the_limit_with_all_their_rows_and_audit
 
     assert result.counts == {"runs": 3, **expected}
     assert set(Run.objects.values_list("pk", flat=True)) == {young.pk, waiting.pk}
-    assert all(v == 0 for r in finished for v in rows_of(r).values())
+    left = {k for r in finished for k, v in rows_of(r).items() if v}
+    # On PostgreSQL a pruned run's events stay in their month's partition until it is dropped
+    # whole (tests/test_partitions.py).
+    assert left == ({"events"} if connection.vendor == "postgresql" else set())
     assert rows_of(young)["events"] > 0
     [audit] = pruned_events()
     assert audit["runs"] == 3 and audit["events"] == expected["events"]

@@ -152,8 +152,8 @@ TAKE_CLAIMED = f""", u AS (
                 RETURNING {_RUN_COLUMNS}, c.was
             ), e AS (
                 INSERT INTO {EVENT_TABLE}
-                    (run_id, seq, step_key, type, actor, payload, created_at)
-                SELECT id, event_seq, '',
+                    (run_id, run_created_at, seq, step_key, type, actor, payload, created_at)
+                SELECT id, created_at, event_seq, '',
                     CASE was WHEN %s THEN %s WHEN %s THEN %s ELSE %s END,
                     'system', jsonb_build_object('worker', %s::text, 'epoch', lease_epoch), %s
                 FROM u

@@ -225,7 +225,7 @@ def fence_statement(lease: Lease, checks: Fence = Fence()) -> tuple[str, list[An
             more, more_params = condition.sql(checks)
             sql += more
             params += more_params
-    return sql + " RETURNING event_seq", params
+    return sql + " RETURNING event_seq, created_at", params
 
 
 def db_id(run_id) -> Any:

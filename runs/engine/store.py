@@ -293,8 +293,10 @@ def _carrying(
     sql = (
         f"WITH f AS ({fence_sql})"
         f", p AS (UPDATE {STEP_TABLE} SET {sets} WHERE id = %s AND EXISTS (SELECT 1 FROM f))"
-        f", pe AS (INSERT INTO {EVENT_TABLE} (run_id, seq, {', '.join(event_columns)})"
-        f" SELECT %s::uuid, f.event_seq - %s, {', '.join(event_placeholders)} FROM f) "
+        f", pe AS (INSERT INTO {EVENT_TABLE}"
+        f" (run_id, run_created_at, seq, {', '.join(event_columns)})"
+        f" SELECT %s::uuid, f.created_at, f.event_seq - %s, {', '.join(event_placeholders)}"
+        " FROM f) "
     )
     params = [*params, *values, pending.step_id, db_id(lease.run_id), after, *event_values]
     return sql + tail, params
@@ -484,8 +486,9 @@ def _fenced_write(
     params += step_params
     event_columns, event_placeholders, event_values = prep(Event, event_fields(key, type_, payload))
     sql += (
-        f", e AS (INSERT INTO {EVENT_TABLE} (run_id, seq, {', '.join(event_columns)}) "
-        f"SELECT %s::uuid, f.event_seq, {', '.join(event_placeholders)} FROM f)"
+        f", e AS (INSERT INTO {EVENT_TABLE} (run_id, run_created_at, seq,"
+        f" {', '.join(event_columns)}) SELECT %s::uuid, f.created_at, f.event_seq,"
+        f" {', '.join(event_placeholders)} FROM f)"
     )
     params += [run_id, *event_values]
     asynchronous = (

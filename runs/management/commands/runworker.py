@@ -8,7 +8,7 @@ import time
 from django.conf import settings
 from django.core.management.base import CommandError
 
-from runs import logcontext, notifications, retention, schedules
+from runs import logcontext, notifications, partitions, retention, schedules
 from runs.engine import registry
 from runs.engine.worker import Chore, WorkerProcess
 from runs.management.base import StepguardCommand
@@ -18,9 +18,9 @@ log = logging.getLogger("stepguard.worker")
 
 def chores() -> list[Chore]:
     """What a worker process does besides its runs, each described by the module that owns it:
-    firing schedules (between claims), notification deliveries and, when
-    STEPGUARD_RETENTION_DAYS is set, the daily prune (one worker of all does each)."""
-    found = [schedules.chore(), notifications.chore(), retention.chore()]
+    firing schedules (between claims), notification deliveries, on PostgreSQL the coming
+    months' history partitions and, when STEPGUARD_RETENTION_DAYS is set, the daily prune."""
+    found = [schedules.chore(), notifications.chore(), partitions.chore(), retention.chore()]
     return [chore for chore in found if chore is not None]
 
 
