@@ -436,7 +436,7 @@ def list_events(
     past that a payload is `{"cut": true, "bytes": N, "whole": "<URL of that one event>"}`."""
     viewer(request)
     run = run_or_404(run_id)
-    events = Event.objects.filter(run=run, seq__gt=after).order_by("seq")
+    events = Event.objects.of(run).filter(seq__gt=after).order_by("seq")
     page = list(bounded.sized(events, ("payload",))[:limit])
     bounded.fill(page, ("payload",), settings.STEPGUARD_API_MAX_RESPONSE, whole_event)
     return page

@@ -200,8 +200,12 @@ class RunConsumer(Feed):
         if not settings.REDIS_URL and connection.vendor == "postgresql":
             EventsListener.ensure(asyncio.get_running_loop(), self.channel_layer)
         await self.accept()
-        status = await database_sync_to_async(
-            lambda: Run.objects.filter(pk=self.run_id).values_list("status", flat=True).first()
+        # Its creation time too, once: the events' partition key (Event.objects.of).
+        status, self.created = await database_sync_to_async(
+            lambda: (
+                Run.objects.filter(pk=self.run_id).values_list("status", "created_at").first()
+                or (None, None)
+            )
         )()
         await self.send(text_data=live_status(status))
         self.pump = asyncio.create_task(self._pump())
@@ -246,7 +250,9 @@ class RunConsumer(Feed):
 
         One message per table row: the HTML parser cannot mix rows with other elements."""
         events = list(
-            Event.objects.filter(run_id=self.run_id, seq__gt=self.after).order_by("seq")[:BATCH]
+            Event.objects.filter(
+                run_id=self.run_id, run_created_at=self.created, seq__gt=self.after
+            ).order_by("seq")[:BATCH]
         )
         if not events:
             return []

@@ -134,7 +134,7 @@ def _halted(run: Run, hold: Hold, now: datetime) -> State:
 
 
 def _over_budget(run: Run) -> State:
-    stop = Event.objects.filter(run=run, type=EventType.BUDGET_EXCEEDED).order_by("-seq").first()
+    stop = Event.objects.of(run).filter(type=EventType.BUDGET_EXCEEDED).order_by("-seq").first()
     p = stop.payload if stop else {}
     if not p:
         return State("Paused over budget.", "raise-budget")

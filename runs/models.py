@@ -10,8 +10,9 @@ import uuid
 from datetime import datetime
 
 from django.conf import settings
-from django.db import models
+from django.db import connections, models, router
 from django.db.models import JSONField, Q, Value
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from runs.fields import ExactJSONField
@@ -427,7 +428,14 @@ RENAMED_EVENTS = {
 NO_RUN = datetime(1970, 1, 1, tzinfo=timezone.get_fixed_timezone(0))
 
 
-class EventManager(models.Manager):
+class EventQuerySet(models.QuerySet):
+    def of(self, run: Run) -> "EventQuerySet":
+        """`run`'s events, its partition named: PostgreSQL then plans one month's table instead
+        of every month's (1.2 ms of planning per query at 29 partitions, against 0.1 ms)."""
+        return self.filter(run_id=run.pk, run_created_at=run.created_at)
+
+
+class EventManager(models.Manager.from_queryset(EventQuerySet)):  # type: ignore[misc]
     def bulk_create(self, objs, *args, **kwargs):
         """Each event's partition key from its run, as Event.save() gives it."""
         objs = list(objs)
@@ -510,18 +518,21 @@ class Event(models.Model):
 
     def save(self, *args, **kwargs):
         """The partition key from the run row, read by the INSERT itself: no extra round trip,
-        and no caller can give a run's events another month."""
+        and no caller can give a run's events another month. (Raw SQL: a compiled Subquery
+        cost half a millisecond of Python per event.)"""
         if self.run_created_at is None:
             if self.run_id is None:
                 self.run_created_at = NO_RUN
             elif (run := self._state.fields_cache.get("run")) is not None:
                 self.run_created_at = run.created_at
             else:
-                self.run_created_at = models.Subquery(
-                    Run.objects.filter(pk=self.run_id).values("created_at")[:1]
+                db = connections[kwargs.get("using") or router.db_for_write(Event, instance=self)]
+                self.run_created_at = RawSQL(
+                    f"(SELECT created_at FROM {Run._meta.db_table} WHERE id = %s)",
+                    [Run._meta.pk.get_db_prep_value(self.run_id, db)],
                 )
         super().save(*args, **kwargs)
-        if isinstance(self.run_created_at, models.Subquery):
+        if isinstance(self.run_created_at, RawSQL):
             del self.run_created_at  # read back on first use, like a deferred field
 
 

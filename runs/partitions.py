@@ -38,6 +38,8 @@ LOCK_TIMEOUT = "500ms"
 #: other runs' history with it.
 PINNED_GRACE = timedelta(days=31)
 CHECK_SECONDS = 6 * 3600.0
+#: The most pruned runs whose events one prune deletes from pinned months (the rest: the next).
+ORPHANS_PER_PRUNE = 100_000
 _NAME = re.compile(rf"^{TABLE}_(\d{{4}})_(\d{{2}})$")
 
 
@@ -160,9 +162,9 @@ def _pinned(month: date) -> bool:
 
 
 def orphans(before: datetime, now: datetime | None = None) -> list:
-    """The ids of pruned runs whose events are still in a month that ended PINNED_GRACE before
-    `before` and that a live run still pins (so it is not dropped): retention deletes those
-    rows one by one, once."""
+    """The ids of pruned runs (at most ORPHANS_PER_PRUNE) whose events are still in a month
+    that ended PINNED_GRACE before `before` and that a live run still pins (so it is not
+    dropped): retention deletes those rows one by one. Reads each such month whole."""
     if not partitioned():
         return []
     current, found = month_of(now or timezone.now()), []
@@ -174,9 +176,12 @@ def orphans(before: datetime, now: datetime | None = None) -> list:
         with connection.cursor() as cursor:
             cursor.execute(
                 f"SELECT DISTINCT e.run_id FROM {name_of(month)} e WHERE NOT EXISTS"
-                f" (SELECT 1 FROM {Run._meta.db_table} r WHERE r.id = e.run_id)"
+                f" (SELECT 1 FROM {Run._meta.db_table} r WHERE r.id = e.run_id) LIMIT %s",
+                [ORPHANS_PER_PRUNE - len(found)],
             )
             found += [row[0] for row in cursor.fetchall()]
+        if len(found) >= ORPHANS_PER_PRUNE:
+            break
     return found
 
 

@@ -181,6 +181,8 @@ def prune(
     """
     result = PruneResult()
     after: tuple | None = None  # keyset cursor over roots: (finished_at, id)
+    if not dry_run:
+        partitions.ensure()  # a prune run by cron, where no worker may make them
     try:
         while True:
             with transaction.atomic():

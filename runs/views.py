@@ -522,7 +522,8 @@ def fork_context(run: Run) -> dict:
             .first()
         )
         payload = (
-            Event.objects.filter(run=run, type=EventType.RUN_FORKED_FROM)
+            Event.objects.of(run)
+            .filter(type=EventType.RUN_FORKED_FROM)
             .values_list("payload", flat=True)
             .first()
         )

@@ -246,3 +246,14 @@ FROM runs_run r, generate_series(1, 4) s;
 INSERT INTO runs_event (run_id, seq, type, step_key, actor, payload, created_at)
 VALUES (NULL, 0, 'scope.halted', '', 'alice', '{}', now());
 """
+
+
+@pytest.mark.postgres
+def test_a_runs_events_are_read_from_its_months_table_alone(drive):
+    """Event.objects.of(run) names the partition: one month's table is planned and read."""
+    run = start_run("waiter", {})
+    drive()
+    plan = Event.objects.of(run).filter(seq__gt=0).order_by("seq").explain()
+    month = partitions.name_of(partitions.month_of(run.created_at))
+    assert month in plan
+    assert partitions.DEFAULT not in plan and partitions.NO_RUN not in plan

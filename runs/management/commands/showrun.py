@@ -87,7 +87,7 @@ class Command(StepguardCommand):
             # and they are read before stopping (read the other way round, the events that
             # came between the two reads were never printed: 2 of 3 steps shown, once).
             run.refresh_from_db(fields=["status", "output", "error"])
-            for event in Event.objects.filter(run_id=run.id, seq__gt=after).order_by("seq"):
+            for event in Event.objects.of(run).filter(seq__gt=after).order_by("seq"):
                 self.stdout.write(describe(event))
                 self.stdout.flush()
                 after = event.seq
