@@ -2,8 +2,8 @@
 of history whole (next to no WAL) instead of deleting it row by row (runs/partitions.py).
 
 PostgreSQL: the table is rebuilt as a partitioned one and every event copied into it, with its
-run's created_at as the key: about 40 s per 10 million events, in the migration's transaction,
-with the workers stopped. There is no way back but a restore: the migration is irreversible.
+run's created_at as the key: 23 s for 5 million events on 2 cores, indexes included, in the
+migration's transaction, with the workers stopped. There is no way back but a restore: the migration is irreversible.
 SQLite keeps one plain table with the new column.
 
 The foreign key from events to runs goes on both engines: a pruned run's events stay until
