@@ -517,9 +517,9 @@ class Event(models.Model):
         return f"{self.run_id}#{self.seq} {self.type}"
 
     def save(self, *args, **kwargs):
-        """The partition key from the run row, read by the INSERT itself: no extra round trip,
-        and no caller can give a run's events another month. (Raw SQL: a compiled Subquery
-        cost half a millisecond of Python per event.)"""
+        """The partition key from the run row, read by the INSERT itself (no extra round trip),
+        or from the run object given. Callers do not pass it; one that does (a bulk seed) is
+        trusted. (Raw SQL: a compiled Subquery cost half a millisecond of Python per event.)"""
         if self.run_created_at is None:
             if self.run_id is None:
                 self.run_created_at = NO_RUN

@@ -293,7 +293,10 @@ def sweep(now=None) -> int:
             created_at__lte=now,
         ).exclude(pk__in=NotificationDelivery.objects.filter(channel=channel).values("event_id"))
         # A delivery's own events are never notified: a failing webhook would feed itself.
-        events = events.exclude(run__workflow=WORKFLOW)
+        # Nor a pruned run's, left in its month's partition (runs/partitions.py).
+        events = events.exclude(run__workflow=WORKFLOW).filter(
+            Q(run_id__isnull=True) | Q(run__created_at__isnull=False)
+        )
         if channel.workflow:
             events = events.filter(run__workflow=channel.workflow)
         rows = events.order_by("created_at", "id").values_list("id", "type", "created_at")
@@ -438,7 +441,7 @@ def send(channel_id: int, event_id: int, key: str) -> dict:
     if channel.paused_at is not None:  # a retry of a dead receiver's delivery stops here too
         return {"skipped": f"the channel was paused by {channel.paused_by}"}
     event = Event.objects.select_related("run").filter(pk=event_id).first()
-    if event is None:
+    if event is None or (event.run_id is not None and event.run is None):  # left in its month
         return {"skipped": "the event is gone (its run was pruned)"}
     body = message(event)
     if channel.kind == ChannelKind.EMAIL:

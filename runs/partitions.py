@@ -20,7 +20,7 @@ import logging
 import re
 from datetime import UTC, date, datetime, timedelta
 
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, close_old_connections, connection, transaction
 from django.utils import timezone
 
 from runs.engine.chores import Chore, ChoreContext
@@ -96,8 +96,12 @@ def ensure(since: datetime | None = None, now: datetime | None = None) -> list[s
         last = next_month(last)
     have, made = set(months()), []
     while month <= last:
-        if month not in have:
-            start, end = _start(month), _start(next_month(month))
+        start, end = _start(month), _start(next_month(month))
+        if month not in have and _in_default(start, end):
+            log.warning(
+                "history partition %s not made: %s holds its events", name_of(month), DEFAULT
+            )
+        elif month not in have:
             try:
                 _ddl(
                     f"CREATE TABLE IF NOT EXISTS {name_of(month)} PARTITION OF {TABLE}"
@@ -110,6 +114,18 @@ def ensure(since: datetime | None = None, now: datetime | None = None) -> list[s
     return made
 
 
+def _in_default(start: datetime, end: datetime) -> bool:
+    """Whether the DEFAULT partition holds events of a month: PostgreSQL would refuse that
+    month's partition, after reading DEFAULT whole under a lock every event write waits for.
+    Read here under no such lock."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT 1 FROM {DEFAULT} WHERE run_created_at >= %s AND run_created_at < %s LIMIT 1",
+            [start, end],
+        )
+        return cursor.fetchone() is not None
+
+
 def drop_empty(now: datetime | None = None) -> list[str]:
     """Detach and drop each past month's partition that no run created in it is left for;
     return their names. The run check is made under the table's lock, so a run committed
@@ -118,18 +134,18 @@ def drop_empty(now: datetime | None = None) -> list[str]:
         return []
     current, dropped = month_of(now or timezone.now()), []
     for month in months():
-        if month >= current or _pinned(month):  # an index look-up on runs(created_at)
-            continue
         name = name_of(month)
-        if stray := _live_run_in(name):
-            log.error(
-                "history partition %s not dropped: it holds events of run %s, created in"
-                " another month (was the run's created_at changed?)",
-                name,
-                stray,
-            )
-            continue
         try:
+            if month >= current or _pinned(month):  # an index look-up on runs(created_at)
+                continue
+            if stray := _live_run_in(name):
+                log.error(
+                    "history partition %s not dropped: it holds events of run %s, created in"
+                    " another month (was the run's created_at changed?)",
+                    name,
+                    stray,
+                )
+                continue
             with transaction.atomic(), connection.cursor() as cursor:
                 cursor.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
                 cursor.execute(f"LOCK TABLE {TABLE} IN ACCESS EXCLUSIVE MODE")
@@ -163,23 +179,24 @@ def _pinned(month: date) -> bool:
 
 def orphans(before: datetime, now: datetime | None = None) -> list:
     """The ids of pruned runs (at most ORPHANS_PER_PRUNE) whose events are still in a month
-    that ended PINNED_GRACE before `before` and that a live run still pins (so it is not
-    dropped): retention deletes those rows one by one. Reads each such month whole."""
+    that ended PINNED_GRACE before `before` and was not dropped (a live run pins it, or it
+    could not be): retention deletes those rows one by one. Reads each such month whole."""
     if not partitioned():
         return []
     current, found = month_of(now or timezone.now()), []
     for month in months():
         if month >= current or _start(next_month(month)) > before - PINNED_GRACE:
             continue
-        if not _pinned(month):
-            continue  # dropped whole by drop_empty
-        with connection.cursor() as cursor:
-            cursor.execute(
-                f"SELECT DISTINCT e.run_id FROM {name_of(month)} e WHERE NOT EXISTS"
-                f" (SELECT 1 FROM {Run._meta.db_table} r WHERE r.id = e.run_id) LIMIT %s",
-                [ORPHANS_PER_PRUNE - len(found)],
-            )
-            found += [row[0] for row in cursor.fetchall()]
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    f"SELECT DISTINCT e.run_id FROM {name_of(month)} e WHERE NOT EXISTS"
+                    f" (SELECT 1 FROM {Run._meta.db_table} r WHERE r.id = e.run_id) LIMIT %s",
+                    [ORPHANS_PER_PRUNE - len(found)],
+                )
+                found += [row[0] for row in cursor.fetchall()]
+        except DatabaseError as error:  # dropped meanwhile by another prune
+            log.warning("history partition %s not read: %s", name_of(month), error)
         if len(found) >= ORPHANS_PER_PRUNE:
             break
     return found
@@ -193,6 +210,7 @@ def keep_ahead(context: ChoreContext) -> None:
             log.info("made history partitions %s", ", ".join(made))
     except Exception:
         log.exception("history partitions: not made; next look in %ss", CHECK_SECONDS)
+        close_old_connections()  # a connection lost to a restart is opened again next time
 
 
 def chore() -> Chore | None:

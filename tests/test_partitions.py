@@ -17,11 +17,11 @@ from django.db import DatabaseError, connection, transaction
 from django.test import Client
 from django.utils import timezone
 
-from runs import partitions, retention
+from runs import notifications, partitions, retention
 from runs.approvals.models import ApprovalRequest
 from runs.approvals.services import decide
 from runs.management.commands.runworker import chores
-from runs.models import NO_RUN, Event, Run, RunStatus
+from runs.models import NO_RUN, Event, NotificationDelivery, Run, RunStatus
 from runs.operations import cancel_run, halt
 from runs.sdk import send_signal, start_run
 from tests import workflows  # noqa: F401  (registers "ledger", "waiter", "approver")
@@ -257,3 +257,21 @@ def test_a_runs_events_are_read_from_its_months_table_alone(drive):
     month = partitions.name_of(partitions.month_of(run.created_at))
     assert month in plan
     assert partitions.DEFAULT not in plan and partitions.NO_RUN not in plan
+
+
+@pytest.mark.postgres
+def test_a_pruned_runs_events_are_neither_swept_nor_sent(drive):
+    """Left in their month after the prune, they are no one's news: the sweep skips them and
+    a delivery started before the prune says the event is gone."""
+    channel = notifications.add_channel(None, "webhook", "http://127.0.0.1:9/h", ["run.completed"])
+    run = start_run("ledger", {"steps": 1})
+    drive()
+    event = Event.objects.get(run_id=run.pk, type="run.completed")
+    assert not NotificationDelivery.objects.exists()
+    Run.objects.filter(pk=run.pk).update(finished_at=timezone.now() - timedelta(days=10))
+    assert retention.prune(finished_before=timezone.now() - timedelta(days=1)).runs == 1
+    assert Event.objects.filter(pk=event.pk).exists()  # left in its month's partition
+    assert notifications.sweep() == 0 and not NotificationDelivery.objects.exists()
+    assert notifications.send(channel.pk, event.pk, "k") == {
+        "skipped": "the event is gone (its run was pruned)"
+    }
