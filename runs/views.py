@@ -622,7 +622,7 @@ def earlier_steps(request, run_id: UUID):
 def earlier_events(request, run_id: UUID):
     """The chunk of history before `before`, for the "earlier events" button."""
     run = _run_or_404(run_id)
-    events, more = _earlier(run.events.all(), _before(request), EVENT_CHUNK)
+    events, more = _earlier(Event.objects.of(run), _before(request), EVENT_CHUNK)
     return render(
         request,
         "runs/detail.html#earlier-events",
