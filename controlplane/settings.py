@@ -237,14 +237,23 @@ DB_WEB_CONNECTIONS = env_int("DB_WEB_CONNECTIONS", 10, minimum=1)
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+
+#: Seconds a read from Redis may wait. channels-redis blocks 5 s on its pop (brpop_timeout)
+#: and redis-py 8 gives up reading after 5 s by default: every quiet live feed died with 1011
+#: after 5-6 s. Longer than the pop, short enough that a hung Redis is noticed.
+REDIS_SOCKET_TIMEOUT = 15
+
+
+def redis_channel_layer(url: str) -> dict:
+    """The Channels layer on Redis at `url`: a host dict (not a bare URL) so the connection
+    carries a read timeout longer than the layer's blocking pop, and TCP keepalives."""
+    host = {"address": url, "socket_timeout": REDIS_SOCKET_TIMEOUT, "socket_keepalive": True}
+    return {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [host]}}
+
+
 REDIS_URL = os.environ.get("REDIS_URL", "")
 if REDIS_URL:
-    CHANNEL_LAYERS = {
-        "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL]},
-        }
-    }
+    CHANNEL_LAYERS = {"default": redis_channel_layer(REDIS_URL)}
 else:
     # Per-process only: good enough for the embedded single-process demo, where consumers poll.
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}

@@ -101,8 +101,9 @@ def host_defaults(settings) -> dict[str, object]:
     """
     layer = getattr(settings, "CHANNEL_LAYERS", {}).get("default", {})
     hosts = layer.get("CONFIG", {}).get("hosts") or [""]
-    redis = "channels_redis" in layer.get("BACKEND", "") and isinstance(hosts[0], str)
-    return {"LOG_FORMAT": "plain", "REDIS_URL": hosts[0] if redis else ""}
+    host = hosts[0].get("address", "") if isinstance(hosts[0], dict) else hosts[0]
+    redis = "channels_redis" in layer.get("BACKEND", "") and isinstance(host, str)
+    return {"LOG_FORMAT": "plain", "REDIS_URL": host if redis else ""}
 
 
 def apply_defaults(settings) -> None:

@@ -136,3 +136,14 @@ def test_a_hosts_redis_channel_layer_is_the_doorbell_unless_it_names_another():
     own = SimpleNamespace(DATABASES={"default": {}}, REDIS_URL="", LOG_FORMAT="json")
     conf.apply_defaults(own)
     assert (own.REDIS_URL, own.LOG_FORMAT) == ("", "json")
+
+
+def test_a_hosts_redis_layer_given_as_a_host_dict_is_the_doorbell_too():
+    """The shape docs/install.md recommends (a read timeout longer than the blocking pop)."""
+    from controlplane.settings import redis_channel_layer
+
+    layer = redis_channel_layer("redis://cache:6379/3")
+    host = SimpleNamespace(DATABASES={"default": {}}, CHANNEL_LAYERS={"default": layer})
+    conf.apply_defaults(host)
+    assert host.REDIS_URL == "redis://cache:6379/3"
+    assert layer["CONFIG"]["hosts"][0]["socket_timeout"] > 5  # channels-redis's pop blocks 5 s

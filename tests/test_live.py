@@ -239,3 +239,45 @@ def test_deltas_travel_by_notify_without_redis(settings):
     assert EventsListener.messages(DELTAS_CHANNEL, notes[0].payload) == [
         ("run-r-1", {"type": "step.delta", "seq": 3, "text": payloads[0]["text"]})
     ]
+
+
+def redis_layer_settings():
+    """The channel layer controlplane.settings builds for REDIS_URL (CI sets it; a local run
+    without it uses the machine's Redis on 127.0.0.1)."""
+    import os
+
+    from controlplane.settings import redis_channel_layer
+
+    url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
+    layer = redis_channel_layer(url)
+    layer["CONFIG"]["prefix"] = f"test-quiet-{os.getpid()}"
+    return url, {"default": layer}
+
+
+def test_a_quiet_redis_backed_feed_stays_open_past_the_socket_timeout(cast, settings):
+    """redis-py 8 reads with a 5 s socket timeout, channels-redis blocks 5 s on its pop: a
+    feed with nothing to say died with 1011 after 5-6 s and every open page reconnected. The
+    feed stays open through 8 quiet seconds and then still delivers."""
+    settings.REDIS_URL, settings.CHANNEL_LAYERS = redis_layer_settings()
+    run = start_run("ledger", {"steps": 1})
+
+    async def go():
+        comm = communicator(run, cast["vera"], after=0)
+        connected, _ = await comm.connect(timeout=10)
+        assert connected
+        while not await comm.receive_nothing(timeout=0.5):  # what the run has so far
+            await comm.receive_from(timeout=5)
+        # The quiet that killed it: longer than both 5 s timeouts together.
+        assert await comm.receive_nothing(timeout=8), "the feed said something while quiet"
+        from channels.db import database_sync_to_async
+
+        def note():
+            with transaction.atomic():
+                run_event(run.pk, "note.added", actor="otto", text="still there?")
+
+        await database_sync_to_async(note)()
+        frame = await comm.receive_from(timeout=10)
+        await comm.disconnect()
+        return frame
+
+    assert "still there?" in run_async(go)
