@@ -21,7 +21,17 @@ from runs.engine import flow, rates, registry
 from runs.engine.budget import to_usd
 from runs.engine.deltas import Conversations
 from runs.errors import Forbidden, NotFound, OperationError
-from runs.models import GLOBAL, Event, NotificationChannel, Policy, RateLimit, Run, Schedule, Worker
+from runs.models import (
+    GLOBAL,
+    ApiKeyScope,
+    Event,
+    NotificationChannel,
+    Policy,
+    RateLimit,
+    Run,
+    Schedule,
+    Worker,
+)
 from runs.operations import KEEP, Target
 from runs.sdk import send_signal, start_run
 
@@ -109,6 +119,15 @@ class RunOut(Schema):
             ),
             "cancel_requested_by": run.cancel_requested_by or None,
         }
+
+
+class RunStarted(Schema):
+    """What a `start`-scoped API key learns of the run its start made or found: a key that
+    only starts runs reads none (a guessed idempotency key must not read another's run)."""
+
+    id: UUID
+    workflow: str
+    status: str
 
 
 class RunPage(Schema):
@@ -275,9 +294,14 @@ def run_or_404(run_id: UUID) -> Run:
 # -- runs --------------------------------------------------------------------------------------
 
 
-@router.post("/runs", response={200: RunOut, 201: RunOut, **ERRORS_422}, tags=["runs"])
+@router.post(
+    "/runs",
+    response={200: RunOut | RunStarted, 201: RunOut | RunStarted, **ERRORS_422},
+    tags=["runs"],
+)
 def create_run(request, body: StartIn):
-    """Start a run. Idempotent by `key`: a repeat returns the existing run with 200."""
+    """Start a run. Idempotent by `key`: a repeat returns the existing run with 200. A
+    `start`-scoped key gets the run's id, workflow and status only (RunStarted)."""
     if not request.user.has_perm("runs.add_run"):
         raise Forbidden(f"{request.user.get_username()} may not start runs (needs runs.add_run)")
     registry.load_configured()
@@ -293,7 +317,10 @@ def create_run(request, body: StartIn):
         started_by=request.user,
         api_key=getattr(getattr(request, "api_key", None), "prefix", None),
     )
-    return Status(201 if run.was_created else 200, RunOut.of(run))
+    code = 201 if run.was_created else 200
+    if getattr(getattr(request, "api_key", None), "scope", None) == ApiKeyScope.START:
+        return Status(code, {"id": run.pk, "workflow": run.workflow, "status": run.status})
+    return Status(code, RunOut.of(run))
 
 
 @router.get("/runs", response={200: RunPage, **ERRORS_422})

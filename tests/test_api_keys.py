@@ -166,3 +166,22 @@ def test_the_keys_page_creates_scoped_expiring_keys_audited_and_lists_them(root)
     assert event.actor == "root" and event.payload["scope"] == "start"
     assert event.payload["expires_at"].startswith("2099-06-30")
     assert f"API key sg_{key.prefix} of root" in browser.get("/audit").content.decode()
+
+
+def test_a_start_key_repeating_a_start_learns_the_id_and_status_not_the_run(root, client):
+    """Guessing an idempotency key was a way to read any run whole (its input: a card number)
+    with a key docs/deploy.md says only starts runs and sends signals."""
+    secret = start_run("ledger", {"steps": 1, "card": "4111-1111"}, key="secret-job-42")
+    _, text = create_key(root, "ci", scope="start")
+    body = {"workflow": "ledger", "key": "secret-job-42", "input": {"steps": 1}}
+    again = client.post("/api/runs", body, "application/json", **bearer(text))
+    assert again.status_code == 200
+    assert again.json() == {"id": str(secret.pk), "workflow": "ledger", "status": "pending"}
+    fresh = client.post(
+        "/api/runs", {"workflow": "ledger", "input": {"steps": 1}}, "application/json",
+        **bearer(text),
+    )  # fmt: skip
+    assert fresh.status_code == 201 and set(fresh.json()) == {"id", "workflow", "status"}
+    _, full = create_key(root, "ops", scope="full")
+    whole = client.post("/api/runs", body, "application/json", **bearer(full))
+    assert whole.json()["input"] == {"steps": 1, "card": "4111-1111"}  # a full key reads
