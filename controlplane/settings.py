@@ -282,7 +282,9 @@ LOGOUT_REDIRECT_URL = "/login/"
 
 # Production hardening; all of it is what `manage.py check --deploy` asks for.
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
-SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# Not SECURE_PROXY_SSL_HEADER: Django would believe X-Forwarded-Proto from any client. The
+# ASGI application takes the scheme from it only from STEPGUARD_TRUSTED_PROXIES (proxy.py).
+SECURE_PROXY_SSL_HEADER = None
 SESSION_COOKIE_SECURE = not DEBUG
 CSRF_COOKIE_SECURE = not DEBUG
 SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31536000)

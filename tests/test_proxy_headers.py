@@ -172,3 +172,17 @@ def test_a_client_address_setting_that_would_trust_clients_stops_the_process(tmp
     result = manage("check", STEPGUARD_VAR_DIR=str(tmp_path), **PRODUCTION, **env)
     assert result.returncode != 0
     assert says in result.stderr
+
+
+@pytest.mark.django_db
+def test_x_forwarded_proto_from_a_peer_that_is_no_proxy_is_not_believed(client, settings):
+    """Django's SECURE_PROXY_SSL_HEADER believed the header from anyone: a client on plain
+    HTTP could say it came over TLS (request.is_secure(), the HTTPS redirect, secure-only
+    logic). The scheme now comes from ForwardedFor, and from trusted proxies only."""
+    from controlplane import settings as production
+
+    assert production.SECURE_PROXY_SSL_HEADER is None
+    settings.SECURE_PROXY_SSL_HEADER = production.SECURE_PROXY_SSL_HEADER
+    settings.SECURE_SSL_REDIRECT = True
+    answer = client.get("/api/health", HTTP_X_FORWARDED_PROTO="https")
+    assert answer.status_code == 301 and answer["Location"].startswith("https://")
