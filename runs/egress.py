@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import http.client
 import ipaddress
+import logging
 import re
 import socket
 import urllib.request
@@ -33,6 +34,8 @@ from django.conf import settings
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+log = logging.getLogger("stepguard.notifications")
 
 SETTING = "STEPGUARD_WEBHOOK_ALLOW"
 #: One label of a host name (letters, digits, hyphens; underscores, which some internal DNS
@@ -79,10 +82,17 @@ def parse_allow(items: list[str] | tuple[str, ...], name: str = SETTING):
     hosts: set[str] = set()
     for item in items:
         try:
-            networks.append(ipaddress.ip_network(item, strict=False))
-            continue
+            network = ipaddress.ip_network(item, strict=False)
         except ValueError:
             pass
+        else:
+            if network.prefixlen == 0:
+                raise ValueError(
+                    f"{name}: {item!r} allows every address, which turns the guard off: list"
+                    " the addresses or networks your receivers are in"
+                )
+            networks.append(network)
+            continue
         if not host_name(item):
             raise ValueError(
                 f"{name}: {item!r} is not an address, a network (10.0.0.0/8) or a host name"
@@ -116,8 +126,9 @@ def inside(ip: Address) -> str | None:
     """What kind of address inside the network `ip` is ("a loopback address"...), or None for
     a public one."""
     ip = _embedded(ip) or ip
-    for kind in ("unspecified", "loopback", "link_local", "multicast", "reserved", "private"):
-        if getattr(ip, f"is_{kind}"):
+    kinds = ("unspecified", "loopback", "link_local", "site_local", "multicast", "reserved")
+    for kind in (*kinds, "private"):
+        if getattr(ip, f"is_{kind}", False):  # site-local (fec0::/10) is IPv6's alone
             article = "an" if kind == "unspecified" else "a"
             return f"{article} {kind.replace('_', '-')} address"
     if not ip.is_global:  # shared (100.64.0.0/10), documentation, benchmarking...
@@ -136,11 +147,17 @@ def check(host: str, ip: Address) -> None:
     if any(candidate in net for net in networks for candidate in {ip, _embedded(ip) or ip}):
         return
     stands_for = _embedded(ip) or ip
+    how = f"unless {SETTING} lists the address, its network or the host"
+    if literal(host) is None:
+        # A name: what it resolves to inside is not said to whoever reads the refusal (a
+        # viewer reads deliveries' errors): that would map the inside's DNS. The log says.
+        log.warning("webhook to %s refused: it resolves to %s, %s", host, stands_for, kind)
+        raise Refused(
+            f"refused: {host} resolves to an address inside the network; webhooks reach only"
+            f" public addresses {how}"
+        )
     shown = f"{host} is" if host.strip("[]") == str(stands_for) else f"{host} is {stands_for},"
-    raise Refused(
-        f"refused: {shown} {kind}; webhooks reach only public addresses unless {SETTING} "
-        "lists the address, its network or the host"
-    )
+    raise Refused(f"refused: {shown} {kind}; webhooks reach only public addresses {how}")
 
 
 def connect(address, timeout=None, source_address=None) -> socket.socket:

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 PRODUCTION = {
@@ -67,6 +69,19 @@ def test_a_webhook_allowlist_entry_that_is_no_address_network_or_host_stops_the_
         "STEPGUARD_WEBHOOK_ALLOW: 'http://hooks.internal' is not an address, a network "
         "(10.0.0.0/8) or a host name"
     ) in result.stderr
+
+
+@pytest.mark.parametrize("everything", ["0.0.0.0/0", "::/0"])
+def test_a_webhook_allowlist_that_allows_every_address_stops_the_process(tmp_path, everything):
+    """It was taken without a word, and turned the guard off for every delivery."""
+    result = manage(
+        "check",
+        STEPGUARD_WEBHOOK_ALLOW=f"10.0.0.0/8,{everything}",
+        STEPGUARD_VAR_DIR=str(tmp_path),
+        **PRODUCTION,
+    )
+    assert result.returncode != 0
+    assert f"STEPGUARD_WEBHOOK_ALLOW: '{everything}' allows every address" in result.stderr
 
 
 def test_the_webhook_allowlist_is_read_by_runs_conf_for_embedding_hosts_too():
