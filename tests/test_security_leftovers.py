@@ -45,13 +45,19 @@ def test_guessed_keys_from_an_address_do_not_lock_out_a_valid_key_or_prometheus(
     assert tries(GUESS, 1, "10.0.0.2") == [401]  # another address is not locked either
 
 
-def test_wrong_secrets_for_a_real_key_lock_that_key_from_that_address_only(root):
+def test_wrong_secrets_for_a_real_key_lock_out_the_guesses_but_never_the_key(root):
+    """Before, anyone at the key holder's address (a NAT, an office) who saw its prefix in a
+    list or an event locked the key out for its holder with five wrong secrets. Now the wrong
+    secrets are throttled and the right one (256 random bits) always works."""
     victim, other = create_key(root), create_key(root)
     prefix, good = victim[0].prefix, victim[1]
     wrong = f"sg_{prefix}_not-the-secret"
     assert tries(wrong, 6) == [401] * 4 + [429] * 2
-    locked = Api(Client(), good)("get", "/runs")
+    locked = Api(Client(), wrong)("get", "/runs")
     assert locked.status_code == 429 and error(locked)["code"] == "locked_out"
+    assert tries(good, 1) == [200]  # the holder, at the same address
+    scrape = Client().get("/metrics", headers={"Authorization": f"Bearer {good}"})
+    assert scrape.status_code == 200
     assert tries(other[1], 1) == [200]  # another key from the same address
     assert tries(GUESS, 1) == [401]  # keys matching no prefix keep their own count
     assert tries(good, 1, "10.0.0.2") == [200]  # the key itself from elsewhere
