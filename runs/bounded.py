@@ -12,10 +12,16 @@ the value itself deferred), then the values that fit, by primary key.
 
 from __future__ import annotations
 
+import json
+import re
+import secrets
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from django.db.models import BigIntegerField, Func, QuerySet
+from django.db.models import BigIntegerField, Func, QuerySet, TextField
+from django.db.models.functions import Cast
+from django.http import HttpResponse
+from ninja.responses import NinjaJSONEncoder
 
 
 class JsonBytes(Func):
@@ -58,6 +64,7 @@ def fill(
     *,
     first_always: bool = True,
     marker: Callable[[int, str], Any] = cut,
+    as_text: bool = False,
 ) -> int:
     """Load the `fields` of `rows` (from `sized`) in order, each value that still fits under
     `cap` bytes in all; with `first_always` the first value loads whatever its size (an API
@@ -83,7 +90,11 @@ def fill(
     for field, pks in wanted.items():
         if not pks:
             continue
-        values = dict(manager.filter(pk__in=pks).values_list("pk", field))
+        if as_text:  # the stored JSON's text, never parsed: `relay` writes it out as it is
+            texts = manager.filter(pk__in=pks).annotate(_text=Cast(field, TextField()))
+            values = {pk: Relayed(text) for pk, text in texts.values_list("pk", "_text")}
+        else:
+            values = dict(manager.filter(pk__in=pks).values_list("pk", field))
         for row in rows:
             if row.pk in values:
                 setattr(row, field, values[row.pk])
@@ -91,3 +102,29 @@ def fill(
         for field, size in row.cut_fields.items():
             setattr(row, field, marker(size, whole(row, field)))
     return total
+
+
+class Relayed(str):
+    """A stored JSON value's text, which a list relays without parsing it (`relay`)."""
+
+
+def relay(items: list[dict], status: int = 200) -> HttpResponse:
+    """A JSON response of `items` (already shaped by their schema) whose Relayed values are
+    written out as the text the database holds. Parsing a list's stored JSON only to print it
+    again was most of its cost: 500 approvals of 7.5 MiB with 42,000 small objects in their
+    payloads took 2.6 s and 1.35 GB of memory across ten requests."""
+    nonce = secrets.token_hex(8)
+    texts: list[str] = []
+
+    def mark(value: Any) -> Any:
+        if isinstance(value, Relayed):
+            texts.append(value)
+            return f"\x00{nonce}:{len(texts) - 1}\x00"
+        return value
+
+    body = json.dumps(
+        [{k: mark(v) for k, v in item.items()} for item in items], cls=NinjaJSONEncoder
+    )
+    if texts:  # each mark is a JSON string of its own, escaped as json.dumps escapes NUL
+        body = re.sub(rf'"\\u0000{nonce}:(\d+)\\u0000"', lambda m: texts[int(m.group(1))], body)
+    return HttpResponse(body, status=status, content_type="application/json; charset=utf-8")

@@ -171,3 +171,30 @@ def test_the_schedules_list_carries_inputs_up_to_the_cap_and_links_each_schedule
     cut, whole = cut_and_whole(items, "input")
     assert len(whole) == 3 and cut[0]["input"]["whole"] == "/api/flow/schedules/big-3"
     assert api(cut[0]["input"]["whole"]).json()["input"] == {"blob": BLOB}
+
+
+def test_the_approvals_list_relays_stored_payloads_without_parsing_them(api, root):
+    """GET /api/approvals?limit=500 parsed every payload to print it again: 42,000 small
+    objects a payload took 2.6 s a request. The stored JSON's text is written out as it is
+    (the same values, strings with quotes, non-ASCII and numbers intact), and
+    the other fields are shaped by the schema as before."""
+    run = start_run("ledger", {"steps": 0})
+    tricky = {
+        "to": 'vendor "A"\\b', "é": "ü", "n": [1, 1.5, -0.0, 10**20],
+        "nested": {"list": [{"k": None}, True, False]}, "mark": "\\u0000deadbeef:0",
+    }  # fmt: skip
+    made = ApprovalRequest.objects.create(run=run, step_key="a", action="pay", payload=tricky)
+    ApprovalRequest.objects.create(run=run, step_key="b", action="pay", payload=None)
+    response = api("/api/approvals", limit=500)
+    assert response["Content-Type"].startswith("application/json")
+    items = response.json()
+    assert [i["payload"] for i in items] == [tricky, None]
+    first = items[0]
+    assert first["id"] == made.pk and first["run_id"] == str(run.pk)
+    assert first["created_at"].endswith("Z") and first["decided_by"] is None
+    with connection.cursor() as cursor:  # the text stored is the text sent
+        cursor.execute(
+            "SELECT CAST(payload AS text) FROM approvals_approvalrequest WHERE id = %s", [made.pk]
+        )
+        stored = cursor.fetchone()[0]
+    assert stored in response.content.decode()

@@ -114,3 +114,36 @@ def test_the_bound_lets_so_many_requests_in_at_once_and_ends_persistent_connecti
     run(burst("http", 20))
     assert most == 3
     assert [d["CONN_MAX_AGE"] for d in databases.values()] == [0, 0]
+
+
+def test_one_client_takes_at_most_half_the_slots_and_another_gets_in_at_once():
+    """Ten heavy lists of one viewer held all ten database slots of a web process for 20 s;
+    another user's one-row list waited 19 s. Now one client (its session or API key) holds
+    at most half of them, and another client's request goes in while the first one's wait."""
+    inside: dict[bytes, int] = {}
+    most: dict[bytes, int] = {}
+    release = asyncio.Event()
+
+    async def app(scope, receive, send):
+        who = dict(scope["headers"])[b"authorization"]
+        inside[who] = inside.get(who, 0) + 1
+        most[who] = max(most.get(who, 0), inside[who])
+        if who == b"Bearer heavy":
+            await release.wait()
+        inside[who] -= 1
+
+    bound = ConnectionBound(app, 4, {})
+
+    def request(who: bytes):
+        return bound({"type": "http", "headers": [(b"authorization", who)]}, None, None)
+
+    async def scene():
+        heavy = [asyncio.ensure_future(request(b"Bearer heavy")) for _ in range(10)]
+        await asyncio.sleep(0)  # the heavy ones take what they can
+        await asyncio.wait_for(request(b"Bearer light"), timeout=10)  # not behind them
+        release.set()
+        await asyncio.gather(*heavy)
+
+    run_coroutine(scene())
+    assert most == {b"Bearer heavy": 2, b"Bearer light": 1}
+    assert bound.clients == {}  # nothing kept per client once its requests are done

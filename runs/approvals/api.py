@@ -83,8 +83,17 @@ def list_approvals(
     waiting = Q(status=ApprovalStatus.PENDING)
     pending = list(requests.filter(waiting).order_by("created_at")[:limit])
     rest = list(requests.exclude(waiting).order_by("-created_at")[: limit - len(pending)])
-    bounded.fill(pending + rest, PAYLOAD, settings.STEPGUARD_API_MAX_RESPONSE, whole_approval)
-    return [ApprovalOut.of(r) for r in pending + rest]
+    cap = settings.STEPGUARD_API_MAX_RESPONSE
+    bounded.fill(pending + rest, PAYLOAD, cap, whole_approval, as_text=True)
+    return bounded.relay([_shaped(r) for r in pending + rest])
+
+
+def _shaped(request: ApprovalRequest) -> dict:
+    """ApprovalOut's fields, checked by it, with the payload's stored text left as it is."""
+    data = ApprovalOut.of(request)
+    payload = data.pop("payload")
+    shaped = ApprovalOut.model_validate({**data, "payload": None}).model_dump()
+    return {**shaped, "payload": payload}
 
 
 PAYLOAD = ("payload",)
