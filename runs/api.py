@@ -18,7 +18,7 @@ from pydantic import ConfigDict
 
 from runs import bounded, notifications, operations, queries
 from runs.engine import flow, rates, registry
-from runs.engine.budget import to_usd
+from runs.engine.budget import PLAIN_USD, to_usd
 from runs.engine.deltas import Conversations
 from runs.errors import Forbidden, NotFound, OperationError
 from runs.models import (
@@ -39,7 +39,7 @@ router = Router(tags=["runs"])
 
 TEXT = r"^[^\x00]*$"  # PostgreSQL text cannot hold NUL
 # USD travels as a decimal string (no float rounding), at most 8 + 6 digits.
-USD = r"^[0-9]{1,8}(\.[0-9]{1,6})?$"  # ASCII digits: "\d" would take "٣" as 3
+USD = rf"^{PLAIN_USD}$"  # ASCII digits: "\d" would take "٣" as 3
 
 
 class In(Schema):

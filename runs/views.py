@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Callable
 from datetime import date, timedelta
 from decimal import Decimal
@@ -36,7 +35,7 @@ from runs import labels as run_labels
 from runs.approvals.models import ApprovalStatus
 from runs.approvals.services import mark_four_eyes
 from runs.conversation import conversation, last_answer
-from runs.engine import flow, rates, registry
+from runs.engine import budget, flow, rates, registry
 from runs.engine.budget import to_micros, to_usd
 from runs.engine.deltas import Conversations
 from runs.errors import Forbidden, OperationError, StepguardError, UnknownWorkflow
@@ -254,12 +253,12 @@ def start_view(request):
         except json.JSONDecodeError as exc:
             raise OperationError(f"the input is not JSON: {exc}") from None
         usd = post.get("budget_usd", "").strip()
-        plain_usd(usd, "the budget")
         try:  # checked as every amount is: ASCII digits, finite, in range; and more than 0
             if usd and to_micros(usd) <= 0:
                 raise ValueError
         except ValueError:
             raise OperationError(f"the budget {usd!r} is not an amount over 0 USD") from None
+        plain_usd(usd, "the budget")
         budget = Decimal(usd) if usd else None
         labels = run_labels.parse(post.get("labels", ""))
         created["run"] = start_run(
@@ -958,22 +957,14 @@ def budget_scope(request):
     return do_action(request, set_it, reverse("stepguard:budgets"), "Budgets set.")
 
 
-#: An amount of USD as people type one: digits, and at most 6 decimals (micro-dollars).
-PLAIN_USD = re.compile(r"[0-9]{1,15}(\.[0-9]{1,6})?")
-
-
 def plain_usd(text: str | None, what: str) -> None:
-    """Refuse what is no plain decimal amount: `1e3` became $1,000 and a 7th decimal was
-    rounded without a word. What is no amount at all is left to to_micros, which names it."""
-    try:
-        to_micros(text or "0")
-    except ValueError:
-        return
-    if text and not PLAIN_USD.fullmatch(text):
-        raise OperationError(
-            f"{what} {text!r} is not a plain amount of USD: digits with at most 6 decimals,"
-            " e.g. 2.50"
-        )
+    """Refuse what is no plain decimal amount (runs.engine.budget.plain_usd, as the CLI and
+    the API do): `1e3` became $1,000 and a 7th decimal was rounded without a word."""
+    if text:
+        try:
+            budget.plain_usd(text, what)
+        except ValueError as exc:
+            raise OperationError(str(exc)) from None
 
 
 @login_required

@@ -204,3 +204,38 @@ def test_a_second_make_run_prints_the_approvals_still_waiting(db):
     printed = command.stdout.getvalue()
     assert "kept" in printed and str(run.pk)[:8] in printed
     assert f"python manage.py approve {request.pk} --user demo" in printed
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["budget", "--all", "--usd", "abc"], "'abc' is not an amount of USD"),
+        (["budget", "--all", "--usd", "-5"], "an amount of USD is a number from 0 to"),
+        (["budget", "--all", "--usd", "1e3"], "the budget '1e3' is not a plain amount of USD"),
+        (["budget", "--all", "--tokens", "\u0663"], "'\u0663' is not a number of tokens"),
+        (["spend", "--label", "tenant", "--since", "yesterday"], "'yesterday' is not a day"),
+    ],
+)
+def test_a_bad_value_on_the_command_line_is_a_usage_error_not_a_traceback(argv, says, tmp_path):
+    """`budget --usd abc`, `--usd -5` and `spend --since yesterday` ended in a 38-line
+    traceback, and `--usd 1e3` set $1,000 where the dashboard and the API refuse it: the three
+    now share one check (runs.engine.budget.plain_usd)."""
+    from tests.test_settings import PRODUCTION, manage
+
+    result = manage(
+        *argv, "--user", "u", "--reason", "r", **PRODUCTION, STEPGUARD_VAR_DIR=str(tmp_path)
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"error: argument {argv[-2]}: {says}" in result.stderr
+
+
+def test_the_dashboard_the_api_and_the_cli_take_one_spelling_of_usd():
+    from runs.api import USD
+    from runs.engine.budget import plain_usd
+
+    for text in ("0", "2.50", "1000000000", "0.000001"):
+        assert plain_usd(text) >= 0 and re.fullmatch(USD, text), text
+    for text in ("1e3", "-5", " ", "2.5000001", "\u0661", "1000000001", "12345678901"):
+        with pytest.raises(ValueError):
+            plain_usd(text)

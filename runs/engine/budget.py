@@ -6,6 +6,7 @@ engines add and compare it exactly.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,25 @@ def to_micros(usd: Decimal | int | str | float) -> int:
     if not value.is_finite() or value < 0 or value > MAX_USD:
         raise ValueError(f"an amount of USD is a number from 0 to {MAX_USD:,}, not {usd!r}")
     return int((value * MICROS).to_integral_value(rounding=ROUND_CEILING))
+
+
+#: An amount of USD as people type one: digits, at most 6 decimals (micro-dollars). The one
+#: spelling the CLI, the API and the dashboard's forms take: `1e3` is not $1,000, `-5` is no
+#: budget, and a 7th decimal is not rounded without a word.
+PLAIN_USD = r"[0-9]{1,10}(\.[0-9]{1,6})?"
+
+
+def plain_usd(text: str, what: str = "an amount") -> Decimal:
+    """`text` as USD if it is a plain amount (PLAIN_USD, at most MAX_USD), else ValueError
+    naming `what` and the problem."""
+    text = text.strip()
+    to_micros(text)  # no amount at all, or out of range: it says which
+    if not re.fullmatch(PLAIN_USD, text):
+        raise ValueError(
+            f"{what} {text!r} is not a plain amount of USD: digits with at most 6 decimals,"
+            " e.g. 2.50"
+        )
+    return Decimal(text)
 
 
 def to_usd(micros: int | None) -> Decimal | None:

@@ -1,7 +1,8 @@
-from decimal import Decimal, InvalidOperation
+import argparse
 
 from django.core.management.base import CommandError
 
+from runs.engine.budget import plain_usd
 from runs.errors import StepguardError
 from runs.management.base import StepguardCommand
 from runs.management.targets import add_target_arguments, target_from
@@ -9,22 +10,21 @@ from runs.operations import KEEP, set_budget
 
 
 def amount(text: str):
+    """USD as the API and the dashboard take it (runs.engine.budget.plain_usd), or 'none'.
+    An ArgumentTypeError is argparse's usage error; anything else was a traceback."""
     if text.lower() == "none":
         return None
     try:
-        value = Decimal(text)
-    except InvalidOperation:
-        raise CommandError(f"{text!r} is not an amount of USD (or 'none')") from None
-    if value < 0:
-        raise CommandError("a budget cannot be negative")
-    return value
+        return plain_usd(text, "the budget")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (or 'none')") from None
 
 
 def count(text: str):
     if text.lower() == "none":
         return None
-    if not text.isdigit():
-        raise CommandError(f"{text!r} is not a number of tokens (or 'none')")
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens (or 'none')")
     return int(text)
 
 

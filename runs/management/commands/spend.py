@@ -1,3 +1,4 @@
+import argparse
 from datetime import UTC, date, timedelta
 
 from django.core.management.base import CommandError
@@ -11,8 +12,8 @@ from runs.queries import spend_by_label
 def day(text: str) -> date:
     try:
         return date.fromisoformat(text)
-    except ValueError:
-        raise CommandError(f"{text!r} is not a day (YYYY-MM-DD)") from None
+    except ValueError:  # argparse's usage error: a CommandError here was a traceback
+        raise argparse.ArgumentTypeError(f"{text!r} is not a day (YYYY-MM-DD)") from None
 
 
 class Command(StepguardCommand):
