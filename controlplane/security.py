@@ -14,6 +14,7 @@ from django.contrib.auth import logout
 from django.contrib.auth.signals import user_logged_in, user_login_failed
 from django.dispatch import receiver
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, JsonResponse
+from django.middleware.security import SecurityMiddleware as DjangoSecurityMiddleware
 from django.shortcuts import redirect
 from django.urls import Resolver404, resolve
 
@@ -24,6 +25,29 @@ log = logging.getLogger("stepguard.security")
 LOGIN_AT, SEEN_AT = "stepguard_login_at", "stepguard_seen_at"
 #: Activity is written to the session at most this often (not on every request).
 TOUCH_SECONDS = 60
+
+
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]"}
+
+
+def on_loopback(request: HttpRequest) -> bool:
+    """A request from this very host to a loopback name of it: someone at the machine."""
+    peer = request.META.get("REMOTE_ADDR", "")
+    host = request.META.get("HTTP_HOST", "").lower()
+    name = host.partition("]")[0] + "]" if host.startswith("[") else host.partition(":")[0]
+    return peer in ("127.0.0.1", "::1") and name in _LOOPBACK_HOSTS
+
+
+class SecurityMiddleware(DjangoSecurityMiddleware):
+    """Django's, but plain HTTP from this host to 127.0.0.1 or localhost is not sent to
+    https:// (SECURE_SSL_REDIRECT): `stepguard serve` tried on the machine it runs on met a
+    redirect to a TLS nobody serves. Browsers keep Secure cookies for loopback origins, so
+    logging in works there. Anyone else, or a proxy passing another Host, is redirected."""
+
+    def process_request(self, request):
+        if on_loopback(request):
+            return None
+        return super().process_request(request)
 
 
 def session_expired(data, now: float | None = None) -> bool:

@@ -63,7 +63,9 @@ else:
     INSTALLED_APPS += ["template_partials", "csp"]
 
 MIDDLEWARE = [
-    "django.middleware.security.SecurityMiddleware",
+    # Django's, less the HTTPS redirect for someone at this host on 127.0.0.1 or localhost.
+    # (check --deploy's security.W001 looks for Django's by name: silenced below.)
+    "controlplane.security.SecurityMiddleware",
     # Outside all that read the database: a request that fails on a lost or timed-out
     # connection, wherever inside, answers 503 rather than 500 (controlplane/dbdown.py).
     "controlplane.dbdown.DatabaseUnavailable",
@@ -290,6 +292,9 @@ CSRF_COOKIE_SECURE = not DEBUG
 SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31536000)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = not DEBUG
 SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", not DEBUG)
+# W001 asks for django.middleware.security.SecurityMiddleware by its path; MIDDLEWARE has its
+# subclass, controlplane.security.SecurityMiddleware (tests/test_settings.py checks it is there).
+SILENCED_SYSTEM_CHECKS = ["security.W001"]
 
 # LOG_FORMAT=json: one JSON object per line, with the run, workflow, step, worker and event a
 # line is about (runs/logcontext.py); then every logger's lines go out that way, not just ours.

@@ -106,3 +106,29 @@ def test_a_web_process_bound_of_no_connection_stops_the_process(tmp_path):
     result = manage("check", DB_WEB_CONNECTIONS="0", STEPGUARD_VAR_DIR=str(tmp_path), **PRODUCTION)
     assert result.returncode != 0
     assert "DB_WEB_CONNECTIONS='0' must be at least 1" in result.stderr
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("peer", "host", "redirected"),
+    [
+        ("127.0.0.1", "127.0.0.1:8000", False),  # someone at the machine: plain HTTP works
+        ("::1", "localhost:8000", False),
+        ("::1", "[::1]:8000", False),
+        ("10.0.0.5", "127.0.0.1:8000", True),  # anyone else naming loopback
+        ("127.0.0.1", "agents.example.com", True),  # a proxy on this host passing the Host
+    ],
+)
+def test_plain_http_on_loopback_is_not_sent_to_https(client, settings, peer, host, redirected):
+    """`stepguard serve` with production settings, opened on 127.0.0.1, redirected to an
+    https:// that nobody serves there."""
+    from controlplane import settings as production
+
+    assert production.MIDDLEWARE[0] == "controlplane.security.SecurityMiddleware"
+    settings.MIDDLEWARE = production.MIDDLEWARE
+    settings.SECURE_SSL_REDIRECT = True
+    settings.ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]", "agents.example.com"]
+    answer = client.get("/login/", REMOTE_ADDR=peer, HTTP_HOST=host)
+    assert (answer.status_code == 301) is redirected, answer.status_code
+    if redirected:
+        assert answer["Location"] == f"https://{host}/login/"

@@ -51,9 +51,10 @@ class Command(BaseCommand):
         if settings.SECURE_SSL_REDIRECT:
             # What a first try on a laptop meets: a redirect to an https:// nobody serves.
             self.stdout.write(
-                "Production settings: plain HTTP is redirected to HTTPS and cookies are Secure; "
-                "open it through the TLS proxy in front (docs/deploy.md). To try it here without "
-                "TLS, set DEBUG=1 (or SECURE_SSL_REDIRECT=0 behind a proxy that terminates TLS)."
+                "Production settings: cookies are Secure and plain HTTP is redirected to HTTPS, "
+                "but from this host to http://127.0.0.1 or http://localhost (add them to "
+                "ALLOWED_HOSTS); from elsewhere, open it through the TLS proxy in front "
+                "(docs/deploy.md)."
             )
         self.stdout.flush()
         CommandLineInterface().run([*argv, "controlplane.asgi:application"])
