@@ -239,3 +239,27 @@ def test_the_dashboard_the_api_and_the_cli_take_one_spelling_of_usd():
     for text in ("1e3", "-5", " ", "2.5000001", "\u0661", "1000000001", "12345678901"):
         with pytest.raises(ValueError):
             plain_usd(text)
+
+
+def test_make_run_prints_the_same_demo_password_on_every_start_with_one_database(
+    db, settings, tmp_path
+):
+    """It printed a new one each start: a browser that had saved the password was logged out
+    and could not log in again."""
+    from io import StringIO
+
+    from django.contrib.auth import get_user_model
+
+    from examples.management.commands.rundemo import Command
+
+    def logs_in(password: str) -> bool:
+        return get_user_model().objects.get(username="demo").check_password(password)
+
+    settings.VAR_DIR = tmp_path
+    first = Command(stdout=StringIO()).demo_operator()
+    again = Command(stdout=StringIO()).demo_operator()
+    assert first == again and logs_in(again)
+    assert (tmp_path / "demo-operator-password").stat().st_mode & 0o077 == 0
+    (tmp_path / "demo-operator-password").write_text("not-this-database's\n")  # another DB's
+    fresh = Command(stdout=StringIO()).demo_operator()
+    assert fresh != first and logs_in(fresh)

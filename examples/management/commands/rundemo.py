@@ -71,10 +71,18 @@ class Command(BaseCommand):
     # -- processes -------------------------------------------------------------------------------
 
     def demo_operator(self) -> str:
-        """A fresh password each start, printed once; the account is a superuser for the demo."""
+        """The demo operator's password, the same on every start with this database (a browser
+        that saved it keeps working): kept in VAR_DIR (mode 0600) and reused while it still
+        logs the account in; otherwise a new one. The account is a superuser for the demo."""
         user, _ = get_user_model().objects.get_or_create(username=DEMO_USER)
-        password = secrets.token_urlsafe(12)
-        user.set_password(password)
+        kept = Path(settings.VAR_DIR) / "demo-operator-password"
+        password = kept.read_text().strip() if kept.exists() else ""
+        if not (password and user.check_password(password)):
+            password = secrets.token_urlsafe(12)
+            user.set_password(password)
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.touch(mode=0o600)
+            kept.write_text(password + "\n")
         user.is_staff = user.is_superuser = True
         user.save()
         return password
