@@ -1295,8 +1295,20 @@ def flow_page(request):
             "schedules": found,
             "registered": registered_workflows(),
             "can_set": request.user.has_perm("runs.set_flow"),
+            # What a refused schedule form held, typed again (flow_schedule).
+            "schedule_form": request.session.pop(SCHEDULE_FORM, None) or {"timezone": "UTC"},
+            "catchup_choices": CATCHUP_CHOICES,
         },
     )
+
+
+#: The session key under which a refused schedule form keeps what was typed.
+SCHEDULE_FORM = "stepguard-schedule-form"
+CATCHUP_CHOICES = [
+    ("skip", "skip missed ticks"),
+    ("last", "run the last missed tick"),
+    ("all", "run every missed tick"),
+]
 
 
 def every_workflow(shown: list[dict]) -> list[dict]:
@@ -1390,11 +1402,21 @@ def flow_schedule(request):
             input=data, catchup=post.get("catchup", "skip"),
         )  # fmt: skip
 
-    return do_action(
-        request, act, reverse("stepguard:flow") + "#schedules",
+    saved: dict = {}
+
+    def saving():
+        saved["schedule"] = act()
+        return saved["schedule"]
+
+    response = do_action(
+        request, saving, reverse("stepguard:flow") + "#schedules",
         lambda schedule: f"Schedule {schedule.name} saved: {schedule.workflow} at "
         f"{schedule.cron} ({schedule.timezone}).",
     )  # fmt: skip
+    if "schedule" not in saved:  # refused: the form opens again with what was typed
+        fields = ("name", "workflow", "cron", "timezone", "catchup", "input")
+        request.session[SCHEDULE_FORM] = {name: post.get(name, "")[:100_000] for name in fields}
+    return response
 
 
 @login_required

@@ -466,6 +466,25 @@ def test_an_operator_sets_limits_rate_limits_and_schedules_from_the_flow_page(cl
     assert not Schedule.objects.exists() and not RateLimit.objects.exists()
 
 
+def test_a_refused_schedule_form_opens_again_with_what_was_typed(client, cast):
+    """It came back empty beside the message: name, cron, zone and input typed again."""
+    client.force_login(cast["otto"])
+    typed = {
+        "name": "nightly-digest", "workflow": "flow.plain", "cron": "0 3 * *",
+        "timezone": "Europe/Berlin", "catchup": "last", "input": '{"team": "ops"}',
+    }  # fmt: skip
+    page = client.post("/flow/schedules", typed, follow=True).content.decode()
+    assert "bad cron expression" in page and not Schedule.objects.exists()
+    form = page[page.index('id="add-schedule"') :]
+    for name in ("name", "cron", "timezone"):
+        assert f'name="{name}"' in form and f'value="{typed[name]}"' in form, name
+    assert 'value="{&quot;team&quot;: &quot;ops&quot;}"' in form
+    assert '<option value="last" selected>' in form
+    assert "<option selected>flow.plain</option>" in form
+    again = client.get("/flow").content.decode()  # once: a later visit starts afresh
+    assert 'value="nightly-digest"' not in again and 'value="UTC"' in again
+
+
 def test_a_viewer_cannot_change_flow_control_from_the_page(client, cast):
     client.force_login(cast["vera"])
     refused = client.post(
