@@ -86,7 +86,10 @@ def explain(run: Run, now: datetime | None = None) -> State:
         cause = error.get("cause") if isinstance(error.get("cause"), dict) else {}
         shown = cause if cause.get("type") else error
         what, message = shown.get("type", "an error"), shown.get("message", "")
-        tries = f" after {run.attempt} attempt{'s' if run.attempt != 1 else ''}"
+        # A step's failure ends the run in the attempt it happened in: the step's own tries
+        # are the ones that count (issue 47).
+        n = cause.get("attempts") if isinstance(cause.get("attempts"), int) else run.attempt
+        tries = f" after {n} attempt{'s' if n != 1 else ''}"
         text = f"Failed{where}{tries}: {what}{': ' if message else ''}{message}"
         if compensated(run):  # a retry refuses these
             return State(

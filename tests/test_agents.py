@@ -443,12 +443,13 @@ def test_a_durable_retry_delay_counts_against_the_step_s_attempts(drive, demo_mo
     Step.objects.filter(run=run).update(wake_at=timezone.now())
     Run.objects.filter(pk=run.pk).update(wake_at=timezone.now())
     drive()
-    # The second try was the last the policy allows: the step failed, and the run's own retry
-    # (from the top) starts a new sequence of tries, waiting for the provider again.
+    # The second try was the last the policy allows: the step failed, and with it the run
+    # (issue 47: not retried from the top, which started a new sequence of tries).
     failed = Event.objects.get(run=run, type="step.failed")
     assert failed.payload["attempt"] == 2 and "429" in failed.payload["error"]["message"]
     run.refresh_from_db()
-    assert run.attempt == 2 and run.status == "waiting" and demo_model.total == 3
+    assert run.attempt == 1 and run.status == "failed" and demo_model.total == 2
+    assert "step 'ask' failed after 2 attempts" in run.error["reason"]
 
 
 def test_the_sdk_s_own_retries_are_turned_off_inside_a_step(drive, demo_model, llm_options):

@@ -211,10 +211,10 @@ class Command(BaseCommand):
                 self.stdout.write(self.style.WARNING(f"demo: could not halt the campaign: {exc}"))
         crash = self.demo_crash(research)
         # Two endings an operator meets: a step that needed three tries, and a failed run to
-        # retry or fork (its card expired: the payments API refuses the refund). Started after
-        # the crash, so the attempts shown are the retry policy's alone.
+        # fork (its card expired: the payments API refuses the refund, a final answer). Started
+        # after the crash, so the attempts shown are the retry policy's alone.
         retried = start_run("refund", {"order": "A-1001"}, key="demo:refund")
-        refused = start_run("refund", {"order": "A-1002"}, key="demo:refused", max_attempts=1)
+        refused = start_run("refund", {"order": "A-1002"}, key="demo:refused")
         self.wait(
             lambda: (
                 all(
@@ -234,7 +234,7 @@ class Command(BaseCommand):
             (capped, "paused before the draft that would exceed its $0.001 budget"),
             (stopped, "halted by an operator; only `unhalt` resumes it"),
             (retried, "the mail gateway was down twice; notify went through on attempt 3"),
-            (refused, "failed: the payments API refused the refund; retry or fork it"),
+            (refused, "failed at once: the payments API refused the refund; fork it"),
         ]
         pending = ApprovalRequest.objects.filter(run=agent, status=ApprovalStatus.PENDING)
         request = self.wait(pending.first, "the booking agent's approval request", timeout=60)
