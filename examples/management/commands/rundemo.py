@@ -228,7 +228,7 @@ class Command(BaseCommand):
         )
         rows = [
             (booking, "notify failed once and was retried; booked once"),
-            (agent, "the model wants to book: approve it (below)"),
+            (agent, "the model wants to book: approve it, or reject it (below)"),
             (research, crash),
             (orchestrator, "three research subagents as child runs, then a synthesis"),
             (capped, "paused before the draft that would exceed its $0.001 budget"),
@@ -245,8 +245,13 @@ class Command(BaseCommand):
             self.stdout.write(f"  {run.status:<12} {name:<18} {self.url(run)}  {note}")
         if request:
             approve = f"python manage.py approve {request.pk} --user {DEMO_USER}"
+            reject = f"python manage.py reject {request.pk} --user {DEMO_USER} --comment why"
             follow = f"python manage.py showrun {research.pk} --follow"
-            self.stdout.write(f"\n  approve the booking:  {approve}\n  follow a run:  {follow}")
+            self.stdout.write(
+                f"\n  approve the booking:  {approve}"
+                f"\n  or reject it (the run ends, failed with ApprovalRejected):  {reject}"
+                f"\n  follow a run:  {follow}"
+            )
 
     def demo_flight(self, flight: dict) -> Run:
         run = start_run("flight-booking", flight, version="1", key="demo:booking")
