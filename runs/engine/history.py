@@ -104,8 +104,9 @@ class History:
         # Even under a cancel: replay must reach every completed step after the failure, or
         # their compensations would never be known. The failure that ended the attempt is the
         # run's error: a gathered step's, not the last position, is attempted afresh too (a
-        # run's error names a step only when a person retried it). A failure the step's policy
-        # called final replays, whatever error of its own the workflow raised from it.
+        # step's failure fails the run, so the execution after one is a person's retry). On
+        # a retry of the workflow's own error, a failure the step's policy called final
+        # replays, whatever error the workflow raised from it: it is never sent again.
         final = (record.error or {}).get("retryable") is False
         ended_it = record.key == self._failed_step or (seq == self.last_recorded and not final)
         if record.status == StepStatus.FAILED and (
