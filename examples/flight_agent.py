@@ -1,8 +1,8 @@
 """Flight booking, driven by a model through the durable agent loop.
 
 The model (the scripted demo model unless STEPGUARD_MODEL_BASE_URL names a real one) searches,
-books (a person approves the charge first) and sends the confirmation, which fails once and is
-retried without a second booking.
+books (a person approves the charge first; a rejection ends the run) and sends the
+confirmation, which fails once and is retried without a second booking.
 """
 
 import json
@@ -30,8 +30,14 @@ def send_confirmation(passenger: str, reference: str, idempotency_key: str) -> d
 PARAMS = {"type": "object", "additionalProperties": True, "properties": {}}
 TOOLS = {
     "search_flights": Tool(search_flights, "Find flights between two airports on a date", PARAMS),
+    # The booking is the point of the run: a person's rejection ends it, shown as what it is
+    # (failed with ApprovalRejected), not as a run that went on and completed without it.
     "book_flight": Tool(
-        book_flight, "Book a flight and charge the card", PARAMS, requires_approval=True
+        book_flight,
+        "Book a flight and charge the card",
+        PARAMS,
+        requires_approval=True,
+        on_refusal="raise",
     ),
     "send_confirmation": Tool(send_confirmation, "E-mail the booking confirmation", PARAMS),
 }

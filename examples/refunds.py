@@ -2,10 +2,10 @@
 e-mail the customer.
 
 Two demo runs of it show the states the outside world leaves a run in. The payments API refuses
-to refund an expired card (`RefundRefused`, an answer rather than an outage: the step does not
-retry it, and the demo starts that run with `max_attempts=1`, so it fails at once, its error
-naming the cause): a failed run to retry or fork. The mail gateway is down for the first two
-sends of each note (`NotifierDown`), and the step's retry policy sends it a third time.
+to refund an expired card (`RefundRefused`, an answer rather than an outage: the step's policy
+calls it final, so the run fails at once, its error naming the cause, and is not retried from
+the top): a failed run to fork with an edit. The mail gateway is down for the first two sends of
+each note (`NotifierDown`), and the step's retry policy sends it a third time.
 """
 
 from examples import llm, services

@@ -81,12 +81,17 @@ def explain(run: Run, now: datetime | None = None) -> State:
         return State(f"Cancelled{by} at {_when(run.finished_at, now)}{why}.")
     if status == RunStatus.FAILED:
         error = run.error or {}
+        if error.get("code") in REFUSALS:
+            return _refused(run, error)
         where = f" at step {error['step']}" if error.get("step") else ""
         # A failed step's own error says it better than the StepFailed wrapped around it.
         cause = error.get("cause") if isinstance(error.get("cause"), dict) else {}
         shown = cause if cause.get("type") else error
         what, message = shown.get("type", "an error"), shown.get("message", "")
-        tries = f" after {run.attempt} attempt{'s' if run.attempt != 1 else ''}"
+        # A step's failure ends the run in the attempt it happened in: the step's own tries
+        # are the ones that count (issue 47).
+        n = cause.get("attempts") if isinstance(cause.get("attempts"), int) else run.attempt
+        tries = f" after {n} attempt{'s' if n != 1 else ''}"
         text = f"Failed{where}{tries}: {what}{': ' if message else ''}{message}"
         if compensated(run):  # a retry refuses these
             return State(
@@ -117,6 +122,26 @@ def explain(run: Run, now: datetime | None = None) -> State:
     if status == RunStatus.WAITING:
         return _waiting(run, now)
     return _pending(run, now)
+
+
+#: The errors of an approval that said no, when one ended the run (issue 47 section 4).
+REFUSALS = {
+    "approval_rejected": "a rejection",
+    "approval_expired": "an approval that expired undecided",
+    "approval_revoked": "a revoked approval",
+}
+
+
+def _refused(run: Run, error: dict) -> State:
+    """A refusal that ended the run is its outcome, not a fault to retry: say whose, and that
+    what it guarded never ran."""
+    undone = " Its compensations ran." if compensated(run) else ""
+    return State(
+        f"Ended by {REFUSALS[error['code']]}: {error.get('message', '')}. What it guarded did "
+        f"not run.{undone} To ask again, fork it from a step, with the input or an output "
+        "edited.",
+        "fork",
+    )
 
 
 def _halted(run: Run, hold: Hold, now: datetime) -> State:

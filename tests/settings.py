@@ -23,7 +23,8 @@ STEPGUARD_WORKFLOW_MODULES = [
     "examples.outreach",
 ]
 STEPGUARD_POLL_INTERVAL = 0.1
-STEPGUARD_RUN_RETRY_BASE_SECONDS = 0.0
+# 0 s between a run's attempts; a test shows the production default by setting the variable.
+STEPGUARD_RUN_RETRY_BASE_SECONDS = float(os.environ.get("STEPGUARD_RUN_RETRY_BASE_SECONDS", "0"))
 STEPGUARD_NOTIFY_SWEEP_SECONDS = 0.1
 STEPGUARD_NOTIFY_RETRY_SECONDS = 0.05
 # The suite's webhook receivers listen on 127.0.0.1; tests of refusal set the default, none.

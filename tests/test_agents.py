@@ -102,16 +102,28 @@ def test_a_guarded_tool_never_runs_without_approval(drive, demo_model, cast):
     assert Run.objects.get(pk=run.pk).output["answer"].startswith("Done.")
 
 
-def test_a_rejected_tool_call_is_reported_to_the_model(drive, demo_model, cast):
+def test_a_rejected_booking_ends_the_demo_agent_s_run_as_rejected_not_completed(
+    drive, demo_model, cast, client
+):
+    """Issue 47 section 4: the model was told, sent a confirmation of no booking and answered,
+    and the run ended green `completed`. The booking tool's refusal ends the run now
+    (`on_refusal="raise"`); a tool that tells the model is tested with agent-protocols."""
     run = start_run("flight-booking", FLIGHT, version="2")
     drive()
     decide(ApprovalRequest.objects.get(run=run).pk, "reject", cast["ada"], "too pricey")
-    assert drive() == ["completed"]
+    assert drive() == ["failed"]
     assert not Booking.objects.exists()
-    next_turn = request_of(Step.objects.get(run=run, key="think-2"))["messages"]
-    refusal = json.loads(next_turn[-1]["content"])
-    assert next_turn[-1]["role"] == "tool" and "ada rejected" in refusal["refused"]
-    assert "too pricey" in Run.objects.get(pk=run.pk).output["answer"]
+    run.refresh_from_db()
+    assert (run.status, run.attempt, run.error["code"]) == ("failed", 1, "approval_rejected")
+    assert "ada rejected 'call book_flight'" in run.error["message"]
+    assert "too pricey" in run.error["message"]
+    assert not Step.objects.filter(run=run, key__startswith="tool-send_confirmation").exists()
+    assert not Step.objects.filter(run=run, key="think-2").exists()  # the model was not asked
+    client.force_login(cast["otto"])
+    page = client.get(f"/runs/{run.pk}").content.decode()
+    assert "Ended by a rejection: ada rejected &#x27;call book_flight&#x27;" in page
+    assert '<span id="run-status" class="badge status-failed">failed</span>' in page
+    assert "Reason to retry" not in page
 
 
 def test_a_spent_budget_stops_the_agent_before_its_next_turn(drive, demo_model):
@@ -443,12 +455,13 @@ def test_a_durable_retry_delay_counts_against_the_step_s_attempts(drive, demo_mo
     Step.objects.filter(run=run).update(wake_at=timezone.now())
     Run.objects.filter(pk=run.pk).update(wake_at=timezone.now())
     drive()
-    # The second try was the last the policy allows: the step failed, and the run's own retry
-    # (from the top) starts a new sequence of tries, waiting for the provider again.
+    # The second try was the last the policy allows: the step failed, and with it the run
+    # (issue 47: not retried from the top, which started a new sequence of tries).
     failed = Event.objects.get(run=run, type="step.failed")
     assert failed.payload["attempt"] == 2 and "429" in failed.payload["error"]["message"]
     run.refresh_from_db()
-    assert run.attempt == 2 and run.status == "waiting" and demo_model.total == 3
+    assert run.attempt == 1 and run.status == "failed" and demo_model.total == 2
+    assert "step 'ask' failed after 2 attempts" in run.error["reason"]
 
 
 def test_the_sdk_s_own_retries_are_turned_off_inside_a_step(drive, demo_model, llm_options):
@@ -739,6 +752,8 @@ def test_a_tool_with_an_invalid_schema_is_refused_where_it_is_declared():
 
     with pytest.raises(StepMisuse, match="tool 'weather' has invalid parameters"):
         Tool(agent_workflows.weather, parameters={"type": "object", "required": "city"})
+    with pytest.raises(StepMisuse, match="on_refusal must be 'tell' or 'raise', not 'fail'"):
+        Tool(agent_workflows.weather, on_refusal="fail")
 
 
 def test_a_turn_s_approvals_are_asked_together_and_each_decision_applies(

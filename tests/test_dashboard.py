@@ -175,6 +175,29 @@ def test_the_run_page_offers_an_operator_budget_and_fork_forms(browser_as, over_
     )  # a viewer reads the sentence but is offered no action
 
 
+@pytest.mark.parametrize(
+    ("input", "offers", "says"),
+    [
+        ({"amount": 500, "to": "B"}, "fork", "InsufficientFunds is final for step withdraw"),
+        ({"amount": 50, "to": "B", "down": True}, "retry", "after 3 attempts: ConnectionError"),
+    ],
+)
+def test_a_run_a_final_step_error_ended_offers_a_fork_with_edits_not_a_retry(
+    browser_as, drive, input, offers, says
+):
+    """Issue 47 section 4: the policy's `non_retryable` did not reach the stored error, so
+    the transfer refused for its balance offered Retry, which the bank refuses the same way."""
+    run = start_run("transfer", input)
+    assert drive() == ["failed"]
+    page = browser_as("otto").get(f"/runs/{run.pk}").content.decode()
+    assert says in page
+    fork = '<a class="button primary" href="#fork">Fork from a step</a>' in page
+    retry = "Reason to retry" in page
+    assert (fork, retry) == (offers == "fork", offers == "retry")
+    if offers == "fork":
+        assert "with the input or an output edited" in page
+
+
 def test_raising_the_budget_of_a_paused_run_from_its_page_resumes_it(browser_as, over_budget):
     browser_as("otto").post(f"/runs/{over_budget.pk}/budget", {"usd": "5", "reason": "raise"})
     assert Run.objects.get(pk=over_budget.pk).status == RunStatus.PENDING

@@ -34,7 +34,7 @@ def test_an_error_escaping_workflow_code_is_recorded_on_the_run(drive, kind, typ
 
 def test_sys_exit_inside_a_step_fails_the_step_and_the_run(drive):
     run = start_run("raises-odd", "exit-in-step")
-    assert drive() == ["retrying", "retrying", "failed"]
+    assert drive() == ["failed"]  # a step's failure: not retried from the top
     step = Step.objects.get(run=run, key="quits")
     assert step.status == "failed"
     assert step.error["type"] == "SystemExit"
@@ -58,12 +58,16 @@ def test_a_gathered_sibling_in_flight_when_the_workflow_leaves_is_not_called_aga
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_run_retry_runs_a_gathered_step_that_failed_again_though_it_is_not_last(drive):
+def test_a_run_retry_runs_a_gathered_step_that_failed_again_though_it_is_not_last(drive, cast):
     """Before, every attempt replayed the recorded failure of `fails` (it is not the last
-    recorded step: `slow` is), so a run retry never called it again."""
+    recorded step: `slow` is), so a run retry never called it again. A step's failure ends
+    the run (issue 47); a person's retry runs it again."""
+    from runs.operations import retry_run
+
     run = start_run("gather-fails", {})
-    outcomes = drive()
-    assert outcomes == ["retrying", "retrying", "failed"]
-    assert workflows.calls["fails"] == 3  # once per run attempt
-    assert workflows.calls["slow"] == 1  # completed in the first; replayed after
+    assert drive() == ["failed"]
     assert Run.objects.get(pk=run.pk).error["step"] == "fails"
+    retry_run(run.pk, cast["otto"], "the service is back")
+    assert drive() == ["failed"]
+    assert workflows.calls["fails"] == 2  # once per run attempt
+    assert workflows.calls["slow"] == 1  # completed in the first; replayed after

@@ -11,7 +11,7 @@ from runs.explain import explain
 from runs.models import Run, RunStatus
 from runs.operations import halt, set_budget
 from runs.sdk import start_run
-from tests import workflows
+from tests import workflows  # noqa: F401  (registers the test workflows)
 
 pytestmark = pytest.mark.django_db
 
@@ -74,13 +74,12 @@ def test_a_workflow_hold_is_named_before_the_kill_switch_and_both_are_listed(dri
 
 
 def test_a_run_whose_retry_is_due_later_says_when_and_after_what(drive):
-    workflows.calls.pop("flaky", None)
-    run = start_run("flaky", {"failures": 9, "attempts": 1}, max_attempts=3)
+    run = start_run("fails-once", max_attempts=3)
     drive(limit=1)
     Run.objects.filter(pk=run.pk).update(wake_at=timezone.now() + timedelta(minutes=5))
     state = state_of(run)
     assert state.sentence.startswith("Retrying from the top at ")
-    assert "(attempt 2 of 3) after StepFailed" in state.sentence
+    assert "(attempt 2 of 3) after RuntimeError" in state.sentence
 
 
 def test_a_completed_run_says_how_long_it_took(drive):

@@ -15,7 +15,7 @@ from runs.engine.context import Engine, RunContext, engine_of
 from runs.engine.execution import Execution
 from runs.engine.fences import Lease
 from runs.errors import ApprovalRevoked, StepMisuse
-from runs.models import Event, Run, RunStatus, Step, StepStatus
+from runs.models import Event, EventType, Run, RunStatus, Step, StepStatus
 from runs.sdk import OutputNotSerializable, UnknownWorkflow, start_run
 from tests import workflows
 from tests.testapp.models import Effect
@@ -156,16 +156,82 @@ def test_a_failing_step_is_retried_by_its_policy_and_the_attempts_are_recorded(d
     assert [e.payload["error"]["message"] for e in retries] == ["failure 1", "failure 2"]
 
 
-def test_retries_are_bounded_and_the_run_is_retried_from_the_top_a_bounded_number_of_times(
-    drive, settings
-):
+def test_retries_are_bounded_and_a_step_they_gave_up_on_ends_the_run(drive, settings):
+    """The run is not retried from the top on a step's failure (issue 47: 2 step attempts in
+    each of 3 run attempts, 6 calls, before): the step's policy had its say."""
     run = start_run("flaky", {"failures": 100, "attempts": 2})
     outcomes = drive()
-    assert outcomes == ["retrying", "retrying", "failed"]
+    assert outcomes == ["failed"]
     run.refresh_from_db()
-    assert run.status == RunStatus.FAILED and run.attempt == run.max_attempts == 3
-    assert "3 attempts used" in run.error["reason"]
-    assert workflows.calls["flaky"] == 6  # 2 step attempts in each of 3 run attempts
+    assert run.status == RunStatus.FAILED and (run.attempt, run.max_attempts) == (1, 3)
+    assert "step 'call' failed after 2 attempts" in run.error["reason"]
+    assert workflows.calls["flaky"] == 2
+
+
+def bank_calls() -> dict[str, int]:
+    labels = Effect.objects.values_list("label", flat=True)
+    return {label: list(labels).count(label) for label in set(labels)}
+
+
+@pytest.mark.parametrize(
+    ("input", "step", "error", "calls"),
+    [
+        ({"amount": 500, "to": "B"}, "withdraw", "InsufficientFunds", {"withdraw": 1}),
+        (
+            {"amount": 50, "to": "nowhere"}, "deposit", "NoSuchAccount",
+            {"withdraw": 1, "deposit": 1, "refund": 1},
+        ),
+    ],
+)  # fmt: skip
+def test_a_step_error_its_policy_calls_final_reaches_the_bank_once_and_ends_the_run_at_once(
+    drive, input, step, error, calls
+):
+    """Issue 47 section 5: the transfer sample's over-balance withdrawal and invalid-account
+    deposit reached the bank 3 times per run (once per run attempt, each retried from the
+    top), and the failure became final after two run-level backoffs."""
+    run = start_run("transfer", input)
+    outcomes = drive()
+    assert bank_calls() == calls  # compensated once: the withdrawal is refunded
+    assert outcomes == ["failed"]
+    run.refresh_from_db()
+    assert (run.status, run.attempt) == (RunStatus.FAILED, 1)
+    assert not Event.objects.filter(run=run, type=EventType.RUN_RETRYING).exists()
+    assert run.error["step"] == step and run.error["cause"]["type"] == error
+    assert run.error["cause"]["retryable"] is False  # the policy's word reached the record
+    assert steps_of(run)[step].error["retryable"] is False
+    assert run.error["final"] is True
+    assert f"step {step!r}" in run.error["reason"] and "final" in run.error["reason"]
+
+
+def test_a_step_its_policy_gave_up_on_ends_the_run_too_and_an_operator_may_retry_it(drive, cast):
+    """An outage the step's policy retried 3 times and gave up on: the run is not retried from
+    the top (9 calls before); a person who knows the bank is back retries it explicitly."""
+    from runs.operations import retry_run
+
+    run = start_run("transfer", {"amount": 50, "to": "B", "down": True})
+    outcomes = drive()
+    assert bank_calls() == {"withdraw": 3}  # the step's 3 attempts, in 1 run attempt
+    assert outcomes == ["failed"]
+    run.refresh_from_db()
+    assert run.attempt == 1 and run.error["cause"]["retryable"] is True
+    assert run.error["final"] is False and "3 attempts" in run.error["reason"]
+    retry_run(run.pk, cast["otto"], "the bank is back")
+    assert drive() == ["failed"]  # still down: the operator's retry sent it again, 3 times
+    assert bank_calls() == {"withdraw": 6}
+    assert Run.objects.get(pk=run.pk).attempt == 2
+
+
+def test_an_error_the_workflow_raises_itself_is_retried_from_the_top_without_resending_a_final_step(
+    drive,
+):
+    """Run-level attempts are for the workflow's own errors: a workflow that wraps a step's
+    final failure in an error of its own is retried, and the step's recorded answer replays."""
+    run = start_run("transfer", {"amount": 500, "to": "B", "wrap": True})
+    assert drive() == ["retrying", "retrying", "failed"]
+    assert bank_calls() == {"withdraw": 1}
+    run.refresh_from_db()
+    assert run.attempt == 3 and run.error["type"] == "RuntimeError"
+    assert "final" not in run.error
 
 
 def test_a_caught_step_failure_replays_as_the_same_failure(drive, expire_lease):

@@ -341,8 +341,12 @@ def test_a_caught_child_failure_replays_in_step(drive):
     assert Run.objects.get(pk=run.pk).output == "napped"
 
 
-def test_a_retried_run_replays_caught_failures_and_retries_only_the_last_one(drive):
+def test_a_retried_run_replays_caught_failures_and_retries_only_the_last_one(drive, cast):
+    from runs.operations import retry_run
+
     run = start_run("fallback")
+    assert drive() == ["failed"]  # the last step's failure, uncaught, ends the run at once
+    retry_run(run.pk, cast["otto"], "it was transient")
     drive()
     run.refresh_from_db()
     assert (run.status, run.output, run.attempt) == (RunStatus.COMPLETED, "done", 2)

@@ -194,6 +194,26 @@ def test_bad_runs_fail_clearly_and_the_worker_keeps_serving(spawn_worker):
     assert "ghost@1 are left alone" in worker.output()
 
 
+def test_a_step_error_its_policy_calls_final_reaches_the_bank_once_per_run(spawn_worker):
+    """Issue 47 section 5, with a real worker and the production backoff between run attempts
+    (2 s, doubling): the transfer sample's over-balance withdrawal and invalid-account deposit
+    reached the bank once per run attempt, 3 times, and the run failed after at least 4.8 s
+    of backoff. Now once, and the run fails in its first attempt."""
+    spawn_worker(env={"STEPGUARD_RUN_RETRY_BASE_SECONDS": "2.0"})
+    refused = [start_run("transfer", {"amount": 500, "to": "B"}) for _ in range(3)]
+    unknown = [start_run("transfer", {"amount": 50, "to": "nowhere"}) for _ in range(3)]
+    ended = [wait_done(run) for run in refused + unknown]
+    calls = effect_counts()
+    for run in ended:
+        took = (run.finished_at - run.started_at).total_seconds()
+        assert (run.status, run.attempt) == (RunStatus.FAILED, 1), run.error
+        assert run.error["final"] is True and took < 4.8, took
+        assert calls[f"{run.id}:withdraw"] == 1
+    for run in unknown:
+        assert calls[f"{run.id}:deposit"] == 1 and calls[f"{run.id}:undo:withdraw"] == 1
+    assert not Event.objects.filter(type="run.retrying").exists()
+
+
 @pytest.mark.postgres
 def test_workers_wake_on_notify_and_the_listener_reconnects_after_its_backend_dies(
     spawn_worker,

@@ -579,7 +579,10 @@ def spend_then_patch(ctx: RunContext, input):
 
 @workflow("fails-once")
 def fails_once(ctx: RunContext, input):
-    """A step that fails without step retries (so the run is retried), calling a hook first."""
+    """A step that fails without step retries, calling a hook first; the workflow raises an
+    error of its own from it (so the run is retried from the top, and the step runs again:
+    its error is an outage, not final)."""
+    from runs.sdk import StepFailed
 
     def call():
         calls["fails-once"] = calls.get("fails-once", 0) + 1
@@ -589,7 +592,10 @@ def fails_once(ctx: RunContext, input):
             raise ConnectionError("down once")
         return "ok"
 
-    return ctx.step("call", call, retry=NO_RETRY)
+    try:
+        return ctx.step("call", call, retry=NO_RETRY)
+    except StepFailed as exc:
+        raise RuntimeError("the call failed: try the run again") from exc
 
 
 @workflow("txn-only")
@@ -756,3 +762,51 @@ def poison_pill(ctx: RunContext, input):
 def labelled(ctx: RunContext, input):
     """What workflow code sees of who the run is for."""
     return ctx.labels
+
+
+class InsufficientFunds(Exception):
+    """The bank's answer to an over-balance withdrawal: the same request gets it again."""
+
+
+class NoSuchAccount(Exception):
+    """The bank's answer to a deposit into an account that does not exist."""
+
+
+#: The transfer sample's policy: the bank's refusals are answers, not outages.
+BANK_REFUSALS_ARE_FINAL = RetryPolicy(
+    initial_interval=timedelta(0), non_retryable=(InsufficientFunds, NoSuchAccount)
+)
+
+
+@workflow("transfer")
+def transfer(ctx: RunContext, input: dict):
+    """The money-transfer sample of Temporal's and DBOS's docs: withdraw, then deposit, the
+    deposit's failure compensated by a refund. Each call to the bank is an Effect row. `down`
+    makes the bank unreachable instead (an outage its policy retries, then gives up on);
+    `wrap` catches the withdrawal's failure and raises an error of the workflow's own."""
+    from runs.sdk import StepFailed
+
+    def withdraw():
+        effect(ctx, "withdraw")
+        if input.get("down"):
+            raise ConnectionError("the bank is unreachable")
+        if input["amount"] > input.get("balance", 100):
+            raise InsufficientFunds(f"{input['amount']} is over the balance")
+        return input["amount"]
+
+    def deposit(amount):
+        effect(ctx, "deposit")
+        if input.get("to") != "B":
+            raise NoSuchAccount(f"no account {input.get('to')!r}")
+        return amount
+
+    try:
+        taken = ctx.step(
+            "withdraw", withdraw, retry=BANK_REFUSALS_ARE_FINAL,
+            compensate=lambda amount: effect(ctx, "refund", amount),
+        )  # fmt: skip
+    except StepFailed as exc:
+        if input.get("wrap"):
+            raise RuntimeError(f"transfer refused: {exc}") from exc
+        raise
+    return ctx.step("deposit", deposit, taken, retry=BANK_REFUSALS_ARE_FINAL)

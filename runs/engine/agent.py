@@ -53,7 +53,10 @@ class Tool:
     `requires_approval`: True, False, or a predicate on the call's arguments. A function that
     takes `idempotency_key` receives the step's, stable across retries and resumes. The model's
     arguments are checked against `parameters` before anything runs. `retry` is the tool step's
-    RetryPolicy; `timeout` (seconds) bounds each attempt.
+    RetryPolicy; `timeout` (seconds) bounds each attempt. `on_refusal`: "tell" reports a
+    rejected, expired or revoked approval to the model as the tool's result; "raise" ends the
+    loop with that error (the run fails with it unless the workflow catches it), for a tool
+    whose refusal is the run's outcome (a booking that was the point of the run).
     """
 
     fn: Callable
@@ -62,8 +65,13 @@ class Tool:
     requires_approval: bool | Callable[[dict], bool] = False
     retry: RetryPolicy | None = None
     timeout: float | None = None
+    on_refusal: str = "tell"
 
     def __post_init__(self) -> None:
+        if self.on_refusal not in ("tell", "raise"):
+            raise StepMisuse(
+                f"tool {self.name!r}: on_refusal must be 'tell' or 'raise', not {self.on_refusal!r}"
+            )
         try:
             jsonschema.validators.validator_for(self.parameters).check_schema(self.parameters)
         except jsonschema.SchemaError as exc:
@@ -346,6 +354,9 @@ def _tool_turn(ctx, tools: dict[str, Tool], calls: list[Call], turn: int) -> lis
         ]
         for pending, decision in zip(asking, ctx.waits.approvals(asks), strict=True):
             pending.decision = decision
+    for pending in ready.values():
+        if isinstance(pending.decision, StepguardError) and pending.tool.on_refusal == "raise":
+            raise pending.decision  # before any tool of the turn runs: the run ends here
     jobs, order = [], []
     for i, pending in ready.items():
         if isinstance(pending.decision, StepguardError):  # rejected, revoked, expired
@@ -388,6 +399,8 @@ def _run_tool(ctx, pending: _Pending) -> Any:
             requires_approval=pending.needed, approved=pending.decision,
         )  # fmt: skip
     except (ApprovalRejected, ApprovalExpired, ApprovalRevoked) as refused:
+        if pending.tool.on_refusal == "raise":
+            raise
         return {"refused": str(refused)}
     except StepFailed as failed:
         return {"error": failed.error.get("message", str(failed))}

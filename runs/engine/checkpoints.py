@@ -34,7 +34,7 @@ from runs.engine.budget import (
 from runs.engine.compensation import Compensations
 from runs.engine.fences import Completion, Fence, Lease, Spend
 from runs.engine.records import INTERRUPTED, Decision, Identity, brief, error_record
-from runs.engine.retry import retryable
+from runs.engine.retry import RetryPolicy, retryable
 from runs.engine.store import append_event, atomic, complete_later, fence, fenced_write
 from runs.errors import REPLAYED, ApprovalRevoked, Cancelled, StepFailed, StepguardError
 from runs.models import EventType, Run, RunStatus, Step, StepKind, StepStatus
@@ -287,10 +287,15 @@ class Checkpoints:
         attempt: int,
         exc: BaseException,
         held: Reservation | None = None,
+        policy: RetryPolicy | None = None,
     ) -> NoReturn:
         """Record a step's final failure and raise it. With no `step_pk` the step has no row
-        yet (a transaction step, a refused re-send): one is inserted at `seq` as `kind`."""
-        error = {**error_record(exc), "retryable": retryable(exc)}
+        yet (a transaction step, a refused re-send): one is inserted at `seq` as `kind`.
+        `retryable` records whether the step's `policy` retries this error at all: False is
+        an answer (a retry, of the step or of the run, gets the same one), True an outage
+        the policy gave up on after `attempts`."""
+        final = not (policy.retries(exc) if policy is not None else retryable(exc))
+        error = {**error_record(exc), "retryable": not final, "attempts": attempt}
         fields = {
             "status": StepStatus.FAILED,
             "error": error,

@@ -95,15 +95,20 @@ class History:
     def replays(self, key: str, seq: int, record: Step | None) -> bool:
         """True if the record at `seq` is `key` completed: hand its output back. A recorded
         failure is raised again, so code that caught it takes the same branch, except the one
-        that ended an earlier attempt of the run, which is attempted afresh on a retry."""
+        that ended an earlier attempt of the run, which is attempted afresh on a retry unless
+        its error was final."""
         if record is None or record.key != key:
             return False
         if record.status == StepStatus.COMPLETED:
             return True
         # Even under a cancel: replay must reach every completed step after the failure, or
         # their compensations would never be known. The failure that ended the attempt is the
-        # run's error: a gathered step's, not the last position, is attempted afresh too.
-        ended_it = record.key == self._failed_step or seq == self.last_recorded
+        # run's error: a gathered step's, not the last position, is attempted afresh too (a
+        # step's failure fails the run, so the execution after one is a person's retry). On
+        # a retry of the workflow's own error, a failure the step's policy called final
+        # replays, whatever error the workflow raised from it: it is never sent again.
+        final = (record.error or {}).get("retryable") is False
+        ended_it = record.key == self._failed_step or (seq == self.last_recorded and not final)
         if record.status == StepStatus.FAILED and (
             record.run_attempt == self._attempt or not ended_it
         ):

@@ -45,6 +45,7 @@ from runs.errors import (
     NonDeterminismError,
     OverBudget,
     Released,
+    StepFailed,
     Suspended,
     WorkerLost,
 )
@@ -384,8 +385,12 @@ def _cancelled(run: Run, engine: Engine, lease: Lease) -> Outcome:
 
 
 def _fail(run: Run, engine: Engine, lease: Lease, exc: BaseException) -> Outcome:
+    """A run whose workflow raised: retried from the top while it has attempts left, unless
+    the error says a retry cannot help. A step's failure the workflow let out uncaught ends
+    the run at once (its policy already retried it, or called it final), as an activity's
+    failure ends a Temporal workflow: the run's own attempts are for its own errors."""
     error = error_record(exc)
-    retryable = getattr(exc, "retryable", True)
+    retryable = getattr(exc, "retryable", True) and not isinstance(exc, StepFailed)
     try:
         if retryable and run.attempt < run.max_attempts:
             base = settings.STEPGUARD_RUN_RETRY_BASE_SECONDS * 2 ** (run.attempt - 1)
@@ -407,7 +412,9 @@ def _fail(run: Run, engine: Engine, lease: Lease, exc: BaseException) -> Outcome
                 run.id, run.attempt, error["message"], delay,
             )  # fmt: skip
             return Outcome.RETRYING
-        reason = "not retryable" if not retryable else f"{run.max_attempts} attempts used"
+        reason = _why_final(exc) if not retryable else f"{run.max_attempts} attempts used"
+        if isinstance(exc, StepFailed):
+            error["final"] = not exc.retryable
         # After a non-determinism error the recorded positions no longer match the code, so
         # compensating would itself misfire: leave that to a person.
         if isinstance(exc, NonDeterminismError):
@@ -432,6 +439,18 @@ def _fail(run: Run, engine: Engine, lease: Lease, exc: BaseException) -> Outcome
         return _interrupted(run, engine, lease, stop)
     log.warning("run %s failed (%s): %s", run.id, reason, error["message"])
     return Outcome.FAILED
+
+
+def _why_final(exc: BaseException) -> str:
+    """Why a run is failed without a retry from the top, in the words of its error."""
+    if not isinstance(exc, StepFailed):
+        return "not retryable"
+    cause = exc.error.get("type", "its error")
+    if not exc.retryable:
+        return f"step {exc.key!r} failed with {cause}, which its retry policy calls final"
+    tries = exc.error.get("attempts")
+    after = f"after {tries} attempt{'s' if tries != 1 else ''}" if tries else "after its retries"
+    return f"step {exc.key!r} failed {after} ({cause}): its retry policy gave up"
 
 
 def _interrupted(

@@ -319,7 +319,7 @@ class Steps:
                     continue
                 step_pk = record.pk if record is not None else None
                 self.checkpoints.record_failure(
-                    step_pk, seq, key, idem, StepKind.TRANSACTION, tries, exc
+                    step_pk, seq, key, idem, StepKind.TRANSACTION, tries, exc, policy=policy
                 )
 
     def _invoke(
@@ -417,7 +417,9 @@ class Steps:
                             step_pk, None, key, idem, None, attempt, revoked, held
                         )
                     continue
-                self.checkpoints.record_failure(step_pk, None, key, idem, None, attempt, exc, held)
+                self.checkpoints.record_failure(
+                    step_pk, None, key, idem, None, attempt, exc, held, call.policy
+                )
             else:
                 self.answered_now.pop(idem, None)  # its usage is the step's own: Metered
                 fields = {"status": StepStatus.COMPLETED, "output": output}

@@ -219,10 +219,10 @@ class Command(BaseCommand):
                 self.stdout.write(self.style.WARNING(f"demo: could not halt the campaign: {exc}"))
         crash = self.demo_crash(research)
         # Two endings an operator meets: a step that needed three tries, and a failed run to
-        # retry or fork (its card expired: the payments API refuses the refund). Started after
-        # the crash, so the attempts shown are the retry policy's alone.
+        # fork (its card expired: the payments API refuses the refund, a final answer). Started
+        # after the crash, so the attempts shown are the retry policy's alone.
         retried = start_run("refund", {"order": "A-1001"}, key="demo:refund")
-        refused = start_run("refund", {"order": "A-1002"}, key="demo:refused", max_attempts=1)
+        refused = start_run("refund", {"order": "A-1002"}, key="demo:refused")
         self.wait(
             lambda: (
                 all(
@@ -236,13 +236,13 @@ class Command(BaseCommand):
         )
         rows = [
             (booking, "notify failed once and was retried; booked once"),
-            (agent, "the model wants to book: approve it (below)"),
+            (agent, "the model wants to book: approve it, or reject it (below)"),
             (research, crash),
             (orchestrator, "three research subagents as child runs, then a synthesis"),
             (capped, "paused before the draft that would exceed its $0.001 budget"),
             (stopped, "halted by an operator; only `unhalt` resumes it"),
             (retried, "the mail gateway was down twice; notify went through on attempt 3"),
-            (refused, "failed: the payments API refused the refund; retry or fork it"),
+            (refused, "failed at once: the payments API refused the refund; fork it"),
         ]
         pending = ApprovalRequest.objects.filter(run=agent, status=ApprovalStatus.PENDING)
         request = self.wait(pending.first, "the booking agent's approval request", timeout=60)
@@ -253,8 +253,13 @@ class Command(BaseCommand):
             self.stdout.write(f"  {run.status:<12} {name:<18} {self.url(run)}  {note}")
         if request:
             approve = f"python manage.py approve {request.pk} --user {DEMO_USER}"
+            reject = f"python manage.py reject {request.pk} --user {DEMO_USER} --comment why"
             follow = f"python manage.py showrun {research.pk} --follow"
-            self.stdout.write(f"\n  approve the booking:  {approve}\n  follow a run:  {follow}")
+            self.stdout.write(
+                f"\n  approve the booking:  {approve}"
+                f"\n  or reject it (the run ends, failed with ApprovalRejected):  {reject}"
+                f"\n  follow a run:  {follow}"
+            )
 
     def demo_flight(self, flight: dict) -> Run:
         run = start_run("flight-booking", flight, version="1", key="demo:booking")
