@@ -345,6 +345,13 @@ def agent_protocols(ctx: RunContext, input: dict):
         }
     if input.get("stream"):  # each turn streamed, its text handed out as it arrives
         conversation |= {"stream": True, "on_delta": streamed.append}
+    if input.get("as_messages") and "input" in conversation:  # the chat spelling, for responses
+        conversation["messages"] = conversation.pop("input")
+    if input.get("both"):
+        conversation |= {"messages": [{"role": "user", "content": ask}], "input": []}
+    if input.get("empty"):
+        conversation.pop("input", None)
+        conversation.pop("messages", None)
     return ctx.agent_loop(protocol=protocol, tools=tools, **conversation)
 
 

@@ -719,6 +719,34 @@ def test_the_agent_loop_speaks_each_protocol_with_parallel_calls_and_options(
         assert sum(m["role"] == "tool" for m in last["messages"]) == 3
 
 
+def test_the_responses_loop_takes_a_conversation_given_as_messages(drive, demo_model):
+    """`agent_loop(protocol="responses", messages=...)` dropped the messages and paid for a
+    request with an empty input; the chat spelling is the responses input now."""
+    run = start_run("agent-protocols", {"protocol": "responses", "as_messages": True})
+    assert drive() == ["completed"]
+    assert demo_model.bodies[0]["input"] == [
+        {"role": "user", "content": "Plan two nights in Lisbon."}
+    ]
+    assert Run.objects.get(pk=run.pk).output["turns"] == 3
+
+
+@pytest.mark.parametrize(
+    ("shape", "says"),
+    [
+        ({"both": True}, "give the conversation once"),
+        ({"empty": True}, "agent_loop needs a conversation"),
+    ],
+)
+def test_a_conversation_given_twice_or_not_at_all_is_refused_before_any_request(
+    drive, demo_model, shape, says
+):
+    run = start_run("agent-protocols", {"protocol": "responses", **shape})
+    assert drive() == ["failed"]
+    assert demo_model.bodies == []  # nothing paid for
+    error = Run.objects.get(pk=run.pk).error
+    assert error["code"] == "sdk_misuse" and says in error["message"]
+
+
 def test_arguments_that_break_the_tool_s_schema_go_back_to_the_model(
     drive, demo_model, tool_behaviour
 ):

@@ -301,7 +301,15 @@ def agent_loop(
     """
     speaks = protocol_for(client, protocol)
     tools = tools or {}
-    conversation = list((input if speaks is PROTOCOLS["responses"] else messages) or [])
+    if input is not None and messages is not None:
+        raise StepMisuse("give the conversation once: messages= or input=, not both")
+    # Either spelling for any protocol: the responses API takes chat messages as its input
+    # (messages= with protocol="responses" was dropped, and an empty request paid for).
+    conversation = list(input if input is not None else messages or [])
+    if not conversation:
+        raise StepMisuse(
+            "agent_loop needs a conversation: messages=[...] (or input=[...] for responses)"
+        )
     specs = speaks.tools([tool.spec(name) for name, tool in tools.items()])
     limit = {}
     if max_tokens is not None and not any(k in options for k in MAX_TOKENS_FIELDS):
