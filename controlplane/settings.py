@@ -256,6 +256,16 @@ def redis_channel_layer(url: str) -> dict:
 REDIS_URL = os.environ.get("REDIS_URL", "")
 if REDIS_URL:
     CHANNEL_LAYERS = {"default": redis_channel_layer(REDIS_URL)}
+    # One cache for every web process: /metrics' summary is computed once a period for all
+    # of them, not once per process (Django's default, a per-process LocMemCache).
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": "stepguard",
+            "OPTIONS": {"socket_timeout": REDIS_SOCKET_TIMEOUT, "socket_connect_timeout": 5},
+        }
+    }
 else:
     # Per-process only: good enough for the embedded single-process demo, where consumers poll.
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}

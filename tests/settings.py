@@ -30,6 +30,9 @@ STEPGUARD_NOTIFY_RETRY_SECONDS = 0.05
 # The suite's webhook receivers listen on 127.0.0.1; tests of refusal set the default, none.
 STEPGUARD_WEBHOOK_ALLOW = ["127.0.0.1"]
 STEPGUARD_METRICS_SUMMARY_SECONDS = 0.0  # figures right after each action (one test caches)
+# Each test process its own cache (controlplane.settings puts it on Redis when REDIS_URL is set,
+# shared by every process: tests/test_settings.py checks that).
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast test logins
 
 # Under pytest-xdist each test process has its own database (pytest-django adds the worker's

@@ -132,3 +132,32 @@ def test_plain_http_on_loopback_is_not_sent_to_https(client, settings, peer, hos
     assert (answer.status_code == 301) is redirected, answer.status_code
     if redirected:
         assert answer["Location"] == f"https://{host}/login/"
+
+
+def test_with_redis_the_cache_is_one_for_every_process(tmp_path):
+    """The settings defined no cache: Django's per-process LocMemCache, so N web processes
+    computed /metrics' summary N times a period. With REDIS_URL it is Redis, shared."""
+    import uuid
+
+    url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
+    key, value = f"test-shared-{uuid.uuid4().hex}", uuid.uuid4().hex
+    code = (
+        "import sys; from django.conf import settings; from django.core.cache import cache;"
+        " print(settings.CACHES['default']['BACKEND']);"
+        " print(cache.get(sys.argv[1]) if sys.argv[2] == 'get' else cache.set(sys.argv[1],"
+        " sys.argv[3], 30))"
+    )
+
+    def django(*argv: str) -> list[str]:
+        environ = {**os.environ, **PRODUCTION, "REDIS_URL": url, "STEPGUARD_VAR_DIR": str(tmp_path)}
+        environ["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
+        done = subprocess.run(
+            [sys.executable, "-c", f"import django; django.setup(); {code}", *argv],
+            cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    backend, _ = django(key, "set", value)
+    assert backend == "django.core.cache.backends.redis.RedisCache"
+    assert django(key, "get") == [backend, value]  # another process reads what one wrote
