@@ -360,3 +360,22 @@ def test_the_budgets_page_sums_every_labels_spend_in_one_statement(
     with django_assert_num_queries(1):
         spent = _spent_per_label(today, ["tenant=acme", "tenant=bolt", "tenant=none"])
     assert spent == {"tenant=acme": 2 * one, "tenant=bolt": one, "tenant=none": 0}
+
+
+@pytest.mark.parametrize("scope", ["label:tenant=acme", "workflow:metered", "all"])
+def test_a_daily_budget_set_mid_day_counts_what_was_spent_before_it(drive, client, cast, scope):
+    """A tenant (or workflow, or everything) spent $3 today before its $2 daily budget was set:
+    it is over at once, and the next run is refused before its first step. Before, the budget
+    counted from its first use (the ledger began at 0): the new run went through, spending
+    $1 more than a budget already at 150%, and the page showed 50% instead of 150%."""
+    start_run("metered", {"steps": 3}, labels={"tenant": "acme"})
+    assert drive() == ["completed"]
+    set_budget(scope, cast["otto"], "a cap set mid-day", usd=Decimal("2"))
+    late = start_run("metered", {"steps": 1}, labels={"tenant": "acme"})
+    assert drive() == ["over_budget"]
+    assert Run.objects.get(pk=late.pk).cost_micros == 0
+    ledger_scope = {"workflow:metered": "metered", "all": "*"}.get(scope, scope)
+    assert BudgetLedger.objects.get(scope=ledger_scope).spent_micros == 3_000_000
+    client.force_login(cast["vera"])
+    page = client.get("/budgets").content.decode()
+    assert ">150%</span>" in page  # the figure enforced is the day's spend the page shows

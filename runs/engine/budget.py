@@ -15,12 +15,12 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import Q
+from django.db.models import Q, Sum
 from django.utils import timezone
 
 from runs import labels as run_labels
 from runs.errors import OverBudget
-from runs.models import GLOBAL, BudgetLedger, Policy
+from runs.models import GLOBAL, BudgetLedger, Policy, SpendDay
 
 MICROS = Decimal("1000000")
 
@@ -155,6 +155,33 @@ def _ensure_rows(scopes: list[str], day=None):
         [BudgetLedger(scope=s, day=day) for s in scopes], ignore_conflicts=True
     )
     return day
+
+
+def count_the_day(scope: str, day: date | None = None) -> None:
+    """Make the ledger of `scope` for `day` (default today, UTC) count at least what the day's
+    spend rows (SpendDay) hold for it: a daily budget counts the whole day's spend, whenever it
+    was set. Called when a daily budget is set, last in that transaction (after the policy and
+    the runs it resumes: docs/architecture.md, *lock order*).
+
+    Ledgers are booked only for scopes that have a budget, so one set mid-day would otherwise
+    count from its first use. Booking every scope always would instead put a lock on the global
+    ledger (and every workflow's and label's) into every step of every run, budgeted or not;
+    this costs one aggregate over the day's spend rows per budget change. The ledger is raised,
+    never lowered: one kept since midnight already counts the day (and its holds' spend on the
+    day they were reserved)."""
+    day = day or timezone.now().date()
+    rows = SpendDay.objects.filter(day=day)
+    if scope.startswith(run_labels.SCOPE_PREFIX):
+        rows = rows.filter(run_labels.carrying(scope.removeprefix(run_labels.SCOPE_PREFIX)))
+    elif scope != GLOBAL:
+        rows = rows.filter(workflow=scope)
+    found = rows.aggregate(micros=Sum("micros"), tokens=Sum("tokens"))
+    _ensure_rows([scope], day)
+    ledger = BudgetLedger.objects.filter(scope=scope, day=day)
+    # Each a conditional UPDATE: raised to the day's figure under the row lock, never lowered.
+    for column, spent in (("spent_micros", found["micros"]), ("spent_tokens", found["tokens"])):
+        if spent:
+            ledger.filter(**{f"{column}__lt": spent}).update(**{column: spent})
 
 
 def _limits(scopes: list[str]) -> dict[str, Any]:
