@@ -142,6 +142,30 @@ def scopes_for(workflow: str, labels: Mapping[str, str] | None = None) -> list[s
     return [s for s in candidates if s in shared]
 
 
+def shared_left(workflow: str, labels: Mapping[str, str] | None) -> tuple[int | None, int | None]:
+    """What the tightest of a run's shared daily budgets has left today (limit less spent and
+    held), in micro-USD and in tokens; None where none limits that unit. Read without locks:
+    it caps a model call's answer, and the reservation still checks under the row lock."""
+    scopes = scopes_for(workflow, labels)
+    if not scopes:
+        return None, None
+    limits = _limits(scopes)
+    ledgers: dict[str, dict[str, Any]] = {
+        row["scope"]: dict(row)
+        for row in BudgetLedger.objects.filter(day=timezone.now().date(), scope__in=scopes).values()
+    }
+    left: dict[str, list[int]] = {"micros": [], "tokens": []}
+    for scope in scopes:
+        row: dict[str, Any] = ledgers.get(scope, {})
+        for unit in left:
+            limit = limits.get(scope, {}).get(f"daily_budget_{unit}")
+            if limit is not None:
+                used = row.get(f"spent_{unit}", 0) + row.get(f"reserved_{unit}", 0)
+                left[unit].append(limit - used)
+    micros, tokens = (min(left[u]) if left[u] else None for u in ("micros", "tokens"))
+    return micros, tokens
+
+
 def _label(scope: str) -> str:
     if scope == GLOBAL:
         return "global daily"
