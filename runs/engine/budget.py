@@ -14,15 +14,13 @@ from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
-from django.db.models import Case, Q, Sum, Value, When
+from django.db import connection
+from django.db.models import Q, Sum
 from django.utils import timezone
 
 from runs import labels as run_labels
-from runs.engine import holds
-from runs.engine.wakeup import notify_runnable
 from runs.errors import OverBudget
-from runs.models import GLOBAL, BudgetLedger, EventType, Policy, Run, RunStatus, SpendDay
+from runs.models import GLOBAL, BudgetLedger, Policy, SpendDay
 
 MICROS = Decimal("1000000")
 
@@ -149,7 +147,7 @@ def shared_left(workflow: str, labels: Mapping[str, str] | None) -> tuple[int | 
     scopes = scopes_for(workflow, labels)
     if not scopes:
         return None, None
-    limits = _limits(scopes)
+    limits = daily_limits(scopes)
     ledgers: dict[str, dict[str, Any]] = {
         row["scope"]: dict(row)
         for row in BudgetLedger.objects.filter(day=timezone.now().date(), scope__in=scopes).values()
@@ -210,7 +208,8 @@ def count_the_day(scope: str, day: date | None = None) -> None:
             ledger.filter(**{f"{column}__lt": spent}).update(**{column: spent})
 
 
-def _limits(scopes: list[str]) -> dict[str, Any]:
+def daily_limits(scopes: list[str]) -> dict[str, Any]:
+    """Each scope's daily limits (a row of values per scope that has a policy)."""
     rows = Policy.objects.filter(scope__in=scopes).values(
         "scope", "daily_budget_micros", "daily_budget_tokens"
     )
@@ -242,7 +241,7 @@ def reserve_shared(scopes: list[str], estimate: Amount, held: Amount = NOTHING, 
         [estimate.micros, estimate.tokens],
         "scope, spent_micros, reserved_micros, spent_tokens, reserved_tokens",
     )  # fmt: skip
-    limits = _limits(scopes)
+    limits = daily_limits(scopes)
     for scope, spent_m, reserved_m, spent_t, reserved_t in rows:
         policy = limits.get(scope, {})
         for unit, limit, spent, reserved, mine in (
@@ -262,69 +261,10 @@ _RELEASE = (
 )
 
 
-def release_shared(scopes: list[str], held: Amount, day, *, resume: bool = True) -> None:
-    """Give back what a step held on `day` (the day it reserved) without spending it; runs
-    that others' holds had paused resume if there is room now (`resume_fitting`)."""
+def release_shared(scopes: list[str], held: Amount, day) -> None:
+    """Give back what a step held on `day` (the day it reserved) without spending it. The
+    caller then resumes the runs that others' holds had paused (budget_room.resume_fitting)."""
     _update(scopes, day, _RELEASE, [held.micros, held.micros, held.tokens, held.tokens], "scope")
-    if resume and held:
-        resume_fitting(scopes, day)
-
-
-#: The most paused runs one release resumes (oldest first): the rest wait for the next release
-#: of the runs resumed, or for a raise, so a step's commit stays short.
-RESUME_AT_ONCE = 200
-
-
-def _in_scope(scope: str) -> Q:
-    if scope == GLOBAL:
-        return Q()
-    if scope.startswith(run_labels.SCOPE_PREFIX):
-        return run_labels.carrying(scope.removeprefix(run_labels.SCOPE_PREFIX))
-    return Q(workflow=scope)
-
-
-def resume_fitting(scopes: list[str], day) -> int:
-    """Resume the runs paused over a shared daily budget of `scopes` whose ledger for today has
-    room again (spent and held under each limit), now that a hold on it was released; return
-    how many. A run refused because others' estimates filled the budget would otherwise wait
-    for a raise or for midnight, with nothing held any more. Each re-checks at its next start
-    (one that still does not fit pauses again; its alert is not sent twice).
-
-    After the ledgers in the releasing transaction, against the lock order (docs/architecture.md):
-    the paused runs are locked with SKIP LOCKED, so this never waits. A run locked meanwhile is
-    being claimed or resumed already."""
-    if not scopes or day != timezone.now().date():
-        return 0
-    limits = _limits(scopes)
-    room = Q(pk__in=[])
-    for row in BudgetLedger.objects.filter(day=day, scope__in=scopes).values():
-        policy = limits.get(row["scope"], {})
-        pairs = [
-            (policy.get("daily_budget_micros"), row["spent_micros"] + row["reserved_micros"]),
-            (policy.get("daily_budget_tokens"), row["spent_tokens"] + row["reserved_tokens"]),
-        ]
-        counted = [(limit, used) for limit, used in pairs if limit is not None]
-        if counted and all(used < limit for limit, used in counted):
-            room |= _in_scope(row["scope"])
-    # Paused over a shared budget: their wake-up is the next midnight (a run's own budget: none).
-    paused = Run.objects.filter(room, status=RunStatus.OVER_BUDGET, wake_at__isnull=False)
-    ids = list(
-        paused.order_by("created_at")
-        .select_for_update(skip_locked=True)
-        .values_list("id", flat=True)[:RESUME_AT_ONCE]
-    )
-    if not ids:
-        return 0
-    from runs.engine.store import run_event  # here: store imports fences, which import us
-
-    covered = When(holds.covered(), then=Value(RunStatus.HALTED))
-    Run.objects.filter(pk__in=ids, status=RunStatus.OVER_BUDGET).update(
-        status=Case(covered, default=Value(RunStatus.PENDING)), wake_at=timezone.now()
-    )
-    for run_id in ids:
-        run_event(run_id, EventType.RUN_RESUMED, reason="budget reservations were released")
-    transaction.on_commit(notify_runnable)
-    return len(ids)
 
 
 def book_shared(
@@ -340,14 +280,7 @@ def book_shared(
     for the first time that day."""
     day = day or timezone.now().date()
     if held and held_scopes:
-        release_shared(list(held_scopes), held, day, resume=False)
-    warned = _book(spend_scopes, usage, day)
-    if held and held_scopes:
-        resume_fitting(list(held_scopes), day)  # after the spend: room is what is left then
-    return warned
-
-
-def _book(spend_scopes: list[str], usage: Usage, day) -> list[str]:
+        release_shared(list(held_scopes), held, day)
     if not spend_scopes or not (usage.micros or usage.tokens):
         return []
     _ensure_rows(spend_scopes, day)
@@ -355,7 +288,7 @@ def _book(spend_scopes: list[str], usage: Usage, day) -> list[str]:
         spend_scopes, day, "spent_micros = spent_micros + %s, spent_tokens = spent_tokens + %s",
         [usage.micros, usage.tokens], "scope, spent_micros, spent_tokens, warned",
     )  # fmt: skip
-    limits = _limits(spend_scopes)
+    limits = daily_limits(spend_scopes)
     warned = []
     threshold = Decimal(str(settings.STEPGUARD_BUDGET_WARN_AT))
     for scope, spent_m, spent_t, already in rows:
