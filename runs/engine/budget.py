@@ -200,6 +200,8 @@ def count_the_day(scope: str, day: date | None = None) -> None:
     elif scope != GLOBAL:
         rows = rows.filter(workflow=scope)
     found = rows.aggregate(micros=Sum("micros"), tokens=Sum("tokens"))
+    if not (found["micros"] or found["tokens"]):
+        return  # nothing spent yet: the ledger's first reserve makes its row
     _ensure_rows([scope], day)
     ledger = BudgetLedger.objects.filter(scope=scope, day=day)
     # Each a conditional UPDATE: raised to the day's figure under the row lock, never lowered.
