@@ -294,7 +294,11 @@ def sweep(now=None) -> int:
         ).exclude(pk__in=NotificationDelivery.objects.filter(channel=channel).values("event_id"))
         # A delivery's own events are never notified: a failing webhook would feed itself.
         # Nor a pruned run's, left in its month's partition (runs/partitions.py).
-        events = events.exclude(run__workflow=WORKFLOW).filter(
+        events = events.exclude(run__workflow=WORKFLOW)
+        # One alert per crossing: a pause the same budget repeats (lifecycle._crossed_before)
+        # is recorded with `repeat`. (A key absent is NULL, which an exclude() would drop.)
+        once = ~Q(type=EventType.BUDGET_EXCEEDED) | Q(payload__repeat__isnull=True)
+        events = events.filter(once).filter(
             Q(run_id__isnull=True) | Q(run__created_at__isnull=False)
         )
         if channel.workflow:

@@ -29,7 +29,7 @@ from django.utils import timezone
 from runs import labels as run_labels
 from runs import schedules
 from runs.engine import holds, registry
-from runs.engine.budget import forget_cached_scopes, to_micros
+from runs.engine.budget import count_the_day, forget_cached_scopes, to_micros
 from runs.engine.store import append_event, create_run, run_event, wake_parent
 from runs.engine.wakeup import notify_runnable
 from runs.errors import Conflict, Forbidden, NotFound, OperationError
@@ -526,6 +526,10 @@ def set_budget(
             )
             run_event(run_id, EventType.RUN_RESUMED, actor=actor, reason="budget raised")
             transaction.on_commit(notify_runnable)
+        if target.kind != "run" and any(
+            changes.get(k) is not None for k in ("daily_budget_micros", "daily_budget_tokens")
+        ):
+            count_the_day(target.scope)  # the day's spend so far counts, whenever it is set
     forget_cached_scopes()
     return changes
 

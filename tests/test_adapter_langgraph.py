@@ -361,3 +361,51 @@ def test_a_node_that_fails_after_a_paid_answer_books_it_and_its_retry(drive, dem
     assert paid > 0 and node.cost_micros == 2 * paid
     assert (run.cost_micros, run.tokens_in) == (node.cost_micros, node.tokens_in)
     assert (run.reserved_micros, run.reserved_tokens) == (0, 0)
+
+
+def test_a_tenants_daily_budget_caps_a_chat_model_calls_answer_instead_of_refusing_it(
+    drive, demo_model, cast
+):
+    """ChatAnthropic's default `max_tokens` (4,096 for this model, 64,000 for claude-haiku-4-5:
+    a $0.32 estimate) priced in full did not fit a small tenant budget, which refused a call
+    that costs a fraction of a cent: the run paused, nothing sent. The answer is capped by
+    what the tightest budget (here the tenant's, the run has none of its own) has left, so
+    the call fits, is sent, and costs what it costs."""
+    from decimal import Decimal
+
+    from runs.operations import set_budget
+
+    set_budget("label:tenant=acme", cast["otto"], "acme's cap", usd=Decimal("0.01"))
+    run = start_run("lg-chatbot", {"provider": "anthropic"}, labels={"tenant": "acme"})
+    assert drive() == ["completed"]
+    sent = demo_model.bodies[-1]
+    assert 0 < sent["max_tokens"] < 4096  # $0.01 of output at $4 per million: 2,500 at most
+    run.refresh_from_db()
+    assert 0 < run.cost_micros < 10_000
+
+
+def test_a_capped_call_cut_off_in_flight_is_possibly_spent_for_no_more_than_the_budget_left(
+    drive, expire_lease, demo_model, cast
+):
+    """Cut off after the provider answered, the call is booked as possibly spent: its hold,
+    which the cap bounds by what the tenant's budget had left ($0.01), not the client's
+    default `max_tokens` priced in full ($0.0164 here; $0.32 for claude-haiku-4-5, about
+    2,400 times a short answer). Before, the call was not even sent: the run paused."""
+    from decimal import Decimal
+
+    from runs.operations import set_budget
+
+    set_budget("label:tenant=acme", cast["otto"], "acme's cap", usd=Decimal("0.01"))
+    run = start_run("lg-chatbot", {"provider": "anthropic"}, labels={"tenant": "acme"})
+    workflows.crash_at.add("chatbot")  # in the node, after its model call was answered
+    with pytest.raises(workflows.Crash):
+        drive()
+    cut = step(run, "chatbot")
+    assert cut.status == "started" and 0 < cut.reserved_micros <= 10_000
+    expire_lease(run.id)
+    # The budget fits one such call, not two: the re-send books the first as possibly spent,
+    # and pauses (docs/governance.md, *Possibly spent*).
+    assert drive() == ["over_budget"]
+    node = step(run, "chatbot")
+    assert node.recovered == "resent"
+    assert node.possibly_spent_micros == cut.reserved_micros

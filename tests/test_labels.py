@@ -10,12 +10,15 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
+from runs.engine.fences import Lease
+from runs.engine.lifecycle import execute
+from runs.engine.worker import WorkerProcess
 from runs.errors import OperationError
 from runs.labels import BadLabel
 from runs.models import BudgetLedger, Event, Policy, Run, RunStatus
 from runs.operations import fork_run, halt, set_budget
 from runs.sdk import InvalidInput, start_run
-from tests import workflows  # noqa: F401  (registers the workflows)
+from tests import workflows
 
 pytestmark = pytest.mark.django_db
 
@@ -360,3 +363,52 @@ def test_the_budgets_page_sums_every_labels_spend_in_one_statement(
     with django_assert_num_queries(1):
         spent = _spent_per_label(today, ["tenant=acme", "tenant=bolt", "tenant=none"])
     assert spent == {"tenant=acme": 2 * one, "tenant=bolt": one, "tenant=none": 0}
+
+
+@pytest.mark.parametrize("scope", ["label:tenant=acme", "workflow:metered", "all"])
+def test_a_daily_budget_set_mid_day_counts_what_was_spent_before_it(drive, client, cast, scope):
+    """A tenant (or workflow, or everything) spent $3 today before its $2 daily budget was set:
+    it is over at once, and the next run is refused before its first step. Before, the budget
+    counted from its first use (the ledger began at 0): the new run went through, spending
+    $1 more than a budget already at 150%, and the page showed 50% instead of 150%."""
+    start_run("metered", {"steps": 3}, labels={"tenant": "acme"})
+    assert drive() == ["completed"]
+    set_budget(scope, cast["otto"], "a cap set mid-day", usd=Decimal("2"))
+    late = start_run("metered", {"steps": 1}, labels={"tenant": "acme"})
+    assert drive() == ["over_budget"]
+    assert Run.objects.get(pk=late.pk).cost_micros == 0
+    ledger_scope = {"workflow:metered": "metered", "all": "*"}.get(scope, scope)
+    assert BudgetLedger.objects.get(scope=ledger_scope).spent_micros == 3_000_000
+    client.force_login(cast["vera"])
+    page = client.get("/budgets").content.decode()
+    assert ">150%</span>" in page  # the figure enforced is the day's spend the page shows
+
+
+def test_runs_paused_by_other_runs_reservations_resume_when_those_are_released(drive, cast):
+    """Six runs of one tenant each estimate $1 for a call that costs $0.10, under a $1.50
+    daily budget. While the first one's call is in flight (its $1 held), the five others are
+    refused: their estimate does not fit beside it. When it finishes, its hold is released and
+    $0.10 booked: the five fit again and are resumed, and all six complete ($0.60). Before,
+    five of six stayed `over_budget` until UTC midnight, with $0.10 spent and nothing held."""
+    set_budget("label:tenant=acme", cast["otto"], "acme's cap", usd=Decimal("1.5"))
+    tenant = {"tenant": "acme"}
+    spec = {"steps": 1, "usd": "0.1", "estimate_usd": "1"}
+    first = start_run("metered", spec, labels=tenant)
+    others = [start_run("metered", spec, labels=tenant) for _ in range(5)]
+    beside = WorkerProcess(concurrency=5)
+    beside.register()
+    refused = []
+
+    def in_flight():
+        for claimed in beside.claim(5):
+            refused.append(execute(claimed, Lease(claimed.id, claimed.lease_epoch)))
+
+    workflows.hooks["call-0"] = in_flight
+    assert drive(limit=1) == ["completed"]
+    assert refused == ["over_budget"] * 5
+    statuses = [Run.objects.get(pk=r.pk).status for r in others]
+    assert statuses == [RunStatus.PENDING] * 5, statuses
+    assert sorted(drive()) == ["completed"] * 5
+    ledger = BudgetLedger.objects.get(scope="label:tenant=acme")
+    assert (ledger.spent_micros, ledger.reserved_micros) == (600_000, 0)
+    assert Run.objects.get(pk=first.pk).status == RunStatus.COMPLETED

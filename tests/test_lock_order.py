@@ -386,3 +386,27 @@ def test_a_resent_model_call_and_a_finishing_priced_call_of_one_workflow_never_d
     assert day.runs == 2
     assert day.micros == sum(runs.values_list("cost_micros", flat=True)) > 0
     assert day.possibly_micros == Run.objects.get(pk=cut.pk).possibly_spent_micros > 0
+
+
+def test_a_label_budget_raised_as_a_run_pauses_on_it_is_never_lost(cast, no_deadlock):
+    """A run pauses over its tenant's daily budget while an operator raises that budget. The
+    worker is held after it read the label's limit to decide the pause (the last moment it
+    could miss the raise). Before, the pause share-locked the global and workflow policies but
+    not the label's: the raise committed, found the run still running, and the pause then
+    wrote `over_budget` under the raised budget, until UTC midnight. Now the pause locks the
+    label's policy too: the raise waits for it, and finds the run paused, which it resumes."""
+    set_budget("label:tenant=acme", cast["otto"], "acme's cap", usd=Decimal("1.5"))
+    run = start_run("metered", {"steps": 2}, labels={"tenant": "acme"})
+    worker = WorkerProcess(concurrency=1)
+    worker.register()
+    (claimed,) = worker.claim(1)
+
+    outcome = race(
+        lambda: execute(claimed, Lease(claimed.id, claimed.lease_epoch)),
+        # `_still_over`: the limit that refused the step, read again inside the pause.
+        lambda sql: 'FROM "runs_policy"' in sql and "daily_budget" in sql and "LIMIT 1" in sql,
+        lambda: set_budget("label:tenant=acme", cast["otto"], "more", usd=Decimal("10")),
+    )
+    assert outcome == {"worker": "over_budget", "operator": "done"}
+    assert status(run) == RunStatus.PENDING  # resumed by the raise, not stuck until midnight
+    assert drive_all(worker) == ["completed"]

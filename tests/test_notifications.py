@@ -783,3 +783,33 @@ def test_the_cli_pauses_resumes_and_tests_a_channel(drive, capsys):
     assert drive() == ["completed"]
     (sent,) = mail.outbox
     assert "a test notification was sent to a channel" in sent.subject
+
+
+def test_an_over_budget_run_is_alerted_once_per_crossing_not_after_every_unhalt(drive, cast):
+    """A run over its workflow's daily budget is halted and unhalted three times by an
+    operator storm: each unhalt requeues it, and each time its next step is refused again by
+    the same budget, and recorded. Before, each of those pauses sent its alert again (4
+    alerts for one crossing); now one, and a new crossing (a lower limit) alerts again."""
+    from decimal import Decimal
+
+    from runs.operations import halt, set_budget, unhalt
+    from tests import workflows  # noqa: F401  (registers the workflows)
+
+    notifications.add_channel(None, "email", "ops@example.com", "budget.exceeded")
+    set_budget("workflow:metered", cast["otto"], "a cap", usd=Decimal("1"))
+    run = start_run("metered", {"steps": 3})
+    assert drive() == ["over_budget"]
+    for _ in range(3):
+        halt("all", cast["otto"], "incident")
+        unhalt("all", cast["otto"], "all clear")
+        assert Run.objects.get(pk=run.pk).status == RunStatus.PENDING
+        assert drive() == ["over_budget"]
+    exceeded = Event.objects.filter(run_id=run.pk, type="budget.exceeded")
+    assert exceeded.count() == 4  # every refusal is in the run's history
+    notifications.sweep()
+    assert NotificationDelivery.objects.filter(event_type="budget.exceeded").count() == 1
+    set_budget("workflow:metered", cast["otto"], "lower", usd=Decimal("0.5"))
+    drive()  # the run, and the first alert's delivery
+    assert Run.objects.get(pk=run.pk).status == RunStatus.OVER_BUDGET
+    notifications.sweep()
+    assert NotificationDelivery.objects.filter(event_type="budget.exceeded").count() == 2

@@ -346,12 +346,14 @@ def double_patch(ctx: RunContext, input):
 
 @workflow("metered")
 def metered(ctx: RunContext, input: dict):
-    """`steps` model-like calls costing `usd` each, declared up front when `estimate`."""
+    """`steps` model-like calls costing `usd` each, declared up front when `estimate` (as
+    `estimate_usd` if given)."""
     from decimal import Decimal
 
     from runs.sdk import Metered, Usage
 
     cost = Usage(tokens_in=100, tokens_out=50, usd=Decimal(input.get("usd", "1")))
+    guess = Usage(tokens_in=100, tokens_out=50, usd=Decimal(input.get("estimate_usd", cost.usd)))
     total = 0
     for i in range(input["steps"]):
         label = f"call-{i}"
@@ -360,7 +362,7 @@ def metered(ctx: RunContext, input: dict):
             effect(ctx, label, sleep=input.get("sleep", 0))
             return Metered(label, cost)
 
-        ctx.step("call", call, estimate=cost if input.get("estimate", True) else None)
+        ctx.step("call", call, estimate=guess if input.get("estimate", True) else None)
         total += 1
     return total
 

@@ -16,12 +16,12 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import Q
+from django.db.models import Q, Sum
 from django.utils import timezone
 
 from runs import labels as run_labels
 from runs.errors import OverBudget
-from runs.models import GLOBAL, BudgetLedger, Policy
+from runs.models import GLOBAL, BudgetLedger, Policy, SpendDay
 
 MICROS = Decimal("1000000")
 
@@ -160,6 +160,30 @@ def scopes_for(workflow: str, labels: Mapping[str, str] | None = None) -> list[s
     return [s for s in candidates if s in shared]
 
 
+def shared_left(workflow: str, labels: Mapping[str, str] | None) -> tuple[int | None, int | None]:
+    """What the tightest of a run's shared daily budgets has left today (limit less spent and
+    held), in micro-USD and in tokens; None where none limits that unit. Read without locks:
+    it caps a model call's answer, and the reservation still checks under the row lock."""
+    scopes = scopes_for(workflow, labels)
+    if not scopes:
+        return None, None
+    limits = daily_limits(scopes)
+    ledgers: dict[str, dict[str, Any]] = {
+        row["scope"]: dict(row)
+        for row in BudgetLedger.objects.filter(day=timezone.now().date(), scope__in=scopes).values()
+    }
+    left: dict[str, list[int]] = {"micros": [], "tokens": []}
+    for scope in scopes:
+        row: dict[str, Any] = ledgers.get(scope, {})
+        for unit in left:
+            limit = limits.get(scope, {}).get(f"daily_budget_{unit}")
+            if limit is not None:
+                used = row.get(f"spent_{unit}", 0) + row.get(f"reserved_{unit}", 0)
+                left[unit].append(limit - used)
+    micros, tokens = (min(left[u]) if left[u] else None for u in ("micros", "tokens"))
+    return micros, tokens
+
+
 def _label(scope: str) -> str:
     if scope == GLOBAL:
         return "global daily"
@@ -177,7 +201,37 @@ def _ensure_rows(scopes: list[str], day=None):
     return day
 
 
-def _limits(scopes: list[str]) -> dict[str, Any]:
+def count_the_day(scope: str, day: date | None = None) -> None:
+    """Make the ledger of `scope` for `day` (default today, UTC) count at least what the day's
+    spend rows (SpendDay) hold for it: a daily budget counts the whole day's spend, whenever it
+    was set. Called when a daily budget is set, last in that transaction (after the policy and
+    the runs it resumes: docs/architecture.md, *lock order*).
+
+    Ledgers are booked only for scopes that have a budget, so one set mid-day would otherwise
+    count from its first use. Booking every scope always would instead put a lock on the global
+    ledger (and every workflow's and label's) into every step of every run, budgeted or not;
+    this costs one aggregate over the day's spend rows per budget change. The ledger is raised,
+    never lowered: one kept since midnight already counts the day (and its holds' spend on the
+    day they were reserved)."""
+    day = day or timezone.now().date()
+    rows = SpendDay.objects.filter(day=day)
+    if scope.startswith(run_labels.SCOPE_PREFIX):
+        rows = rows.filter(run_labels.carrying(scope.removeprefix(run_labels.SCOPE_PREFIX)))
+    elif scope != GLOBAL:
+        rows = rows.filter(workflow=scope)
+    found = rows.aggregate(micros=Sum("micros"), tokens=Sum("tokens"))
+    if not (found["micros"] or found["tokens"]):
+        return  # nothing spent yet: the ledger's first reserve makes its row
+    _ensure_rows([scope], day)
+    ledger = BudgetLedger.objects.filter(scope=scope, day=day)
+    # Each a conditional UPDATE: raised to the day's figure under the row lock, never lowered.
+    for column, spent in (("spent_micros", found["micros"]), ("spent_tokens", found["tokens"])):
+        if spent:
+            ledger.filter(**{f"{column}__lt": spent}).update(**{column: spent})
+
+
+def daily_limits(scopes: list[str]) -> dict[str, Any]:
+    """Each scope's daily limits (a row of values per scope that has a policy)."""
     rows = Policy.objects.filter(scope__in=scopes).values(
         "scope", "daily_budget_micros", "daily_budget_tokens"
     )
@@ -209,7 +263,7 @@ def reserve_shared(scopes: list[str], estimate: Amount, held: Amount = NOTHING, 
         [estimate.micros, estimate.tokens],
         "scope, spent_micros, reserved_micros, spent_tokens, reserved_tokens",
     )  # fmt: skip
-    limits = _limits(scopes)
+    limits = daily_limits(scopes)
     for scope, spent_m, reserved_m, spent_t, reserved_t in rows:
         policy = limits.get(scope, {})
         for unit, limit, spent, reserved, mine in (
@@ -230,7 +284,8 @@ _RELEASE = (
 
 
 def release_shared(scopes: list[str], held: Amount, day) -> None:
-    """Give back what a step held on `day` (the day it reserved) without spending it."""
+    """Give back what a step held on `day` (the day it reserved) without spending it. The
+    caller then resumes the runs that others' holds had paused (budget_room.resume_fitting)."""
     _update(scopes, day, _RELEASE, [held.micros, held.micros, held.tokens, held.tokens], "scope")
 
 
@@ -255,7 +310,7 @@ def book_shared(
         spend_scopes, day, "spent_micros = spent_micros + %s, spent_tokens = spent_tokens + %s",
         [usage.micros, usage.tokens], "scope, spent_micros, spent_tokens, warned",
     )  # fmt: skip
-    limits = _limits(spend_scopes)
+    limits = daily_limits(spend_scopes)
     warned = []
     threshold = Decimal(str(settings.STEPGUARD_BUDGET_WARN_AT))
     for scope, spent_m, spent_t, already in rows:

@@ -72,7 +72,8 @@ class ModelCalls:
         if streaming:
             llm_engine.stream_call(call, request)  # refuses what cannot stream, before the step
         model = str(request.get("model", ""))
-        if self.ex.budgeted and not any(k in request for k in llm_engine.MAX_TOKENS_FIELDS):
+        under_budget = self.ex.budgeted or scopes_for(self.ex.who.workflow, self.ex.who.labels)
+        if under_budget and not any(k in request for k in llm_engine.MAX_TOKENS_FIELDS):
             request = self._capped(call, model, request)
         guess = llm_engine.estimate(model, request) if estimate is True else (estimate or None)
 
@@ -173,8 +174,9 @@ class ModelCalls:
 
     def _capped(self, call: Callable, model: str, request: dict) -> dict:
         """With no `max_tokens` (or its variant) given, a model may answer at length: cap it to
-        what the run's budget has left, so the call fits instead of pausing the run. A call
-        re-sent after a crash keeps the cap it was first sent with (its recorded request)."""
+        what the tightest budget (the run's own, or a shared daily one) has left, so the call
+        fits instead of pausing the run. A call re-sent after a crash keeps the cap it was
+        first sent with (its recorded request)."""
         field = llm_engine.max_tokens_field(call)
         if field is None:
             return request

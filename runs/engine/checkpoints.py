@@ -31,6 +31,7 @@ from runs.engine.budget import (
     reserve_shared,
     scopes_for,
 )
+from runs.engine.budget_room import resume_fitting
 from runs.engine.compensation import Compensations
 from runs.engine.fences import Completion, Fence, Lease, Spend
 from runs.engine.records import INTERRUPTED, Decision, Identity, brief, error_record
@@ -261,6 +262,8 @@ class Checkpoints:
             )  # fmt: skip
             scopes = scopes_for(self.who.workflow, self.who.labels)
             warnings = book_shared(scopes, usage, held.shared, held.reserved, held.day)
+            if held.reserved and held.shared:
+                resume_fitting(held.shared, held.day)  # after the spend: room is what is left
             ratio = settings.STEPGUARD_BUDGET_WARN_AT
             near = Q(budget_micros__isnull=False, cost_micros__gte=F("budget_micros") * ratio) | Q(
                 budget_tokens__isnull=False,
@@ -458,5 +461,6 @@ def release_reservations(run_id, *, zero_run: bool = True) -> None:
     for micros, tokens, day, scopes in held:
         if scopes and day:
             release_shared(list(scopes), Amount(micros, tokens), day)
+            resume_fitting(list(scopes), day)
     if zero_run:
         Run.objects.filter(pk=run_id).update(reserved_micros=0, reserved_tokens=0)

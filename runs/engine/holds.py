@@ -20,6 +20,7 @@ from django.db import connection
 from django.db.models import BooleanField
 from django.db.models.expressions import RawSQL
 
+from runs import labels as run_labels
 from runs.models import GLOBAL, Policy, Run
 
 RUN_TABLE = Run._meta.db_table
@@ -126,7 +127,8 @@ def holds_on(run: Run) -> list[Hold]:
 
 def lock_policies(chain: list[Run]) -> None:
     """Share-lock the policy rows whose holds (and budgets) cover the runs of `chain` (a run
-    and its ancestors): the global one and each workflow's, in scope order.
+    and its ancestors): the global one, each workflow's and the label budgets of the run
+    itself (`label:tenant=acme`, those that exist), in scope order.
 
     The first of a worker's locks in a transaction that pauses a run or enters a durable wait,
     taken before the run row (docs/architecture.md, *lock order*): an operator's halt, unhalt
@@ -136,7 +138,10 @@ def lock_policies(chain: list[Run]) -> None:
     """
     if connection.vendor != "postgresql":
         return
-    scopes = sorted(set([GLOBAL, *(m.workflow for m in chain)]))
+    made = sorted(set([GLOBAL, *(m.workflow for m in chain)]))
+    # A label's budget that refused the step has a row; one with none has no budget to raise
+    # (and labels hold no halts), so no row is made for it.
+    scopes = sorted({*made, *run_labels.scopes(chain[0].labels or {})})
     marks = ", ".join(["%s"] * len(scopes))
     with connection.cursor() as cursor:
         # A scope never halted nor budgeted has no row to lock yet: made here (committed with
@@ -145,7 +150,7 @@ def lock_policies(chain: list[Run]) -> None:
             f"INSERT INTO {POLICY_TABLE} (scope, halted_by, halt_reason, updated_at)"
             f" SELECT s, '', '', now() FROM unnest(%s::text[]) AS s"
             " ON CONFLICT (scope) DO NOTHING",
-            [scopes],
+            [made],
         )
         cursor.execute(
             f"SELECT 1 FROM {POLICY_TABLE} WHERE scope IN ({marks}) ORDER BY scope FOR SHARE",
@@ -166,7 +171,7 @@ def lock_ancestors(chain: list[Run]) -> None:
 def chain_of(run_id) -> list[Run]:
     """The run and its ancestors, read without locks, for `lock_policies` and
     `lock_ancestors`."""
-    fields = ("id", "parent_id", "workflow", "halted_at", "halted_by", "halt_reason")
+    fields = ("id", "parent_id", "workflow", "labels", "halted_at", "halted_by", "halt_reason")
     return lineage(Run.objects.only(*fields).get(pk=run_id))
 
 

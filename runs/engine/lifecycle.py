@@ -6,7 +6,7 @@ import inspect
 import logging
 import random
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -52,6 +52,7 @@ from runs.errors import (
 from runs.models import (
     GLOBAL,
     TERMINAL_STATUSES,
+    Event,
     EventType,
     Policy,
     Run,
@@ -236,7 +237,7 @@ def _give_back(
         holds.lock_ancestors(chain)
         # Read again under the lock: a halt of this run may have landed since `chain_of`.
         columns = ("id", "parent_id", "workflow", "halted_at", "halted_by", "halt_reason")
-        run = Run.objects.only(*columns).get(pk=lease.run_id)
+        run = Run.objects.only(*columns, "created_at").get(pk=lease.run_id)
 
         def moment(value: datetime | None):
             return Cast(Value(value), output_field=DateTimeField())  # a typed NULL too
@@ -273,10 +274,32 @@ def _give_back(
             event, payload = EventType.RUN_REQUEUED, {"reason": f"the {lifted} as the run paused"}
         elif outcome == RunStatus.HALTED:
             payload = {**payload, "halted": [h.as_json() for h in holds.holds_on(run)]}
+        if event == EventType.BUDGET_EXCEEDED and _crossed_before(run, payload):
+            payload = {**payload, "repeat": True}  # recorded, not alerted again
         append_event(lease.run_id, event_seq, event, **payload)
     if outcome == RunStatus.PENDING:
         transaction.on_commit(notify_runnable)
     return outcome
+
+
+def _crossed_before(run: Run, payload: dict) -> bool:
+    """Whether the run's last over-budget pause was the same crossing: the same budget and
+    limit (and, for a daily one, the same UTC day). An unhalt or a release requeues a run that
+    a budget still refuses; its pause is recorded again, but one crossing is alerted once."""
+    last = (
+        Event.objects.of(run)
+        .filter(type=EventType.BUDGET_EXCEEDED)
+        .order_by("-seq")
+        .values_list("payload", "created_at")
+        .first()
+    )
+    if last is None:
+        return False
+    before, at = last
+    same = all(before.get(k) == payload.get(k) for k in ("budget", "unit", "limit"))
+    daily = payload.get("budget") != "run"
+    today = timezone.now().astimezone(UTC).date()
+    return same and (not daily or at.astimezone(UTC).date() == today)
 
 
 def _still_over(run: Run, stop: OverBudget) -> Q:

@@ -18,7 +18,7 @@ from typing import Any
 
 from django.conf import settings
 
-from runs.engine.budget import Usage
+from runs.engine.budget import Usage, shared_left
 from runs.errors import ModelRequestRejected, OutputNotSerializable, StepMisuse
 
 #: USD per million tokens: (input, output[, cached input[, cache write]]); cached input and
@@ -300,19 +300,28 @@ def max_tokens_field(call: Any) -> str | None:
 
 
 def answer_cap(model: str, request: dict, run) -> int | None:
-    """The most tokens the answer can have within what the run's own budget has left after the
-    prompt (its spend and what other steps hold reserved), or None if it has no budget. At
-    least 1: a prompt that does not fit pauses the run at its reservation instead."""
+    """The most tokens the answer can have within what the tightest budget has left after the
+    prompt, or None if no budget covers the run: its own (its spend and what other steps
+    hold reserved) and its shared daily ones (workflow, labels, global: spent and held
+    today). So a client's default `max_tokens` (64,000 for some models: $0.32 priced in full)
+    never refuses a call that fits, and a call cut off in flight is booked as possibly spent
+    for no more than it could have cost. At least 1: a prompt that does not fit pauses the
+    run at its reservation instead."""
     prompt = estimate(model, {**request, "max_tokens": 0})
-    caps = []
+    tokens_left, micros_left = [], []
     if run.budget_tokens is not None:
         used = run.tokens_in + run.tokens_out + run.reserved_tokens + run.possibly_spent_tokens
-        used += prompt.tokens_in
-        caps.append(run.budget_tokens - used)
+        tokens_left.append(run.budget_tokens - used)
+    if run.budget_micros is not None:
+        used = run.cost_micros + run.reserved_micros + run.possibly_spent_micros
+        micros_left.append(run.budget_micros - used)
+    shared_micros, shared_tokens = shared_left(run.workflow, run.labels)
+    tokens_left += [shared_tokens] if shared_tokens is not None else []
+    micros_left += [shared_micros] if shared_micros is not None else []
+    caps = [left - prompt.tokens_in for left in tokens_left]
     price = price_of(model)
-    if run.budget_micros is not None and price is not None and price.output > 0:
-        left = run.budget_micros - run.cost_micros - run.reserved_micros - prompt.micros
-        left -= run.possibly_spent_micros
+    if micros_left and price is not None and price.output > 0:
+        left = min(micros_left) - prompt.micros
         caps.append(int(Decimal(left) / price.output))  # micro-USD / (USD per 1M tokens)
     return max(1, min(caps)) if caps else None
 
