@@ -92,6 +92,11 @@ class History:
         found = next((seq for seq, r in self._records.items() if r.key == undo), None)
         self._next = max(self._next, self.last_recorded + 1) if found is None else found
 
+    def went_past(self, seq: int) -> bool:
+        """Whether this run recorded a step of its own after `seq` (not one a fork copied):
+        an earlier execution went on from there, so what is recorded at `seq` was taken."""
+        return any(q > seq and not r.inherited for q, r in self._records.items())
+
     def replays(self, key: str, seq: int, record: Step | None) -> bool:
         """True if the record at `seq` is `key` completed: hand its output back. A recorded
         failure is raised again, so code that caught it takes the same branch, except the one
