@@ -235,6 +235,8 @@ class Waits:
         approver sees (the action the approval will stand for)."""
         if not ask.action or len(ask.action) > 200:
             raise StepMisuse("an approval needs an action of 1 to 200 characters")
+        if ask.timeout is not None:
+            as_timedelta(ask.timeout, "a timeout")  # refused before anything is written
         data = to_json(ask.payload, what=f"the payload of approval {key!r}")
         return data, approved_digest(self.ex.who.workflow, key, ask.action, ask.summary, data)
 
