@@ -26,8 +26,8 @@ from django.db import OperationalError, connection, transaction
 from django.db.models import Case, Q, Value, When
 from django.utils import timezone
 
+from runs import forks, schedules
 from runs import labels as run_labels
-from runs import schedules
 from runs.engine import holds, registry
 from runs.engine.budget import count_the_day, forget_cached_scopes, to_micros
 from runs.engine.store import append_event, create_run, run_event, wake_parent
@@ -44,6 +44,7 @@ from runs.models import (
     Schedule,
     Shaped,
     Step,
+    StepKind,
     StepStatus,
     Worker,
 )
@@ -576,29 +577,31 @@ def _fork_point(run: Run, step) -> int:
     return seq
 
 
-def fork_preview(run_id, step) -> list[dict]:
-    """The recorded steps from the fork point on: what the fork will run again (if the code
-    takes the same path), so a person sees the side effects before confirming."""
+def fork_preview(run_id, step, *, input: Any = KEEP, outputs: dict | None = None) -> list[dict]:
+    """What a fork from `step` with these edits runs again, so a person sees it before
+    confirming: the copied approvals it asks again (`asked_again` says why), then the recorded
+    steps from the fork point on (if the code takes the same path)."""
     run = find_run(run_id)
     seq = _fork_point(run, step)
-    return list(run.steps.filter(seq__gte=seq).order_by("seq").values("seq", "key", "kind"))
+    kept = list(run.steps.filter(seq__lt=seq, status=StepStatus.COMPLETED).order_by("seq"))
+    again = forks.asked_again(run, kept, fork_edits(run, seq, kept, input, outputs))
+    asks = [
+        {"seq": s.seq, "key": s.key, "kind": s.kind, "asked_again": again[s.key]}
+        for s in kept
+        if s.key in again
+    ]
+    rest = run.steps.filter(seq__gte=seq).order_by("seq").values("seq", "key", "kind")
+    return asks + [{**s, "asked_again": None} for s in rest]
 
 
 #: An edited value whose old and new JSON together are longer is recorded by digest.
 EDIT_INLINE_CHARS = 4096
 
 
-def _json_text(value: Any, what: str) -> str:
-    try:
-        return json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise OperationError(f"{what} is not a JSON value: {exc}") from None
-
-
 def _edit(old: Any, new: Any, what: str) -> dict | None:
     """What an edit replaced, for the fork's `run.created` event: both values, or (when they
     are large) their SHA-256 digests and sizes; None when nothing changed."""
-    new_text = _json_text(new, what)
+    new_text = forks.stored_text(new, what)
     old_text = json.dumps(old, sort_keys=True, ensure_ascii=False, default=str)
     if new_text == old_text:
         return None
@@ -617,7 +620,7 @@ def fork_edits(origin: Run, seq: int, kept: list[Step], input: Any, outputs: dic
     Returns what the fork's run.created event records (empty: nothing edited)."""
     edited: dict[str, Any] = {}
     if input is not KEEP:
-        change = _edit(origin.input, input, "input")
+        change = _edit(origin.input, input, "the input")
         if change is not None:
             edited["input"] = change
     if outputs is None:
@@ -627,13 +630,15 @@ def fork_edits(origin: Run, seq: int, kept: list[Step], input: Any, outputs: dic
     by_key = {s.key: s for s in kept}
     for key, value in outputs.items():
         if key not in by_key:
-            allowed = ", ".join(repr(k) for k in by_key) or "none: the fork point is the first"
+            editable = [k for k, s in by_key.items() if s.kind != StepKind.APPROVAL]
+            allowed = ", ".join(map(repr, editable)) or "none: the fork point is the first"
             raise OperationError(
                 f"outputs names step {key!r}, which is not a step before the fork point at"
                 f" position {seq} (steps whose output can be edited: {allowed})"
             )
         change = _edit(by_key[key].output, value, f"the output of step {key!r}")
         if change is not None:
+            forks.refuse_decision_edit(by_key[key])
             edited.setdefault("outputs", {})[key] = change
     return edited
 
@@ -654,15 +659,22 @@ def fork_run(
     `input` replaces the run's input and `outputs` ({step key: output}) the recorded outputs
     of steps before the fork point: the fork replays them as if the steps had returned them
     (edit what a model said, and go on from there). The edits are checked before anything is
-    written and recorded, old and new, in the fork's `run.created` event."""
+    written and recorded, old and new, in the fork's `run.created` event. A copied approval
+    that does not stand for the fork (runs/forks.py) is not copied: the fork asks again.
+    The engine's own runs (`stepguard.*`) are not forked, as they are not started, by hand."""
     user = require(user, "runs.fork_run", "fork runs")
     reason = needs_reason(reason, "a fork")
     actor = user.get_username()
     with transaction.atomic():
         origin = lock_run(run_id)
+        if registry.builtin(origin.workflow):  # it could send any event to any channel
+            raise OperationError(
+                f"workflow {origin.workflow!r} is Stepguard's own: its runs are not forked by hand"
+            )
         seq = _fork_point(origin, step)
         kept = _completed_before(origin, seq)
         edited = fork_edits(origin, seq, kept, input, outputs)
+        again = forks.asked_again(origin, kept, edited)
         fork = create_run(
             workflow=origin.workflow,
             version=origin.version,
@@ -680,7 +692,9 @@ def fork_run(
         replaced = outputs or {}
         # A replaced output is the step's recorded output on every replay of the fork; the
         # copy is inherited, so it registers no compensation (the fork did not perform it).
-        Step.objects.bulk_create([_copy_step(s, fork, replaced.get(s.key, s.output)) for s in kept])
+        Step.objects.bulk_create(
+            [_copy_step(s, fork, replaced.get(s.key, s.output)) for s in kept if s.key not in again]
+        )
         at = kept[-1].key if kept else None
         run_event(
             fork.pk,
@@ -690,6 +704,7 @@ def fork_run(
             at_seq=seq,
             reason=reason,
             **({"edited": fork_summary(edited)} if edited else {}),
+            **({"asks_again": again} if again else {}),
         )
         run_event(
             origin.pk,

@@ -527,7 +527,19 @@ def fork_context(run: Run) -> dict:
             .first()
         )
         context["fork_edited"] = (payload or {}).get("edited", [])
+        context["fork_asks_again"] = (payload or {}).get("asks_again", {})
     return context
+
+
+def fork_asks_again(fork: Run) -> dict[str, str]:
+    """The copied approvals a fork asks again, with why (its `run.forked_from` event)."""
+    payload = (
+        Event.objects.of(fork)
+        .filter(type=EventType.RUN_FORKED_FROM)
+        .values_list("payload", flat=True)
+        .first()
+    )
+    return (payload or {}).get("asks_again", {})
 
 
 @viewer_required
@@ -1040,21 +1052,42 @@ def fork_preview_view(request, run_id: UUID):
     chosen = request.GET.get("step", "")
     context = {"chosen": chosen, "side_effects": SIDE_EFFECTS, "again": [], "reused": 0}
     try:
-        context["again"] = operations.fork_preview(str(run_id), chosen)
-        context["reused"] = Step.objects.filter(
-            run_id=run_id, seq__lt=context["again"][0]["seq"]
-        ).count()
+        listed = operations.fork_preview(str(run_id), chosen)
+        context["again"] = [s for s in listed if s["asked_again"] is None]
+        seq = context["again"][0]["seq"]
+        kept = Step.objects.filter(run_id=run_id, seq__lt=seq)
+        context["reused"] = kept.count()
         effects = [s for s in context["again"] if s["kind"] in SIDE_EFFECTS]
         context["effects"], context["more_effects"] = effects[:100], max(len(effects) - 100, 0)
+        context["approvals"] = fork_approvals(kept, listed)
         run = Run.objects.only("input").get(pk=run_id)
         context["edit_input"] = _editable(run.input)
-        kept = Step.objects.filter(run_id=run_id, seq__lt=context["again"][0]["seq"])
-        latest = list(kept.order_by("-seq")[:FORK_EDITABLE])[::-1]
+        editable = kept.exclude(kind=StepKind.APPROVAL)  # a recorded decision is not edited
+        latest = list(editable.order_by("-seq")[:FORK_EDITABLE])[::-1]
         context["edit_steps"] = [_edit_row(s) for s in latest]
-        context["edit_hidden"] = context["reused"] - len(latest)
+        context["edit_hidden"] = editable.count() - len(latest)
     except StepguardError as exc:
         context["problem"] = str(exc)
     return render(request, "runs/detail.html#fork-preview", context)
+
+
+def fork_approvals(kept, listed: list[dict]) -> list[dict]:
+    """The approvals a fork copies, as the preview says them: asked again (and why), or
+    standing unless an edit of the input or of a step before it asks them again."""
+    asked = {s["key"]: s["asked_again"] for s in listed if s["asked_again"]}
+    # The latest, nearest the fork point, as the editable steps are.
+    approvals = list(kept.filter(kind=StepKind.APPROVAL).order_by("-seq")[:FORK_EDITABLE])[::-1]
+    rows = []
+    for step in approvals:
+        earlier = kept.filter(seq__lt=step.seq)
+        before = list(earlier.order_by("-seq").values_list("key", flat=True)[:5])[::-1]
+        decision = step.output if isinstance(step.output, dict) else {}
+        rows.append({
+            "key": step.key, "seq": step.seq, "why": asked.get(step.key),
+            "approval_id": decision.get("approval_id"), "by": decision.get("decided_by"),
+            "before": before, "more": earlier.count() - len(before) if len(before) == 5 else 0,
+        })  # fmt: skip
+    return rows
 
 
 #: The copied steps whose outputs the fork form offers to edit: the latest before the fork
@@ -1166,6 +1199,8 @@ def fork_view(request, run_id: UUID):
     response = do_action(request, fork, reverse("stepguard:run", args=[run_id]))
     if "run" in created:
         messages.success(request, f"Forked run {str(run_id)[:8]} from step {step}.")
+        for key, why in fork_asks_again(created["run"]).items():
+            messages.warning(request, f"The fork asks approval {key} again: {why}.")
     if "run" in created:
         return HttpResponseRedirect(reverse("stepguard:run", args=[created["run"].pk]))
     return response

@@ -812,3 +812,52 @@ def transfer(ctx: RunContext, input: dict):
             raise RuntimeError(f"transfer refused: {exc}") from exc
         raise
     return ctx.step("deposit", deposit, taken, retry=BANK_REFUSALS_ARE_FINAL)
+
+
+def make_payment(to: str, amount: int, idempotency_key: str) -> dict:
+    """A payment: one Effect labelled `paid <amount> to <to>` per call."""
+    Effect.objects.create(
+        idempotency_key=idempotency_key, label=f"paid {amount} to {to}", pid=os.getpid()
+    )
+    return {"paid": amount, "to": to}
+
+
+@workflow("payout")
+def payout(ctx: RunContext, input: dict):
+    """A payment approved with the very arguments it is made with (issue 47 §1). With `plan`,
+    the payment is what a step proposed (a model's plan), and the approver sees that."""
+    payment = {"to": input["to"], "amount": input["amount"]}
+    if input.get("plan"):
+        payment = ctx.step("plan", lambda: payment)
+    if variant.get("payout") == "double":  # the code changed: it asks for something else
+        payment = {**payment, "amount": payment["amount"] * 2}
+    decision = ctx.approval(
+        "ok", action="pay", summary=f"pay {payment['amount']} to {payment['to']}", payload=payment
+    )
+    paid = ctx.step(
+        "pay",
+        lambda: make_payment(idempotency_key=ctx.idempotency_key, **payment),
+        approval=decision,
+    )
+    return {"paid": paid, "approved_by": decision.decided_by}
+
+
+@workflow("tool-payout")
+def tool_payout(ctx: RunContext, input: dict):
+    """The same payment as a tool that needs approval (`pay.approval`, then `pay`)."""
+    args = {"to": input["to"], "amount": input["amount"]}
+    return ctx.tool("pay", make_payment, args, requires_approval=True, action="pay")
+
+
+@workflow("batch-payout")
+def batch_payout(ctx: RunContext, input: dict):
+    """Payments approved together (`ctx.approvals`), as an agent's parallel tool calls are."""
+    from runs.sdk import Ask
+
+    payments = input["payments"]
+    asks = [Ask(f"ok-{p['to']}", "pay", f"pay {p['amount']} to {p['to']}", p) for p in payments]
+    decided = ctx.approvals(asks)
+    return [
+        ctx.tool(f"pay-{p['to']}", make_payment, p, approved=d)
+        for p, d in zip(payments, decided, strict=True)
+    ]

@@ -4,11 +4,26 @@ A request is created by `ctx.approval(...)` (or by an ambiguous step whose polic
 and decided once: the first decision wins, by a conditional UPDATE on `status = 'pending'`.
 """
 
+import hashlib
+import json
+from typing import Any
+
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
 from runs.fields import ExactJSONField
+
+
+def approved_digest(workflow: str, step_key: str, action: str, summary: str, payload: Any) -> str:
+    """The SHA-256 of the canonical JSON of what an approver sees: the action an approval
+    stands for. A fork reuses an approval only if its code asks for the same digest."""
+    seen = {
+        "workflow": workflow, "step": step_key, "action": action, "summary": summary,
+        "payload": payload,
+    }  # fmt: skip
+    text = json.dumps(seen, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class ApprovalStatus(models.TextChoices):
@@ -43,6 +58,8 @@ class ApprovalRequest(models.Model):
     action = models.CharField(max_length=200)
     summary = models.TextField(blank=True, default="")
     payload = models.JSONField(null=True, blank=True)
+    #: approved_digest() of what the approver sees ("" for an ambiguous step's question).
+    sha256 = models.CharField(max_length=64, blank=True, default="")
     status = models.CharField(max_length=20, choices=ApprovalStatus, default=ApprovalStatus.PENDING)
     resolution = models.CharField(max_length=20, choices=Resolution, default="", blank=True)
     resolution_output = ExactJSONField(null=True, blank=True)

@@ -78,6 +78,14 @@ class Checkpoints:
             **fields,
         )
 
+    def reopen_step(self, step_pk: Any, now: datetime, **fields) -> None:
+        """A step a fork copied, turned back into a wait of the fork's own (a decision that
+        does not stand for it, asked again), inside the caller's transaction."""
+        Step.objects.filter(pk=step_pk).update(
+            status=StepStatus.WAITING, inherited=False, output=None, error=None,
+            run_attempt=self.who.attempt, started_at=now, finished_at=None, **fields,
+        )  # fmt: skip
+
     def event(self, event_seq: int, type_: str, key: str = "", **payload: Any) -> None:
         """One event of this run, at the seq its fence reserved (inside that transaction)."""
         append_event(self._lease.run_id, event_seq, type_, key, **payload)
@@ -393,15 +401,17 @@ class Checkpoints:
             return
         approval_id = decision.approval_id if isinstance(decision, Decision) else int(decision)
         stands = ApprovalRequest.objects.filter(
-            pk=approval_id, run_id__in=self._fork_lineage, status=ApprovalStatus.APPROVED
-        ).exists()
-        if not stands:
+            pk=approval_id, run_id__in=self.fork_lineage, status=ApprovalStatus.APPROVED
+        )
+        if isinstance(decision, Decision) and decision.sha256:  # it approved what it says
+            stands = stands.filter(sha256=decision.sha256)
+        if not stands.exists():
             raise ApprovalRevoked(
                 f"approval #{approval_id} no longer stands; the step did not start"
             )
 
     @cached_property
-    def _fork_lineage(self) -> list:
+    def fork_lineage(self) -> list:
         """This run and the runs it was forked from: a fork replays their approvals. Read
         once an execution (a run's origin never changes), one query per ancestor."""
         chain, origin = [self._lease.run_id], self.who.forked_from

@@ -43,7 +43,15 @@ REPLAY_FIELDS = (
 class History:
     """The positions of one execution: the next one to take, and what is recorded at each."""
 
-    __slots__ = ("_attempt", "_failed_step", "_next", "_occurrences", "_records", "last_recorded")
+    __slots__ = (
+        "_attempt",
+        "_failed_step",
+        "_last_own",
+        "_next",
+        "_occurrences",
+        "_records",
+        "last_recorded",
+    )
 
     def __init__(self, records: dict[int, Step], *, attempt: int, failed_step: str | None):
         self._records = records
@@ -53,6 +61,8 @@ class History:
         #: The step whose failure ended the run's last attempt, if one did: run again.
         self._failed_step = failed_step
         self.last_recorded: int = max(records, default=-1)
+        #: The last position this run recorded itself (not one a fork copied).
+        self._last_own: int = max((q for q, r in records.items() if not r.inherited), default=-1)
 
     @property
     def next_seq(self) -> int:
@@ -91,6 +101,11 @@ class History:
         undo = f"undo:{key}"
         found = next((seq for seq, r in self._records.items() if r.key == undo), None)
         self._next = max(self._next, self.last_recorded + 1) if found is None else found
+
+    def went_past(self, seq: int) -> bool:
+        """Whether this run recorded a step of its own after `seq` (not one a fork copied):
+        an earlier execution went on from there, so what is recorded at `seq` was taken."""
+        return self._last_own > seq
 
     def replays(self, key: str, seq: int, record: Step | None) -> bool:
         """True if the record at `seq` is `key` completed: hand its output back. A recorded

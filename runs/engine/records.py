@@ -66,6 +66,9 @@ class Decision:
     decided_by: str
     decided_at: datetime
     comment: str
+    #: The digest of what the approver saw (runs.approvals.models.approved_digest): the step
+    #: it guards starts only if the approval it names approved that ("": recorded before).
+    sha256: str = ""
 
     def as_json(self) -> dict:
         return {
@@ -73,6 +76,7 @@ class Decision:
             "decided_by": self.decided_by,
             "decided_at": self.decided_at.isoformat(),
             "comment": self.comment,
+            "sha256": self.sha256,
         }
 
     @classmethod
@@ -82,6 +86,7 @@ class Decision:
             data["decided_by"],
             datetime.fromisoformat(data["decided_at"]),
             data["comment"],
+            data.get("sha256", ""),
         )
 
 

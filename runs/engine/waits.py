@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from django.utils import timezone
 
-from runs.approvals.models import ApprovalRequest, ApprovalStatus
+from runs.approvals.models import ApprovalRequest, ApprovalStatus, approved_digest
 from runs.engine import registry
 from runs.engine.budget import default_run_budget
 from runs.engine.execution import Execution
@@ -140,36 +140,24 @@ class Waits:
         ApprovalExpired. Pass the decision to the guarded step (`ctx.step(..., approval=d)`)
         so it re-checks, as it starts, that the approval was not revoked since.
         """
-        delta = None if timeout is None else as_timedelta(timeout, "a timeout")
+        ask = Ask(key, action, summary, payload, timeout)
         key, seq, record = self.ex.enter(key)
-        if record is not None and record.status == StepStatus.COMPLETED:
-            return Decision.from_json(record.output)
-        if not action or len(action) > 200:
-            raise StepMisuse("an approval needs an action of 1 to 200 characters")
-        data = to_json(payload, what=f"the payload of approval {key!r}")
+        done = record is not None and record.status == StepStatus.COMPLETED
+        if done and not self._to_check(seq, cast(Step, record)):
+            return Decision.from_json(cast(Step, record).output)
+        data, digest = self._asked(ask, key)
+        again = ""
+        if done:  # a copied decision, checked for this fork
+            decision, again = self._inherited(cast(Step, record), digest)
+            if decision is not None:
+                return decision
         error: StepguardError | None = None
         with atomic(self.ex.lease):
             event_seq, now = self.checkpoints.enter_wait()
-            if record is None:
-                expires = None if delta is None else now + delta
-                record = self.checkpoints.new_step(
-                    seq, key, StepKind.APPROVAL, StepStatus.WAITING,
-                    input={"action": action, "summary": summary}, wake_at=expires,
-                )  # fmt: skip
-                request = ApprovalRequest.objects.create(
-                    run_id=self.ex.lease.run_id,
-                    step_key=key,
-                    action=action,
-                    summary=summary,
-                    payload=data,
-                    expires_at=expires,
-                )
-                self.checkpoints.event(
-                    event_seq, EventType.APPROVAL_REQUESTED, key,
-                    approval_id=request.pk, action=action,
-                    expires_at=expires.isoformat() if expires else None,
-                )  # fmt: skip
-                self.checkpoints.suspend(expires)
+            if record is None or again:
+                request, event = self._ask(ask, seq, key, data, digest, now, record, again)
+                self.checkpoints.event(event_seq, event[0], event[1], **event[2])
+                self.checkpoints.suspend(request.expires_at)
             else:
                 request = ApprovalRequest.objects.select_related("decided_by").get(
                     run_id=self.ex.lease.run_id, step_key=key
@@ -198,47 +186,31 @@ class Waits:
         asks = list(asks)
         entries = [self.ex.position(ask.key) for ask in asks]  # every position first, as on replay
         outcomes: list[Decision | StepguardError | None] = [None] * len(asks)
+        again: dict[int, str] = {}  # copied approvals that do not stand for this fork: why
         for i, (key, seq, record) in enumerate(entries):
             try:
                 self.ex.admit(key, seq, record)
             except (ApprovalRejected, ApprovalExpired, ApprovalRevoked) as refused:
                 outcomes[i] = refused
             if record is not None and record.status == StepStatus.COMPLETED:
-                outcomes[i] = Decision.from_json(record.output)
+                if not self._to_check(seq, record):
+                    outcomes[i] = Decision.from_json(record.output)
+                else:
+                    outcomes[i], again[i] = self._inherited(record, self._asked(asks[i], key)[1])
         open_ = [i for i, outcome in enumerate(outcomes) if outcome is None]
         if not open_:
             return cast("list[Decision | StepguardError]", outcomes)
-        for i in open_:
-            if not asks[i].action or len(asks[i].action) > 200:
-                raise StepMisuse("an approval needs an action of 1 to 200 characters")
-        payloads = {
-            i: to_json(asks[i].payload, what=f"the payload of {asks[i].key!r}") for i in open_
-        }
+        asked = {i: self._asked(asks[i], entries[i][0]) for i in open_}
         with atomic(self.ex.lease):
             event_seq, now = self.checkpoints.enter_wait()
             events: list[tuple[str, str, dict]] = []
             waits: list[datetime | None] = []
             for i in open_:
                 ask, (key, seq, record) = asks[i], entries[i]
-                if record is None:
-                    expires = (
-                        None
-                        if ask.timeout is None
-                        else now + as_timedelta(ask.timeout, "a timeout")
-                    )
-                    self.checkpoints.new_step(
-                        seq, key, StepKind.APPROVAL, StepStatus.WAITING,
-                        input={"action": ask.action, "summary": ask.summary}, wake_at=expires,
-                    )  # fmt: skip
-                    request = ApprovalRequest.objects.create(
-                        run_id=self.ex.lease.run_id, step_key=key, action=ask.action,
-                        summary=ask.summary, payload=payloads[i], expires_at=expires,
-                    )  # fmt: skip
-                    events.append((EventType.APPROVAL_REQUESTED, key, {
-                        "approval_id": request.pk, "action": ask.action,
-                        "expires_at": expires.isoformat() if expires else None,
-                    }))  # fmt: skip
-                    waits.append(expires)
+                if record is None or again.get(i):
+                    request, event = self._ask(ask, seq, key, *asked[i], now, record, again.get(i))
+                    events.append(event)
+                    waits.append(request.expires_at)
                     continue
                 request = ApprovalRequest.objects.select_related("decided_by").get(
                     run_id=self.ex.lease.run_id, step_key=key
@@ -257,6 +229,68 @@ class Waits:
         if waits:
             raise Suspended(f"waiting for {len(waits)} approvals")
         return cast("list[Decision | StepguardError]", outcomes)  # each one settled above
+
+    def _asked(self, ask: Ask, key: str) -> tuple[Any, str]:
+        """What an approval asks, checked: its payload as JSON, and the digest of all the
+        approver sees (the action the approval will stand for)."""
+        if not ask.action or len(ask.action) > 200:
+            raise StepMisuse("an approval needs an action of 1 to 200 characters")
+        if ask.timeout is not None:
+            as_timedelta(ask.timeout, "a timeout")  # refused before anything is written
+        data = to_json(ask.payload, what=f"the payload of approval {key!r}")
+        return data, approved_digest(self.ex.who.workflow, key, ask.action, ask.summary, data)
+
+    def _to_check(self, seq: int, record: Step) -> bool:
+        """A decision a fork copied is checked until the fork has gone on from it."""
+        return record.inherited and not self.ex.history.went_past(seq)
+
+    def _inherited(self, record: Step, digest: str) -> tuple[Decision | None, str]:
+        """Whether an approval a fork copied stands for it: the decision names an approval
+        of the fork's lineage that is still approved and approved what the code asks now
+        (`digest`). The decision, or None and why not (the fork asks again)."""
+        output = record.output if isinstance(record.output, dict) else {}
+        approval_id = output.get("approval_id")
+        request = (
+            ApprovalRequest.objects.filter(
+                pk=approval_id, run_id__in=self.checkpoints.fork_lineage
+            ).first()
+            if isinstance(approval_id, int)
+            else None
+        )
+        if request is None:
+            return None, "its recorded decision names no approval of this run's lineage"
+        if request.status != ApprovalStatus.APPROVED:
+            return None, f"approval #{request.pk} was {request.status}"
+        if request.sha256 != digest:
+            return None, f"the code asks to approve something else than approval #{request.pk}"
+        return Decision.from_json({**output, "sha256": request.sha256}), ""
+
+    def _ask(
+        self, ask: Ask, seq: int, key: str, data: Any, digest: str, now: datetime,
+        record: Step | None, again: str | None,
+    ) -> tuple[ApprovalRequest, tuple[str, str, dict]]:  # fmt: skip
+        """Write a new approval request and its waiting step (inside the caller's
+        transaction): a new row, or the row of a copied decision that does not stand for
+        this fork (`again` says why), turned back into a wait. The request and its event."""
+        expires = None if ask.timeout is None else now + as_timedelta(ask.timeout, "a timeout")
+        asked = {"action": ask.action, "summary": ask.summary, "sha256": digest}
+        if record is None:
+            self.checkpoints.new_step(
+                seq, key, StepKind.APPROVAL, StepStatus.WAITING, input=asked, wake_at=expires
+            )
+        else:
+            self.checkpoints.reopen_step(record.pk, now, input=asked, wake_at=expires)
+        request = ApprovalRequest.objects.create(
+            run_id=self.ex.lease.run_id, step_key=key, action=ask.action, summary=ask.summary,
+            payload=data, sha256=digest, expires_at=expires,
+        )  # fmt: skip
+        payload = {
+            "approval_id": request.pk, "action": ask.action,
+            "expires_at": expires.isoformat() if expires else None,
+        }  # fmt: skip
+        if again:
+            payload["asked_again"] = again
+        return request, (EventType.APPROVAL_REQUESTED, key, payload)
 
     def _finish_approval(self, record: Step, now, outcome) -> tuple[str, str, dict]:
         """Finish a waiting approval step with its decision or error (inside the caller's
@@ -278,7 +312,8 @@ class Waits:
         who = request.decided_by.get_username() if request.decided_by else "nobody"
         action = request.action
         if request.status == ApprovalStatus.APPROVED:
-            return Decision(request.pk, who, request.decided_at or now, request.comment)
+            decided = request.decided_at or now
+            return Decision(request.pk, who, decided, request.comment, request.sha256)
         if request.status == ApprovalStatus.EXPIRED:
             return ApprovalExpired(f"approval #{request.pk} for {action!r} expired undecided")
         if request.status == ApprovalStatus.REVOKED:

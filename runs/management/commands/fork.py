@@ -39,9 +39,13 @@ class Command(StepguardCommand):
                 raise CommandError(f"--output takes STEP=JSON, not {item!r}")
             outputs[key] = parse(text, f"--output {key}")
         try:
-            again = fork_preview(run_id, step)
+            again = fork_preview(run_id, step, outputs=outputs or None, **edits)
             for s in again:
-                self.stdout.write(f"  will run again: #{s['seq']} {s['key']} ({s['kind']})")
+                if s["asked_again"]:
+                    why = f"#{s['seq']} {s['key']}: {s['asked_again']}"
+                    self.stdout.write(f"  asks approval again: {why}")
+                else:
+                    self.stdout.write(f"  will run again: #{s['seq']} {s['key']} ({s['kind']})")
             if not yes:
                 self.stdout.write("preview only: add --yes to create the fork")
                 return
