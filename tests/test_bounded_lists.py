@@ -198,3 +198,23 @@ def test_the_approvals_list_relays_stored_payloads_without_parsing_them(api, roo
         )
         stored = cursor.fetchone()[0]
     assert stored in response.content.decode()
+
+
+@pytest.mark.postgres
+def test_the_inbox_and_the_api_read_decided_approvals_newest_first_from_an_index():
+    """The inbox's recent decisions and the API's list after the pending ones sorted every
+    decided request (78 ms at 100,000, linear in the history): each is an index range now,
+    read in order and stopped at its limit, with no sort."""
+    decided = ApprovalRequest.objects.filter(decided_at__isnull=False).order_by("-decided_at")
+    done = ApprovalRequest.objects.exclude(status="pending").order_by("-created_at")
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # a small table: as a large one plans
+        cursor.execute("SET LOCAL enable_sort = off")
+        for query, index in (
+            (decided[:20], "approvals_decided_idx"),
+            (done[:500], "approvals_done_idx"),
+        ):
+            sql, params = query.query.sql_with_params()
+            cursor.execute(f"EXPLAIN {sql}", params)
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+            assert index in plan and "Sort" not in plan, plan

@@ -94,7 +94,18 @@ class ApprovalRequest(models.Model):
             # The inbox: pending requests, oldest first.
             models.Index(
                 fields=["created_at"], condition=Q(status="pending"), name="approvals_pending_idx"
-            )
+            ),
+            # The inbox's recent decisions, newest first (sorting every decided request took
+            # 78 ms at 100,000, linear in the history).
+            models.Index(
+                fields=["-decided_at"],
+                condition=Q(decided_at__isnull=False),
+                name="approvals_decided_idx",
+            ),
+            # GET /api/approvals after the pending ones: the rest, newest first.
+            models.Index(
+                fields=["-created_at"], condition=~Q(status="pending"), name="approvals_done_idx"
+            ),
         ]
 
     def __str__(self) -> str:

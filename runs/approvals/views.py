@@ -46,7 +46,9 @@ def approvals_inbox(request):
             "pending_total": pending.count(),
             "next_after": page[-1].pk if more else None,
             "recent": list(
-                ApprovalRequest.objects.exclude(status=ApprovalStatus.PENDING)
+                # Decided ones: an expired request has no decision time (and sorted first on
+                # PostgreSQL, for good); approvals_decided_idx serves this.
+                ApprovalRequest.objects.filter(decided_at__isnull=False)
                 .select_related("run", "decided_by")
                 .order_by("-decided_at")[:20]
             ),
