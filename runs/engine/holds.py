@@ -138,20 +138,33 @@ def lock_policies(chain: list[Run], also: tuple[str, ...] = ()) -> None:
     if connection.vendor != "postgresql":
         return
     scopes = sorted(set([GLOBAL, *(m.workflow for m in chain), *also]))
-    marks = ", ".join(["%s"] * len(scopes))
     with connection.cursor() as cursor:
+        found = _share_lock_scopes(cursor, scopes)
+        missing = [scope for scope in scopes if scope not in found]
+        if not missing:
+            return
         # A scope never halted nor budgeted has no row to lock yet: made here (committed with
-        # this transaction), so the first halt of a workflow is ordered against us too.
+        # this transaction), so the first halt of a workflow is ordered against us too. Locked
+        # after the others, out of scope order: harmless, as no transaction locks two policy
+        # rows but with shared locks (an operator's action updates the one it changes).
         cursor.execute(
             f"INSERT INTO {POLICY_TABLE} (scope, halted_by, halt_reason, updated_at)"
             f" SELECT s, '', '', now() FROM unnest(%s::text[]) AS s"
             " ON CONFLICT (scope) DO NOTHING",
-            [scopes],
+            [missing],
         )
-        cursor.execute(
-            f"SELECT 1 FROM {POLICY_TABLE} WHERE scope IN ({marks}) ORDER BY scope FOR SHARE",
-            scopes,
-        )
+        _share_lock_scopes(cursor, missing)
+
+
+def _share_lock_scopes(cursor, scopes: list[str]) -> set[str]:
+    """Share-lock the policy rows of `scopes` that exist (in scope order); their scopes. One
+    statement whether they all exist or not: a start or a wait pays one, not an insert too."""
+    marks = ", ".join(["%s"] * len(scopes))
+    cursor.execute(
+        f"SELECT scope FROM {POLICY_TABLE} WHERE scope IN ({marks}) ORDER BY scope FOR SHARE",
+        scopes,
+    )
+    return {scope for (scope,) in cursor.fetchall()}
 
 
 def lock_ancestors(chain: list[Run]) -> None:
