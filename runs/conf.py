@@ -71,6 +71,8 @@ STEPGUARD_RETENTION_DAYS = env_int("STEPGUARD_RETENTION_DAYS", 0)
 # Notifications (runs/notifications.py): how often one worker looks for events to deliver, and
 # the dashboard's address for links in messages (e.g. https://stepguard.example.com).
 STEPGUARD_NOTIFY_SWEEP_SECONDS = env_float("STEPGUARD_NOTIFY_SWEEP_SECONDS", 1.0, minimum=0.05)
+# How often one worker resumes `halted` runs no hold covers (runs/engine/unheld.py; 0: never).
+STEPGUARD_HOLD_SWEEP_SECONDS = env_float("STEPGUARD_HOLD_SWEEP_SECONDS", 5.0)
 STEPGUARD_NOTIFY_RETRY_SECONDS = env_float("STEPGUARD_NOTIFY_RETRY_SECONDS", 2.0)
 STEPGUARD_PUBLIC_URL = os.environ.get("STEPGUARD_PUBLIC_URL", "")
 # Webhooks reach only public addresses, and these: addresses, networks, host names of internal

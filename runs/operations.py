@@ -135,6 +135,7 @@ def cancel_run(run_id, user, reason: str) -> Run:
     reason = needs_reason(reason, "a cancel")
     actor = user.get_username()
     with transaction.atomic():
+        holds.serialise_hold_changes()  # it may requeue a run paused over budget
         root = find_run(run_id)
         # Children first, deepest first (the order a finishing child locks: itself, then its
         # parent), so they stop spending and undo their own steps; the parent is woken by them.
@@ -316,6 +317,7 @@ def halt(target, user, reason: str) -> Target:
         # exists, so the halt below is ordered against it (lock order, docs/architecture.md).
         Policy.objects.get_or_create(scope=target.scope)
     with transaction.atomic():
+        holds.serialise_hold_changes()
         if target.kind == "run":
             root = find_run(target.value)
             # Descendants before the run itself: the order a finishing child locks (itself,
@@ -398,6 +400,9 @@ def unhalt(target, user, reason: str) -> Target:
     target, actor = parse_target(target), user.get_username()
     target.only_for_budgets("halts")
     with transaction.atomic():
+        # One hold change at a time: two unhalts at once would each see the other's hold
+        # still in force and leave the runs both covered `halted`, with no hold left.
+        holds.serialise_hold_changes()
         if target.kind == "run":
             root = find_run(target.value)
             members = holds.descendants(root.pk)
@@ -413,6 +418,7 @@ def unhalt(target, user, reason: str) -> Target:
                 hint = f" (it is held by {others}: lift that instead)" if others else ""
                 raise Conflict(f"run {run.pk} is not halted by a hold of its own{hint}")
             Run.objects.filter(pk=run.pk).update(halted_at=None, halted_by="", halt_reason="")
+            run.halted_at = None  # the hold just lifted is not among those still in force
             resumed = _resume(run.pk)
             left = [h.scope for h in holds.holds_on(run)]
             run_event(
@@ -489,6 +495,7 @@ def set_budget(
     if target.kind in ("run", "label") and (run_usd is not KEEP or run_tokens is not KEEP):
         raise OperationError("run defaults are set on a workflow or on everything")
     with transaction.atomic():
+        holds.serialise_hold_changes()  # it requeues runs paused over budget, perhaps held
         if target.kind == "run":
             run = lock_run(target.value)
             changes = {"budget_micros": micros(usd), "budget_tokens": count(tokens)}
@@ -546,7 +553,12 @@ def retry_run(run_id, user, reason: str) -> Run:
     user = require(user, "runs.retry_run", "retry runs")
     reason = needs_reason(reason, "a retry")
     with transaction.atomic():
+        # The rows whose holds cover the run, in the lock order (policies, the run, its
+        # ancestors), before the statement that decides `halted` or `pending`.
+        chain = holds.lineage(find_run(run_id))
+        holds.lock_policies(chain)
         run = lock_run(run_id)
+        holds.lock_ancestors(chain)
         if run.status != RunStatus.FAILED:
             raise Conflict(f"run {run.pk} is {run.status}; only failed runs are retried")
         if compensated(run):
@@ -666,11 +678,15 @@ def fork_run(
     reason = needs_reason(reason, "a fork")
     actor = user.get_username()
     with transaction.atomic():
+        # The holds the fork inherits or is covered by are read under lock, in the lock order.
+        chain = holds.lineage(find_run(run_id))
+        holds.lock_policies(chain)
         origin = lock_run(run_id)
         if registry.builtin(origin.workflow):  # it could send any event to any channel
             raise OperationError(
                 f"workflow {origin.workflow!r} is Stepguard's own: its runs are not forked by hand"
             )
+        holds.lock_ancestors(chain)
         seq = _fork_point(origin, step)
         kept = _completed_before(origin, seq)
         edited = fork_edits(origin, seq, kept, input, outputs)

@@ -69,7 +69,8 @@ def test_a_workflow_limit_holds_across_workers_and_an_operator_can_change_it(spa
     wait_all_done(runs)
     assert most_at_once(list(Step.objects.filter(run__in=runs))) == 3
     # The operator's limit replaces the code's for the runs claimed after it.
-    Policy.objects.create(scope="flow.capped", max_running=1)
+    # (The row is there already on PostgreSQL: a start share-locks its workflow's policy.)
+    Policy.objects.update_or_create(scope="flow.capped", defaults={"max_running": 1})
     more = [start_run("flow.capped", {"n": n, "seconds": 0.2}) for n in range(4)]
     wait_all_done(more)
     assert most_at_once(list(Step.objects.filter(run__in=more))) == 1

@@ -861,3 +861,20 @@ def batch_payout(ctx: RunContext, input: dict):
         ctx.tool(f"pay-{p['to']}", make_payment, p, approved=d)
         for p, d in zip(payments, decided, strict=True)
     ]
+
+
+def _held_value(value: int, sleep: float) -> int:
+    if sleep:
+        time.sleep(sleep)
+    return value
+
+
+@workflow("hold-churn")
+def hold_churn(ctx: RunContext, input: dict):
+    """`steps` short steps, then a failure if `fail` (tests/test_holds_concurrency.py: runs to
+    halt, retry and fork while operators place and lift holds)."""
+    for i in range(input.get("steps", 2)):
+        ctx.step(f"s{i}", _held_value, i, input.get("sleep", 0))
+    if input.get("fail"):
+        raise ValueError("asked to fail")
+    return input.get("steps", 2)

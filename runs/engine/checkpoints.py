@@ -345,12 +345,13 @@ class Checkpoints:
         for seq, (type_, key, payload) in zip(seqs, events, strict=False):
             self.event(seq, type_, key, **payload)
 
-    def enter_wait(self) -> tuple[int, datetime]:
+    def enter_wait(self, children: tuple[str, ...] = ()) -> tuple[int, datetime]:
         """The fence of a durable wait, in the lock order a pause takes (docs/architecture.md):
         a halt placed meanwhile is either seen by the fence, which refuses the wait, or waits
-        for it and finds the run waiting, which it parks."""
+        for it and finds the run waiting, which it parks. `children`: the workflows of child
+        runs the wait creates, whose policies cover them too (create_run locks them again)."""
         chain = holds.chain_of(self._lease.run_id)
-        holds.lock_policies(chain)
+        holds.lock_policies(chain, children)
         event_seq = fence(self._lease, replace(self.start_fence, progress=True))
         holds.lock_ancestors(chain)
         return event_seq, timezone.now()

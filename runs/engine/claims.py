@@ -434,6 +434,12 @@ class Claims:
             )
         for run_id, epoch, event_seq in stuck.values_list("id", "lease_epoch", "event_seq")[:50]:
             with transaction.atomic():
+                # The holds read under lock, in the lock order, as a pause reads them: an
+                # unhalt committed meanwhile is seen, or waits and finds the run to resume.
+                chain = holds.chain_of(run_id)
+                holds.lock_policies(chain)
+                list(Run.objects.select_for_update().filter(pk=run_id).values_list("pk"))
+                holds.lock_ancestors(chain)
                 parked = (
                     Run.objects.filter(pk=run_id, lease_epoch=epoch, event_seq=event_seq)
                     .filter(due, holds.covered())

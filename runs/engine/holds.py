@@ -125,10 +125,10 @@ def holds_on(run: Run) -> list[Hold]:
     return found
 
 
-def lock_policies(chain: list[Run]) -> None:
+def lock_policies(chain: list[Run], also: tuple[str, ...] = ()) -> None:
     """Share-lock the policy rows whose holds (and budgets) cover the runs of `chain` (a run
-    and its ancestors): the global one, each workflow's and the label budgets of the run
-    itself (`label:tenant=acme`, those that exist), in scope order.
+    and its ancestors), those of the workflows `also` (a child about to be created) and the
+    label budgets of the run itself (`label:tenant=acme`, those that exist), in scope order.
 
     The first of a worker's locks in a transaction that pauses a run or enters a durable wait,
     taken before the run row (docs/architecture.md, *lock order*): an operator's halt, unhalt
@@ -138,34 +138,52 @@ def lock_policies(chain: list[Run]) -> None:
     """
     if connection.vendor != "postgresql":
         return
-    made = sorted(set([GLOBAL, *(m.workflow for m in chain)]))
+    made = sorted(set([GLOBAL, *(m.workflow for m in chain), *also]))
     # A label's budget that refused the step has a row; one with none has no budget to raise
     # (and labels hold no halts), so no row is made for it.
-    scopes = sorted({*made, *run_labels.scopes(chain[0].labels or {})})
-    marks = ", ".join(["%s"] * len(scopes))
+    labels = run_labels.scopes(chain[0].labels or {}) if chain else []
+    scopes = sorted({*made, *labels})
     with connection.cursor() as cursor:
+        found = _share_lock_scopes(cursor, scopes)
+        missing = [scope for scope in made if scope not in found]
+        if not missing:
+            return
         # A scope never halted nor budgeted has no row to lock yet: made here (committed with
-        # this transaction), so the first halt of a workflow is ordered against us too.
+        # this transaction), so the first halt of a workflow is ordered against us too. Locked
+        # after the others, out of scope order: harmless, as no transaction locks two policy
+        # rows but with shared locks (an operator's action updates the one it changes).
         cursor.execute(
             f"INSERT INTO {POLICY_TABLE} (scope, halted_by, halt_reason, updated_at)"
             f" SELECT s, '', '', now() FROM unnest(%s::text[]) AS s"
             " ON CONFLICT (scope) DO NOTHING",
-            [made],
+            [missing],
         )
-        cursor.execute(
-            f"SELECT 1 FROM {POLICY_TABLE} WHERE scope IN ({marks}) ORDER BY scope FOR SHARE",
-            scopes,
-        )
+        _share_lock_scopes(cursor, missing)
+
+
+def _share_lock_scopes(cursor, scopes: list[str]) -> set[str]:
+    """Share-lock the policy rows of `scopes` that exist (in scope order); their scopes. One
+    statement whether they all exist or not: a start or a wait pays one, not an insert too."""
+    marks = ", ".join(["%s"] * len(scopes))
+    cursor.execute(
+        f"SELECT scope FROM {POLICY_TABLE} WHERE scope IN ({marks}) ORDER BY scope FOR SHARE",
+        scopes,
+    )
+    return {scope for (scope,) in cursor.fetchall()}
 
 
 def lock_ancestors(chain: list[Run]) -> None:
     """Share-lock the ancestors of `chain[0]` (after its own row: children before parents)."""
-    if connection.vendor != "postgresql" or len(chain) < 2:
+    share_lock_runs(chain[1:])
+
+
+def share_lock_runs(runs: list[Run]) -> None:
+    if connection.vendor != "postgresql" or not runs:
         return
-    ancestors = [Run._meta.pk.get_db_prep_value(m.pk, connection) for m in chain[1:]]
-    marks = ", ".join(["%s"] * len(ancestors))
+    ids = [Run._meta.pk.get_db_prep_value(m.pk, connection) for m in runs]
+    marks = ", ".join(["%s"] * len(ids))
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT 1 FROM {RUN_TABLE} WHERE id IN ({marks}) FOR SHARE", ancestors)
+        cursor.execute(f"SELECT 1 FROM {RUN_TABLE} WHERE id IN ({marks}) FOR SHARE", ids)
 
 
 def chain_of(run_id) -> list[Run]:
@@ -182,3 +200,42 @@ def descendants(run_id) -> list:
         frontier = list(Run.objects.filter(parent_id__in=frontier).values_list("id", flat=True))
         levels.append(frontier)
     return [run for level in reversed(levels) for run in level]
+
+
+def lock_covering(workflow: str, parent_id=None) -> None:
+    """Lock, in the lock order, every row whose hold would cover a new run of `workflow`
+    under `parent_id`: the policies (shared), then the ancestor runs (shared). Taken by each
+    write that decides whether a run it creates or requeues starts `halted` (create_run,
+    retry_run, fork_run), before that decision, which is made in a later statement: a hold
+    placed or lifted meanwhile either waits for this transaction, and then sees the run, or
+    is committed before the decision reads it (READ COMMITTED: each statement sees what was
+    committed before it began). A caller holding run rows already has taken these first;
+    taking a lock again that the transaction holds waits for nothing.
+    """
+    if parent_id is None and workflow.startswith(ENGINE_PREFIX):
+        return  # only a hold of its own covers an engine's run without a parent
+    chain = chain_of(parent_id) if parent_id is not None else []
+    lock_policies(chain, (workflow,))
+    share_lock_runs(chain)
+
+
+#: pg_advisory_xact_lock key of `serialise_hold_changes` (flow.py's are `stepguard.flow:*`).
+HOLDS_LOCK = "stepguard.holds"
+
+
+def serialise_hold_changes() -> None:
+    """Make the operator actions that change holds or requeue held runs (halt, unhalt, a
+    budget change, a cancel) wait for each other: the first lock of their transaction.
+
+    Each locks only the rows it changes, so two of them at once would each decide from a
+    snapshot without the other (write skew): an unhalt of a workflow and one of the kill
+    switch would each see the other's hold still in force and leave its runs `halted`, with
+    no hold left; a halt and an unhalt would leave a run `pending` under the new hold. One
+    after the other, the second one's statements (READ COMMITTED) see the first's. Nothing
+    else takes this lock, and it is taken before any row, so it closes no circle in the lock
+    order (docs/architecture.md). SQLite needs nothing: its writers are serialised.
+    """
+    if connection.vendor != "postgresql":
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [HOLDS_LOCK])

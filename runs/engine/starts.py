@@ -13,7 +13,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from runs import labels as run_labels
-from runs.engine import registry
+from runs.engine import holds, registry
 from runs.engine.budget import default_run_budget, to_micros, to_usd
 from runs.engine.serialization import to_json
 from runs.engine.store import append_event, create_run, record_shapers
@@ -148,6 +148,8 @@ def _debounced(
     for _ in range(3):  # a concurrent start created the waiting run first: update that one
         try:
             with transaction.atomic():
+                # Before the waiting run's row (the lock order): create_run's hold decision.
+                holds.lock_covering(definition.name)
                 now = timezone.now()
                 quiet = [RunStatus.PENDING, RunStatus.HALTED]  # a halt does not end the quiet
                 waiting = (

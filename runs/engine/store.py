@@ -35,7 +35,7 @@ from runs.engine.fences import (
     prep,
     step_defaults,
 )
-from runs.engine.holds import covered
+from runs.engine.holds import covered, lock_covering
 from runs.engine.outage import is_disconnect
 from runs.engine.wakeup import doorbell, notify_runnable
 from runs.errors import LeaseLost, StepMisuse
@@ -385,7 +385,12 @@ def create_run(
 ) -> Run:
     """Insert a runnable run and its first event (by `actor`, with `created` in its payload),
     and the people who shaped it (`shapers`: (user id, Shaped); its starter is one). Call
-    inside a transaction."""
+    inside a transaction.
+
+    Whether it starts `halted` is decided after locking the rows whose holds would cover it
+    (`holds.lock_covering`): a caller that holds run rows already locks them first, in the
+    lock order."""
+    lock_covering(workflow, parent_id)
     fields.setdefault("max_attempts", settings.STEPGUARD_RUN_MAX_ATTEMPTS)
     fields.setdefault("trace_context", tracing.carrier_for_new_run(workflow))
     fields.setdefault("wake_at", timezone.now())  # a debounced run: when its quiet period ends

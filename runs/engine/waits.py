@@ -347,7 +347,7 @@ class Waits:
                 plans[e.key] = (definition, to_json(e.input, what=f"the input of child {e.key!r}"))
         failure: ChildFailed | None = None
         with atomic(self.ex.lease):
-            event_seq, now = self.checkpoints.enter_wait()
+            event_seq, now = self.checkpoints.enter_wait(tuple(d.name for d, _ in plans.values()))
             events = self._start_children(entries, plans)
             waiting = self._record_ended_children(entries, now, events)
             failed = [e for e in entries if e.step.status == StepStatus.FAILED]

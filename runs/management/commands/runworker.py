@@ -9,7 +9,7 @@ from django.conf import settings
 from django.core.management.base import CommandError
 
 from runs import logcontext, notifications, partitions, retention, schedules
-from runs.engine import registry
+from runs.engine import registry, unheld
 from runs.engine.worker import Chore, WorkerProcess
 from runs.management.base import StepguardCommand
 
@@ -19,8 +19,15 @@ log = logging.getLogger("stepguard.worker")
 def chores() -> list[Chore]:
     """What a worker process does besides its runs, each described by the module that owns it:
     firing schedules (between claims), notification deliveries, on PostgreSQL the coming
-    months' history partitions and, when STEPGUARD_RETENTION_DAYS is set, the daily prune."""
-    found = [schedules.chore(), notifications.chore(), partitions.chore(), retention.chore()]
+    months' history partitions, when STEPGUARD_RETENTION_DAYS is set the daily prune, and the
+    sweep that resumes halted runs no hold covers."""
+    found = [
+        schedules.chore(),
+        notifications.chore(),
+        partitions.chore(),
+        retention.chore(),
+        unheld.chore(),
+    ]
     return [chore for chore in found if chore is not None]
 
 
