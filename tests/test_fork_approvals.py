@@ -35,7 +35,7 @@ BIG = {"to": "otto", "amount": 99999}
 SHAPES = {
     "input": ("payout", {}, {"input": BIG}, BIG),
     "upstream output": ("payout", {"plan": True}, {"outputs": {"plan": BIG}}, BIG),
-    "tool approval": ("tool-payout", {}, {"input": BIG}, {"tool": "transfer", "args": BIG}),
+    "tool approval": ("tool-payout", {}, {"input": BIG}, {"tool": "make_payment", "args": BIG}),
 }
 
 
