@@ -26,6 +26,7 @@ from runs.engine import flow, holds
 from runs.engine.checkpoints import release_reservations
 from runs.engine.fences import Lease
 from runs.engine.outage import outage
+from runs.engine.pooling import jit_off
 from runs.engine.registry import WorkflowDef
 from runs.engine.store import append_event, wake_parent
 from runs.engine.wakeup import doorbell
@@ -372,7 +373,8 @@ class Claims:
             RunStatus.WAITING, EventType.RUN_WOKEN, EventType.RUN_CLAIMED,
             str(self.worker_id), now,
         ]  # fmt: skip
-        runs = list(Run.objects.raw(sql, params))
+        with jit_off(connection):
+            runs = list(Run.objects.raw(sql, params))
         kinds = {RunStatus.RUNNING: EventType.RUN_RECOVERED, RunStatus.WAITING: EventType.RUN_WOKEN}
         for run in runs:
             doorbell.ring(run.id)

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,9 @@ def notify_runnable() -> None:
 class Listener(threading.Thread):
     """Sets `bell` on every NOTIFY; reconnects after any error until `stop` is set."""
 
+    #: Seconds between the questions that tell a silent server from a quiet channel.
+    PING = 5.0
+
     def __init__(self, bell: threading.Event, stop: threading.Event):
         super().__init__(name="stepguard-listener", daemon=True)
         self.bell, self.stop = bell, stop
@@ -53,9 +57,15 @@ class Listener(threading.Thread):
                         log.info("listener reconnected")
                         lost = False
                     self.bell.set()  # a NOTIFY sent while we were away is lost: look now
+                    asked = time.monotonic()
                     while not self.stop.is_set():
                         for _ in conn.notifies(timeout=1.0, stop_after=1):
                             self.bell.set()
+                        if time.monotonic() - asked > self.PING:
+                            # A silent server sends no notification and no error: ask it
+                            # something, under the statement deadline (runs/engine/deadline.py).
+                            conn.execute("SELECT 1")
+                            asked = time.monotonic()
             except Exception as exc:
                 if not lost:
                     cause = str(exc).strip().splitlines()[0] if str(exc).strip() else exc

@@ -23,6 +23,7 @@ from runs import logcontext
 from runs.engine import registry
 from runs.engine.chores import Chore, ChoreContext
 from runs.engine.claims import HELD_SCOPES, WAKEABLE, Claims, runnable_filter, suspect
+from runs.engine.deadline import exempt, watchdog
 from runs.engine.fences import Lease
 from runs.engine.lifecycle import execute, release
 from runs.engine.outage import is_disconnect, outage, reconnect, wait_for_database
@@ -93,6 +94,9 @@ class WorkerProcess:
         self.bell.set()
 
     def run_forever(self) -> None:
+        watchdog.enable(settings.STEPGUARD_STATEMENT_DEADLINE)
+        if connection.connection is not None and is_postgres():
+            watchdog.watch(connection.connection)
         self.register()
         threading.Thread(
             target=self._heartbeat_loop, name="stepguard-heartbeat", daemon=True
@@ -223,7 +227,8 @@ class WorkerProcess:
         stopped."""
         while True:
             try:
-                chore.run(self.chore_context)
+                with exempt():  # a long statement of its own (a prune) is no hang
+                    chore.run(self.chore_context)
             except Exception:  # the chore logs its own errors; this is the last resort
                 log.exception("%s failed; again in %ss", chore.name, chore.interval)
                 close_old_connections()

@@ -1,0 +1,139 @@
+"""Every statement a worker sends has a deadline: one that outlives it is abandoned.
+
+A primary that hangs instead of dying (a frozen host, a proxy that stops forwarding, a
+partition the kernel has not noticed) leaves a statement in flight waiting for an answer that
+never comes: TCP keepalives are answered by whatever still holds the socket's other end, and a
+server-side `statement_timeout` cannot fire in a server that does nothing. Measured before: 375
+s and 0 steps run on a standby promoted 1.3 s after the old primary hung, and not a line in the
+workers' logs. So in a worker process every blocking wait of a watched psycopg connection (a
+statement, a commit) is registered while it lasts, and a watchdog thread shuts the socket of
+one older than STEPGUARD_STATEMENT_DEADLINE: the wait ends at once with a lost connection,
+which the engine handles as a restart (reconnect, to the next host of a multi-host
+DATABASE_URL when the first does not answer, and carry the run on under its lease).
+
+Not watched: waits given a timeout of their own (a LISTEN waiting for notifications), and
+threads marked `exempt()` (the chores that may legitimately run a long statement, such as a
+prune; a partition those run into is left to TCP keepalives).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
+log = logging.getLogger("stepguard.database")
+
+_local = threading.local()
+
+
+class Watchdog:
+    """The waits in flight on watched connections, and the thread that abandons late ones."""
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None  # None: not enabled in this process
+        self._lock = threading.Lock()
+        self._inflight: dict[int, tuple[float, weakref.ref, str]] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self.abandoned = 0
+
+    def enable(self, seconds: float) -> None:
+        """Watch from now on, with `seconds` as the deadline (0: never)."""
+        self.seconds = seconds or None
+        if self.seconds is None:
+            return
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="stepguard-deadline", daemon=True
+                )
+                self._thread.start()
+
+    def watch(self, conn) -> None:
+        """Give the psycopg connection `conn` a deadline on each wait (an attribute of its own
+        over `Connection.wait`, through which psycopg runs every statement and commit)."""
+        if self.seconds is None or "wait" in vars(conn):
+            return
+        original = conn.wait
+        ref = weakref.ref(conn)
+
+        def wait(gen, *args, **kwargs):
+            if kwargs.get("timeout") is not None or getattr(_local, "exempt", False):
+                return original(gen, *args, **kwargs)
+            token = next(self._ids)
+            with self._lock:
+                self._inflight[token] = (time.monotonic(), ref, threading.current_thread().name)
+            try:
+                return original(gen, *args, **kwargs)
+            finally:
+                with self._lock:
+                    self._inflight.pop(token, None)
+
+        conn.wait = wait
+
+    def _loop(self) -> None:
+        while True:
+            seconds = self.seconds
+            time.sleep(min(0.5, (seconds or 1.0) / 10))
+            if seconds is None:
+                continue
+            now = time.monotonic()
+            with self._lock:
+                late = [(t, v) for t, v in self._inflight.items() if now - v[0] > seconds]
+                for token, _ in late:
+                    del self._inflight[token]  # abandoned once
+            for _, (started, ref, thread) in late:
+                conn = ref()
+                if conn is not None and abandon(conn):
+                    self.abandoned += 1
+                    log.warning(
+                        "no answer from the database for %.1f s (%s): connection abandoned, "
+                        "reconnecting (STEPGUARD_STATEMENT_DEADLINE)",
+                        now - started,
+                        thread,
+                    )
+
+
+def abandon(conn) -> bool:
+    """Shut the socket under a psycopg connection: a wait on it ends at once, as after a
+    server that closed it (a cancel request would go to the silent server too)."""
+    try:
+        fd = conn.pgconn.socket
+    except Exception:
+        return False  # already closed
+    with suppress(OSError), socket.socket(fileno=_dup(fd)) as sock:
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    return False
+
+
+def _dup(fd: int) -> int:
+    import os
+
+    return os.dup(fd)
+
+
+@contextmanager
+def exempt() -> Iterator[None]:
+    """This thread's statements have no deadline while inside (a chore's long statement)."""
+    before = getattr(_local, "exempt", False)
+    _local.exempt = True
+    try:
+        yield
+    finally:
+        _local.exempt = before
+
+
+watchdog = Watchdog()
+
+
+def on_connect(connection) -> None:
+    """A new Django connection: watched when the process enabled deadlines."""
+    if connection.vendor == "postgresql":
+        watchdog.watch(connection.connection)
