@@ -188,8 +188,12 @@ class WorkerProcess:
         start them; return how many."""
         self._between_claims()
         free = self.concurrency - len(self.active)
-        if free <= 0 or self._alone in self.active:  # a suspect runs alone (SUSPECT_AFTER)
+        if free <= 0:
             return 0
+        if self._alone in self.active:  # a suspect runs alone (SUSPECT_AFTER) until a step ends
+            if not self.claims.progressed(self._alone):
+                return 0
+            self._alone = None
         claimed = self.claim(free)
         for run in claimed:
             if suspect(run):
