@@ -133,7 +133,37 @@ def exempt() -> Iterator[None]:
 watchdog = Watchdog()
 
 
-def on_connect(connection) -> None:
-    """A new Django connection: watched when the process enabled deadlines."""
-    if connection.vendor == "postgresql":
-        watchdog.watch(connection.connection)
+_hosts_lock = threading.Lock()
+
+
+def prefer_answering_host(connection) -> None:
+    """A new connection of a multi-host DATABASE_URL that answered on a host other than the
+    first: put that host first for every connection of the process made from now on. Each
+    new connection tries the hosts in order, and a host that hangs costs a full connect
+    timeout (DB_CONNECT_TIMEOUT) before the next is tried: without this, every connection
+    a worker replaces (each run thread's, every CONN_MAX_AGE) paid it for as long as the old
+    primary stayed silent. The hosts' settings are shared by all of the process's threads;
+    HOST and PORT change in one `update` (a thread reading them between the two may pair a
+    host with another's port once: that attempt fails, and the next pair is tried)."""
+    settings_dict = connection.settings_dict
+    hosts, ports = str(settings_dict.get("HOST") or ""), str(settings_dict.get("PORT") or "")
+    if "," not in hosts:
+        return
+    info = connection.connection.info
+    names = hosts.split(",")
+    pairs = list(
+        zip(names, ports.split(",") if "," in ports else [ports] * len(names), strict=True)
+    )
+    answered = (info.host, str(info.port))
+    if answered not in pairs or pairs[0] == answered:
+        return
+    with _hosts_lock:
+        if settings_dict.get("HOST") != hosts:
+            return  # another thread just did it
+        i = pairs.index(answered)
+        pairs = pairs[i:] + pairs[:i]
+        settings_dict.update(
+            HOST=",".join(h for h, _ in pairs),
+            PORT=",".join(p for _, p in pairs) if "," in ports else ports,
+        )
+    log.warning("database host %s:%s answered; trying it first from now on", *answered)

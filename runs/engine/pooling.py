@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from django.conf import settings
 from django.db import transaction
 
-from runs.engine.deadline import watchdog
+from runs.engine.deadline import prefer_answering_host, watchdog
 
 log = logging.getLogger("stepguard.database")
 _said = False
@@ -55,6 +55,7 @@ def on_connect(sender, connection, **kwargs) -> None:
     if connection.vendor != "postgresql":
         return
     watchdog.watch(connection.connection)
+    prefer_answering_host(connection)
     jit_off = not jit_wanted()
     if not settings.STEPGUARD_DETECT_POOLER:
         if jit_off:

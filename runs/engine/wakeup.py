@@ -48,7 +48,8 @@ class Listener(threading.Thread):
         lost = False  # one line when the connection goes, one when it is back
         while not self.stop.is_set():
             try:
-                conn = listen_connection(self.params)
+                # Read again: a multi-host DATABASE_URL may have a new first host.
+                conn = listen_connection(connection.get_connection_params())
                 if conn is None:
                     return  # behind a pooler with no direct URL: the worker polls
                 with conn:
