@@ -151,9 +151,10 @@ def prefer_answering_host(connection) -> None:
         return
     info = connection.connection.info
     names = hosts.split(",")
-    pairs = list(
-        zip(names, ports.split(",") if "," in ports else [ports] * len(names), strict=True)
-    )
+    numbers = ports.split(",") if "," in ports else [ports] * len(names)
+    if len(numbers) != len(names):
+        return  # not DATABASE_URL's form: left as given
+    pairs = list(zip(names, numbers, strict=True))
     answered = (info.host, str(info.port))
     if answered not in pairs or pairs[0] == answered:
         return
