@@ -10,9 +10,12 @@ first one, with its sessions ended, is a hung primary whose standby took over.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -22,7 +25,7 @@ from django.test.utils import CaptureQueriesContext
 from runs.engine.worker import WorkerProcess
 from runs.models import Run, RunStatus
 from runs.sdk import start_run
-from tests.conftest import ROOT, database_url, wait_until
+from tests.conftest import PGBOUNCER, ROOT, _free_port, database_url, wait_until
 from tests.tcpproxy import Proxy
 
 pytestmark = pytest.mark.postgres
@@ -228,3 +231,107 @@ def test_a_long_lived_caller_survives_a_switchover(tmp_path):
     result = json.loads(out.split("CALLER ", 1)[1])
     print(f"\ncaller across a switchover: {result}, {started} runs started after it")
     assert result["failed"] == 0 and started >= 40, (result, started)
+
+
+@contextmanager
+def _pgbouncer(target_port: int):
+    """PgBouncer in transaction mode in front of the server on `target_port` (the test
+    database's credentials): yields its port. `tests.conftest.pgbouncer`, one per host."""
+    import shutil
+    import tempfile
+
+    if not os.path.exists(PGBOUNCER):
+        pytest.skip("pgbouncer is not installed")
+    s = connection.settings_dict
+    port = _free_port()
+    home = Path(tempfile.mkdtemp(prefix="stepguard-pgbouncer-"))
+    home.chmod(0o777)
+    server = f"host=127.0.0.1 port={target_port} user={s['USER']}"
+    if s["PASSWORD"]:
+        server += f" password={s['PASSWORD']}"
+    (home / "pgbouncer.ini").write_text(
+        f"[databases]\n* = {server}\n[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        "auth_type = any\npool_mode = transaction\nmax_client_conn = 200\n"
+        "ignore_startup_parameters = extra_float_digits,options\n"
+        f"logfile = {home}/pgbouncer.log\npidfile = {home}/pgbouncer.pid\n"
+    )
+    argv = [PGBOUNCER, str(home / "pgbouncer.ini")]
+    if os.geteuid() == 0:
+        argv[1:1] = ["-u", "postgres"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+    def accepting() -> bool:
+        assert proc.poll() is None, (home / "pgbouncer.log").read_text()
+        with socket.socket() as client:
+            return client.connect_ex(("127.0.0.1", port)) == 0
+
+    try:
+        wait_until(accepting, timeout=10, what="PgBouncer to listen")
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_pooler_whose_primary_died_is_passed_over_for_the_next_host(spawn_worker):
+    """A PgBouncer per database host, the primary dead and its PgBouncer up: it accepts each
+    login and fails the first statement (`server login has been failing`, the first after a
+    120 s `query_wait_timeout`). Before: 0 steps in 85 s on the promoted standby (the
+    issue), every reconnect back to the first host, and a worker started then exited."""
+    primary = Proxy(_port())  # the first host's server, which dies
+    try:
+        with _pgbouncer(primary.port) as first, _pgbouncer(_port()) as second:
+            s = connection.settings_dict
+            auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
+            url = (
+                f"postgres://{auth}@127.0.0.1:{first},127.0.0.1:{second}/{s['NAME']}"
+                "?target_session_attrs=read-write"
+            )
+            env = {
+                "DATABASE_URL": url,
+                "DB_CONNECT_TIMEOUT": str(CONNECT),
+                "STEPGUARD_STATEMENT_DEADLINE": str(DEADLINE),
+            }
+            workers = [spawn_worker("--concurrency", "4", lease=15, env=env)]
+            runs = [start_run("ledger", {"steps": 12, "sleep": 0.2}) for _ in range(6)]
+            wait_until(lambda: _steps("completed") >= 12, timeout=60, what="steps through it")
+            primary.close()  # the primary's host dies: refused from now on
+            _end_sessions_through(primary)
+            died_at = time.monotonic()
+            before = _steps("completed")
+            wait_until(
+                lambda: _steps("completed") > before + 6,
+                timeout=60,
+                what=lambda: (
+                    f"steps through the second host ({_steps('completed')}, {before} at the death)"
+                ),
+            )
+            resumed = time.monotonic() - died_at
+            workers.append(spawn_worker("--concurrency", "2", lease=15, env=env))
+            wait_until(
+                lambda: (
+                    not Run.objects.filter(pk__in=[r.pk for r in runs])
+                    .exclude(status=RunStatus.COMPLETED)
+                    .exists()
+                ),
+                timeout=120,
+                what="the 6 runs to complete through the second host",
+            )
+            finished = time.monotonic() - died_at
+            with connection.cursor() as cursor:
+                cursor.execute(UNMARKED)
+                assert cursor.fetchone()[0] == 0
+            logs = "".join(w.output() for w in workers)
+            assert "trying 127.0.0.1:" in logs, logs[-5000:]
+            assert "Traceback" not in logs, logs[-5000:]
+            assert all(w.proc.poll() is None for w in workers), logs[-5000:]
+            print(
+                f"\npooler of a dead primary: steps again after {resumed:.1f} s, "
+                f"all 6 runs done {finished:.1f} s"
+            )
+            assert resumed < BOUND, f"{resumed:.1f} s before a step ran on the second host"
+    finally:
+        primary.close()

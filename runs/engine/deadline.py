@@ -136,35 +136,71 @@ watchdog = Watchdog()
 _hosts_lock = threading.Lock()
 
 
-def prefer_answering_host(connection) -> None:
-    """A new connection of a multi-host DATABASE_URL that answered on a host other than the
-    first: put that host first for every connection of the process made from now on. Each
-    new connection tries the hosts in order, and a host that hangs costs a full connect
-    timeout (DB_CONNECT_TIMEOUT) before the next is tried: without this, every connection
-    a worker replaces (each run thread's, every CONN_MAX_AGE) paid it for as long as the old
-    primary stayed silent. The hosts' settings are shared by all of the process's threads;
-    HOST and PORT change in one `update` (a thread reading them between the two may pair a
-    host with another's port once: that attempt fails, and the next pair is tried)."""
-    settings_dict = connection.settings_dict
+def _pairs(settings_dict) -> list[tuple[str, str]] | None:
+    """The (host, port) pairs of a multi-host DATABASE_URL, in the order they are tried."""
     hosts, ports = str(settings_dict.get("HOST") or ""), str(settings_dict.get("PORT") or "")
     if "," not in hosts:
-        return
-    info = connection.connection.info
+        return None
     names = hosts.split(",")
     numbers = ports.split(",") if "," in ports else [ports] * len(names)
     if len(numbers) != len(names):
-        return  # not DATABASE_URL's form: left as given
-    pairs = list(zip(names, numbers, strict=True))
-    answered = (info.host, str(info.port))
-    if answered not in pairs or pairs[0] == answered:
-        return
+        return None  # not DATABASE_URL's form: left as given
+    return list(zip(names, numbers, strict=True))
+
+
+def _put_first(settings_dict, pairs: list[tuple[str, str]], first: int) -> bool:
+    """Try the hosts from `pairs[first]` on, the ones before it last, for every connection of
+    the process made from now on. The hosts' settings are shared by all of the process's
+    threads; HOST and PORT change in one `update` (a thread reading them between the two may
+    pair a host with another's port once: that attempt fails, and the next pair is tried)."""
     with _hosts_lock:
-        if settings_dict.get("HOST") != hosts:
-            return  # another thread just did it
-        i = pairs.index(answered)
-        pairs = pairs[i:] + pairs[:i]
-        settings_dict.update(
-            HOST=",".join(h for h, _ in pairs),
-            PORT=",".join(p for _, p in pairs) if "," in ports else ports,
+        if _pairs(settings_dict) != pairs:
+            return False  # another thread just did it
+        pairs = pairs[first:] + pairs[:first]
+        settings_dict.update(HOST=",".join(h for h, _ in pairs), PORT=",".join(p for _, p in pairs))
+    return True
+
+
+def _host_of(connection) -> tuple[str, str] | None:
+    try:
+        info = connection.connection.info
+        return info.host, str(info.port)
+    except Exception:  # no connection, or one already closed
+        return None
+
+
+def prefer_answering_host(connection) -> None:
+    """A new connection of a multi-host DATABASE_URL that answered on a host other than the
+    first: put that host first. Each new connection tries the hosts in order, and a host that
+    hangs costs a full connect timeout (DB_CONNECT_TIMEOUT) before the next is tried: without
+    this, every connection a worker replaces (each run thread's, every CONN_MAX_AGE) paid it
+    for as long as the old primary stayed silent."""
+    pairs = _pairs(connection.settings_dict)
+    answered = _host_of(connection)
+    if pairs is None or answered not in pairs or pairs[0] == answered:
+        return
+    if _put_first(connection.settings_dict, pairs, pairs.index(answered)):
+        log.warning("database host %s:%s answered; trying it first from now on", *answered)
+
+
+def demote_host(connection) -> None:
+    """A connection to the first host of a multi-host DATABASE_URL was lost: try the next
+    host first from now on (the one that answers writes goes first again as it answers,
+    `prefer_answering_host`). A pooler in front of a dead primary (PgBouncer per database
+    host) accepts each login and fails its first statement (`server login has been failing`,
+    after a `query_wait_timeout` of 120 s for the first): libpq sees a connection made, and
+    without this every reconnect went back to it; 0 steps in 85 s in the issue. Only with
+    `target_session_attrs=read-write` (or `primary`), which refuses a host that is not the
+    primary: a standby tried first costs a refused login, never a write to it."""
+    settings_dict = connection.settings_dict
+    attrs = (settings_dict.get("OPTIONS") or {}).get("target_session_attrs")
+    pairs = _pairs(settings_dict)
+    lost = _host_of(connection)
+    if pairs is None or attrs not in ("read-write", "primary") or lost != pairs[0]:
+        return
+    if _put_first(settings_dict, pairs, 1):
+        log.warning(
+            "database host %s:%s lost the connection; trying %s:%s first from now on",
+            *lost,
+            *pairs[1],
         )
-    log.warning("database host %s:%s answered; trying it first from now on", *answered)

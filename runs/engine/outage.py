@@ -18,6 +18,8 @@ from typing import ParamSpec, TypeVar
 import psycopg
 from django.db import InterfaceError, OperationalError, connection
 
+from runs.engine.deadline import demote_host
+
 log = logging.getLogger("stepguard.database")
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -88,6 +90,7 @@ def reconnect(where: str) -> bool:
     Only a failed attempt to connect opens an outage: a connection broken by a restart that is
     already over is replaced without a word, so each outage is said once, not once per thread.
     """
+    demote_host(connection)
     connection.close()
     attempted_at = time.monotonic()
     try:
@@ -140,6 +143,7 @@ def once_more(fn: Callable[P, R]) -> Callable[P, R]:
                 raise
             cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             log.warning("database connection lost (%s); %s again on a new one", cause, fn.__name__)
+            demote_host(connection)
             connection.close()
             return fn(*args, **kwargs)
 

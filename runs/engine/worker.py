@@ -97,7 +97,13 @@ class WorkerProcess:
         watchdog.enable(settings.STEPGUARD_STATEMENT_DEADLINE)
         if connection.connection is not None and is_postgres():
             watchdog.watch(connection.connection)
-        self.register()
+        while True:  # a database down or failing over at start is waited out, not an exit
+            try:
+                self.register()
+                break
+            except Exception as exc:
+                if not is_disconnect(exc) or not wait_for_database(self.stopping.is_set):
+                    raise
         threading.Thread(
             target=self._heartbeat_loop, name="stepguard-heartbeat", daemon=True
         ).start()
