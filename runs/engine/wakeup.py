@@ -242,17 +242,19 @@ class EventsListener(threading.Thread):
 
         while True:
             try:
-                conn = listen_connection(self.params)
+                conn = listen_connection(connection.get_connection_params())
                 if conn is None:
                     return  # behind a pooler with no direct URL: live pages poll
                 with conn:
                     conn.execute(f"LISTEN {EVENTS_CHANNEL}")
                     conn.execute(f"LISTEN {DELTAS_CHANNEL}")
-                    for note in conn.notifies():
-                        for group, message in self.messages(note.channel, note.payload):
-                            self.loop.call_soon_threadsafe(
-                                asyncio.ensure_future, self.layer.group_send(group, message)
-                            )
+                    while True:
+                        for note in conn.notifies(timeout=Listener.PING):
+                            for group, message in self.messages(note.channel, note.payload):
+                                self.loop.call_soon_threadsafe(
+                                    asyncio.ensure_future, self.layer.group_send(group, message)
+                                )
+                        conn.execute("SELECT 1")  # a silent server: see Listener.PING
             except Exception as exc:
                 log.warning("events listener lost (%s); live pages poll meanwhile", exc)
                 time.sleep(1.0)
