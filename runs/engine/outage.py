@@ -135,7 +135,7 @@ def once_more(fn: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
         if not connection.in_atomic_block:
-            connection.close_if_unusable_or_obsolete()
+            _replace_if_broken()
         try:
             return fn(*args, **kwargs)
         except (OperationalError, InterfaceError) as exc:
@@ -148,3 +148,13 @@ def once_more(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
 
     return call
+
+
+def _replace_if_broken() -> None:
+    """Close this thread's connection if an error broke it (Django does so only between
+    requests; its age is left alone: a web process's requests close theirs at the end)."""
+    if connection.connection is not None and connection.errors_occurred:
+        if connection.is_usable():
+            connection.errors_occurred = False
+        else:
+            connection.close()
