@@ -6,6 +6,11 @@ from django.conf import settings
 from django.core.asgi import get_asgi_application
 
 from controlplane.webdb import ConnectionBound
+from runs.engine.deadline import watchdog
+
+# A statement of a request with no answer (a primary that hangs) is abandoned after this long:
+# the request answers 503 instead of waiting as long as the server does (docs/deploy.md).
+watchdog.enable(settings.STEPGUARD_WEB_STATEMENT_DEADLINE)
 
 # No persistent connections under ASGI, and at most DB_WEB_CONNECTIONS requests in Django at
 # once: a web process's connections are bounded and closed (controlplane/webdb.py).

@@ -210,6 +210,20 @@ elif _db["ENGINE"] in ("django.db.backends.postgresql",):
     # long instead of hanging it: the web process connects per request, so its requests and
     # /api/health fail in seconds; a worker's reconnect says "database unreachable" once.
     _db["OPTIONS"].setdefault("connect_timeout", env_int("DB_CONNECT_TIMEOUT", 5, minimum=1))
+    # A peer that stops acknowledging (a partition, a dead host) drops the connection after
+    # DB_TCP_TIMEOUT seconds, whether a statement is in flight (tcp_user_timeout) or it is idle
+    # (keepalives), instead of Linux's 2 h 11 min. A peer that acknowledges and says nothing (a
+    # frozen server, a proxy that stops forwarding) is the statement deadline's (deploy.md).
+    _tcp = env_int("DB_TCP_TIMEOUT", 10, minimum=2)
+    _every = max(1, _tcp // 5)
+    for _option, _value in {
+        "keepalives": 1,
+        "keepalives_idle": max(1, _tcp - 3 * _every),
+        "keepalives_interval": _every,
+        "keepalives_count": 3,
+        "tcp_user_timeout": _tcp * 1000,
+    }.items():
+        _db["OPTIONS"].setdefault(_option, _value)
     # The engine's checkpoint statements are prepared (planned once per connection); Django's
     # own queries bind on the client and never are. Off for a pooler that cannot keep prepared
     # statements across transactions (PgBouncer before 1.21 in transaction mode).

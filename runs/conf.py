@@ -36,6 +36,15 @@ STEPGUARD_REPLICA_STICKY = env_int("STEPGUARD_REPLICA_STICKY", 10, minimum=1)
 STEPGUARD_REPLICA_RETRY = env_float("STEPGUARD_REPLICA_RETRY", 10.0, minimum=1.0)
 # Probe each new PostgreSQL connection for a pooler in between (runs/engine/pooling.py).
 STEPGUARD_DETECT_POOLER = env_bool("STEPGUARD_DETECT_POOLER", True)
+# Leave PostgreSQL's JIT as the server sets it (runs/engine/pooling.py): off by default on
+# Stepguard's connections, where it cost each claim 125 ms at a million runs and saved nothing.
+STEPGUARD_DB_JIT = env_bool("DB_JIT", False)
+# In a worker, a statement with no answer after this many seconds is abandoned: its socket shut,
+# the connection replaced (runs/engine/deadline.py); 0 never. Keep it well under the lease.
+STEPGUARD_STATEMENT_DEADLINE = env_float("STEPGUARD_STATEMENT_DEADLINE", 10.0, minimum=0.0)
+# The same in a web process (ASGI): a request whose statement has no answer after this many
+# seconds answers 503 (a page or API call that takes longer is abandoned too); 0 never.
+STEPGUARD_WEB_STATEMENT_DEADLINE = env_float("STEPGUARD_WEB_STATEMENT_DEADLINE", 30.0, minimum=0.0)
 # A connection straight to PostgreSQL, for LISTEN, when DATABASE_URL goes through a pooler.
 STEPGUARD_DATABASE_DIRECT_URL = os.environ.get("DATABASE_DIRECT_URL", "")
 # Write each step's completion at once, instead of with the run's next write (docs/sdk.md).

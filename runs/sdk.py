@@ -25,6 +25,7 @@ from runs.engine import registry, starts
 from runs.engine.agent import AgentLoopExhausted, Tool, ToolTimeout
 from runs.engine.budget import Metered, Usage
 from runs.engine.context import RunContext
+from runs.engine.outage import once_more
 from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision
 from runs.engine.retry import RetryPolicy
 from runs.engine.serialization import to_json
@@ -135,6 +136,7 @@ def workflow(
     return decorate
 
 
+@once_more
 def start_run(
     name: str,
     input: Any = None,
@@ -194,6 +196,7 @@ def refuse_reserved(workflow: str, key: str | None) -> None:
         raise InvalidInput(f"run key {key!r}: keys starting with {prefixes} are Stepguard's own")
 
 
+@once_more
 def send_signal(run_id: str | UUID, name: str, payload: Any = None, *, sent_by: str = "system"):
     """Deliver signal `name` to a run; the next `ctx.wait_for_event(..., name)` consumes it.
 
@@ -232,6 +235,7 @@ def idempotency_key() -> str:
     return running.idempotency_key
 
 
+@once_more
 def get_run(run_id: str | UUID) -> Run:
     return Run.objects.get(pk=run_id)
 
@@ -240,7 +244,7 @@ def wait_for_run(run_id: str | UUID, *, timeout: float = 60.0, poll: float = 0.1
     """Block until the run is completed, failed or cancelled; raise TimeoutError after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
-        run = Run.objects.get(pk=run_id)
+        run = get_run(run_id)
         if run.is_terminal:
             return run
         if time.monotonic() > deadline:

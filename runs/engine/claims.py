@@ -26,6 +26,7 @@ from runs.engine import flow, holds
 from runs.engine.checkpoints import release_reservations
 from runs.engine.fences import Lease
 from runs.engine.outage import outage
+from runs.engine.pooling import jit_off
 from runs.engine.registry import WorkflowDef
 from runs.engine.store import append_event, wake_parent
 from runs.engine.wakeup import doorbell
@@ -49,8 +50,10 @@ HELD_SCOPES = (
 _COVERED = holds.covered_sql()
 #: A run whose worker dies under it this many times in a row (no step finished since) may be
 #: what kills its workers: only a worker with nothing in flight takes it up, and takes nothing
-#: more until it ends; a busy worker that sees one waiting claims nothing until it is idle (or
-#: another worker took it). Its losses are then its own, not those of the runs that shared a
+#: more until it ends or finishes a step (which clears it: `recoveries` is reset). While one
+#: waits, one busy worker makes way for it (claims nothing until it is idle): the live one
+#: with the lowest id among those that run its workflow; the others claim healthy runs as
+#: before (`makes_way`). Its losses are then its own, not those of the runs that shared a
 #: worker with it (a run that killed every worker had the runs beside it failed by the bound).
 SUSPECT_AFTER = 2
 #: What a claim by a busy worker adds to leave out the lost runs that would become suspects
@@ -205,26 +208,47 @@ class Claims:
     def claim(self, limit: int, idle: bool = True) -> list[Run]:
         """Claim up to `limit` runnable runs of ours. An idle worker takes its first run with
         suspects (SUSPECT_AFTER) allowed, and a suspect alone; a worker with runs in flight
-        (`idle` false) takes none, and nothing at all while one waits, so that it comes to
-        be idle and a suspect is not starved by workers that never are."""
+        (`idle` false) takes none, and, if it is the one that makes way for a waiting
+        suspect, nothing at all, so that it comes to be idle and a suspect is not starved
+        by workers that never are. Before, every busy worker stopped: 8 short runs waited
+        29.8 s for their first claim behind one suspect (1.1 s without it)."""
         if not idle:
-            return [] if self.suspect_waiting() else self._claim(limit, suspects=False)
+            waiting = self.suspect_waiting()
+            if waiting and self.makes_way(waiting):
+                return []
+            return self._claim(limit, suspects=False)
         first = self._claim(1, suspects=True)
         if limit == 1 or not first or suspect(first[0]):
             return first
         return first + self._claim(limit - 1, suspects=False)
 
-    def suspect_waiting(self) -> bool:
-        """Whether a run of ours whose worker died would be a suspect once taken up (through
-        the running runs' lease index: what lapsed, not the table)."""
+    def suspect_waiting(self) -> set[str]:
+        """The workflows (`name@version`) of our runs whose worker died that would be suspects
+        once taken up (through the running runs' lease index: what lapsed, not the table)."""
         lapsed = Run.objects.filter(
             self.mine,
             status=RunStatus.RUNNING,
             lease_until__lt=timezone.now(),
             recoveries__gte=SUSPECT_AFTER - 1,
             recoveries__lt=2 * settings.STEPGUARD_MAX_RECOVERIES - 1,  # past it: failed, not taken
-        )
-        return lapsed.filter(holds.uncovered()).exists()  # a held one waits for its unhalt
+        ).filter(holds.uncovered())  # a held one waits for its unhalt
+        refs = lapsed.values_list("workflow", "version").order_by().distinct()[:10]
+        return {f"{name}@{version}" for name, version in refs}
+
+    def makes_way(self, refs: set[str]) -> bool:
+        """Whether this worker is the one to make way for a suspect of `refs`: the live worker
+        (heartbeat within a lease) with the lowest id among those that run one of them. The
+        same answer on every worker, from the same rows; a worker that dies or stops hands it
+        to the next at its next heartbeat's lapse."""
+        live = Worker.objects.filter(
+            stopped_at__isnull=True, heartbeat_at__gte=timezone.now() - self.lease
+        ).values_list("id", "workflows")
+        able = [worker for worker, workflows in live if refs & set(workflows or ())]
+        return not able or min(able) == self.worker_id
+
+    def progressed(self, run_id: uuid.UUID) -> bool:
+        """Whether a suspect finished a step since it was claimed (no longer a suspect)."""
+        return Run.objects.filter(pk=run_id, recoveries=0).exists()
 
     def _claim(self, limit: int, suspects: bool) -> list[Run]:
         now = timezone.now()
@@ -372,7 +396,8 @@ class Claims:
             RunStatus.WAITING, EventType.RUN_WOKEN, EventType.RUN_CLAIMED,
             str(self.worker_id), now,
         ]  # fmt: skip
-        runs = list(Run.objects.raw(sql, params))
+        with jit_off(connection):
+            runs = list(Run.objects.raw(sql, params))
         kinds = {RunStatus.RUNNING: EventType.RUN_RECOVERED, RunStatus.WAITING: EventType.RUN_WOKEN}
         for run in runs:
             doorbell.ring(run.id)

@@ -8,15 +8,21 @@ long; the failures in between are logged at DEBUG, not as a traceback a second.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import psycopg
 from django.db import InterfaceError, OperationalError, connection
 
+from runs.engine.deadline import demote_host
+
 log = logging.getLogger("stepguard.database")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 #: SQLSTATEs of a server shutting down or not yet accepting connections (class 57P).
@@ -84,6 +90,7 @@ def reconnect(where: str) -> bool:
     Only a failed attempt to connect opens an outage: a connection broken by a restart that is
     already over is replaced without a word, so each outage is said once, not once per thread.
     """
+    demote_host(connection)
     connection.close()
     attempted_at = time.monotonic()
     try:
@@ -112,3 +119,42 @@ def wait_for_database(give_up: Callable[[], bool], *, first: float = 0.05, most:
         time.sleep(pause)
         pause = min(pause * 2, most)
     return False
+
+
+def once_more(fn: Callable[P, R]) -> Callable[P, R]:
+    """An entry point for callers outside the worker (a consumer, a cron daemon, a script):
+    called again once, on a new connection, when the connection is lost under it, unless the
+    caller's own transaction is open (its earlier statements are gone with the connection:
+    the caller must start it again). Before, nothing replaced a connection broken outside a
+    request: after a switchover every call of a long-lived process failed with `the
+    connection is closed` (125 failures in 25 s). A connection an earlier call left broken is
+    replaced before the call. The call again is safe for a read, a signal whose first attempt
+    failed, and a start by `key`; a start without one whose commit was lost with the reply
+    (the connection broke during COMMIT) may start the run twice: give it a key."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        if not connection.in_atomic_block:
+            _replace_if_broken()
+        try:
+            return fn(*args, **kwargs)
+        except (OperationalError, InterfaceError) as exc:
+            if connection.in_atomic_block or not is_disconnect(exc):
+                raise
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            log.warning("database connection lost (%s); %s again on a new one", cause, fn.__name__)
+            demote_host(connection)
+            connection.close()
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def _replace_if_broken() -> None:
+    """Close this thread's connection if an error broke it (Django does so only between
+    requests; its age is left alone: a web process's requests close theirs at the end)."""
+    if connection.connection is not None and connection.errors_occurred:
+        if connection.is_usable():
+            connection.errors_occurred = False
+        else:
+            connection.close()

@@ -9,36 +9,83 @@ making (PgBouncer's is random), unlike PostgreSQL's `pg_backend_pid()` seen thro
 pooled connection prepares nothing (DB_PREPARED_STATEMENTS applies to direct connections) and
 the wake-up listener uses DATABASE_DIRECT_URL, or polling alone. Advisory locks and settings
 are transaction-scoped everywhere in the engine, so nothing else outlives a transaction.
+
+The same probe turns JIT compilation off for the session (`set_config('jit', 'off', false)`,
+no round trip of its own): at a million runs the claim's estimated cost crosses PostgreSQL's
+`jit_above_cost`, and every claim and idle poll compiled code for 125 ms to save nothing
+(7 ms without). A libpq `options=-c jit=off` would do it at startup, but PgBouncer refuses
+an `options` startup parameter unless told to ignore it (and then drops it). Through a
+pooler a session setting lands on one server connection of many, so the claim also sets it
+for its own transaction there (`jit_off`); DB_JIT=1 leaves the server's setting alone.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from django.conf import settings
+from django.db import transaction
+
+from runs.engine.deadline import prefer_answering_host, watchdog
 
 log = logging.getLogger("stepguard.database")
 _said = False
 
 
-def is_pooled(conn) -> bool:
-    """Whether the psycopg connection `conn` goes through a pooler (see the module's doc)."""
+def is_pooled(conn, jit_off: bool = False) -> bool:
+    """Whether the psycopg connection `conn` goes through a pooler (see the module's doc);
+    `jit_off` turns JIT off for the session in the same statement."""
     reported = conn.info.backend_pid
-    row = conn.execute("SELECT pg_backend_pid()", prepare=False).fetchone()
+    sql = "SELECT pg_backend_pid()" + (", set_config('jit', 'off', false)" if jit_off else "")
+    row = conn.execute(sql, prepare=False).fetchone()
     if not conn.autocommit and conn.info.transaction_status:
-        conn.rollback()  # the probe's transaction: nothing else was in it
+        conn.commit() if jit_off else conn.rollback()  # the probe's own transaction
     return row is None or row[0] != reported
 
 
+def jit_wanted() -> bool:
+    return getattr(settings, "STEPGUARD_DB_JIT", False)
+
+
 def on_connect(sender, connection, **kwargs) -> None:
-    """Django's `connection_created`: probe a new PostgreSQL connection, once."""
-    if connection.vendor != "postgresql" or not settings.STEPGUARD_DETECT_POOLER:
+    """Django's `connection_created`: probe a new PostgreSQL connection, once, and turn its
+    JIT off (see the module's doc)."""
+    if connection.vendor != "postgresql":
         return
-    pooled = is_pooled(connection.connection)
+    watchdog.watch(connection.connection)
+    prefer_answering_host(connection)
+    jit_off = not jit_wanted()
+    if not settings.STEPGUARD_DETECT_POOLER:
+        if jit_off:
+            conn = connection.connection
+            conn.execute("SELECT set_config('jit', 'off', false)", prepare=False)
+            if not conn.autocommit and conn.info.transaction_status:
+                conn.commit()
+        return
+    pooled = is_pooled(connection.connection, jit_off)
     connection.stepguard_pooled = pooled
     if pooled:
         connection.connection.prepare_threshold = None
         _say_once()
+
+
+@contextmanager
+def jit_off(connection) -> Iterator[None]:
+    """A transaction whose statements never compile JIT code, on a pooled connection too,
+    where the session's setting may be another server connection's: `SET LOCAL` in it. On a
+    direct connection the session's setting (on_connect) holds, and this adds nothing."""
+    if connection.vendor != "postgresql" or jit_wanted():
+        yield
+        return
+    if not getattr(connection, "stepguard_pooled", False):
+        yield
+        return
+    with transaction.atomic(using=connection.alias):
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL jit = off")
+        yield
 
 
 def _say_once() -> None:
@@ -59,8 +106,11 @@ def listen_connection(params: dict):
     import psycopg
 
     if settings.STEPGUARD_DATABASE_DIRECT_URL:
-        return psycopg.connect(settings.STEPGUARD_DATABASE_DIRECT_URL, autocommit=True)
+        conn = psycopg.connect(settings.STEPGUARD_DATABASE_DIRECT_URL, autocommit=True)
+        watchdog.watch(conn)
+        return conn
     conn = psycopg.connect(**params, autocommit=True)
+    watchdog.watch(conn)
     try:
         pooled = settings.STEPGUARD_DETECT_POOLER and is_pooled(conn)
     except Exception:

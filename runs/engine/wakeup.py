@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,9 @@ def notify_runnable() -> None:
 class Listener(threading.Thread):
     """Sets `bell` on every NOTIFY; reconnects after any error until `stop` is set."""
 
+    #: Seconds between the questions that tell a silent server from a quiet channel.
+    PING = 5.0
+
     def __init__(self, bell: threading.Event, stop: threading.Event):
         super().__init__(name="stepguard-listener", daemon=True)
         self.bell, self.stop = bell, stop
@@ -44,7 +48,8 @@ class Listener(threading.Thread):
         lost = False  # one line when the connection goes, one when it is back
         while not self.stop.is_set():
             try:
-                conn = listen_connection(self.params)
+                # Read again: a multi-host DATABASE_URL may have a new first host.
+                conn = listen_connection(connection.get_connection_params())
                 if conn is None:
                     return  # behind a pooler with no direct URL: the worker polls
                 with conn:
@@ -53,9 +58,15 @@ class Listener(threading.Thread):
                         log.info("listener reconnected")
                         lost = False
                     self.bell.set()  # a NOTIFY sent while we were away is lost: look now
+                    asked = time.monotonic()
                     while not self.stop.is_set():
                         for _ in conn.notifies(timeout=1.0, stop_after=1):
                             self.bell.set()
+                        if time.monotonic() - asked > self.PING:
+                            # A silent server sends no notification and no error: ask it
+                            # something, under the statement deadline (runs/engine/deadline.py).
+                            conn.execute("SELECT 1")
+                            asked = time.monotonic()
             except Exception as exc:
                 if not lost:
                     cause = str(exc).strip().splitlines()[0] if str(exc).strip() else exc
@@ -231,17 +242,19 @@ class EventsListener(threading.Thread):
 
         while True:
             try:
-                conn = listen_connection(self.params)
+                conn = listen_connection(connection.get_connection_params())
                 if conn is None:
                     return  # behind a pooler with no direct URL: live pages poll
                 with conn:
                     conn.execute(f"LISTEN {EVENTS_CHANNEL}")
                     conn.execute(f"LISTEN {DELTAS_CHANNEL}")
-                    for note in conn.notifies():
-                        for group, message in self.messages(note.channel, note.payload):
-                            self.loop.call_soon_threadsafe(
-                                asyncio.ensure_future, self.layer.group_send(group, message)
-                            )
+                    while True:
+                        for note in conn.notifies(timeout=Listener.PING):
+                            for group, message in self.messages(note.channel, note.payload):
+                                self.loop.call_soon_threadsafe(
+                                    asyncio.ensure_future, self.layer.group_send(group, message)
+                                )
+                        conn.execute("SELECT 1")  # a silent server: see Listener.PING
             except Exception as exc:
                 log.warning("events listener lost (%s); live pages poll meanwhile", exc)
                 time.sleep(1.0)

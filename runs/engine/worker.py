@@ -23,6 +23,7 @@ from runs import logcontext
 from runs.engine import registry
 from runs.engine.chores import Chore, ChoreContext
 from runs.engine.claims import HELD_SCOPES, WAKEABLE, Claims, runnable_filter, suspect
+from runs.engine.deadline import exempt, watchdog
 from runs.engine.fences import Lease
 from runs.engine.lifecycle import execute, release
 from runs.engine.outage import is_disconnect, outage, reconnect, wait_for_database
@@ -93,7 +94,16 @@ class WorkerProcess:
         self.bell.set()
 
     def run_forever(self) -> None:
-        self.register()
+        watchdog.enable(settings.STEPGUARD_STATEMENT_DEADLINE)
+        if connection.connection is not None and is_postgres():
+            watchdog.watch(connection.connection)
+        while True:  # a database down or failing over at start is waited out, not an exit
+            try:
+                self.register()
+                break
+            except Exception as exc:
+                if not is_disconnect(exc) or not wait_for_database(self.stopping.is_set):
+                    raise
         threading.Thread(
             target=self._heartbeat_loop, name="stepguard-heartbeat", daemon=True
         ).start()
@@ -184,8 +194,12 @@ class WorkerProcess:
         start them; return how many."""
         self._between_claims()
         free = self.concurrency - len(self.active)
-        if free <= 0 or self._alone in self.active:  # a suspect runs alone (SUSPECT_AFTER)
+        if free <= 0:
             return 0
+        if self._alone in self.active:  # a suspect runs alone (SUSPECT_AFTER) until a step ends
+            if not self.claims.progressed(self._alone):
+                return 0
+            self._alone = None
         claimed = self.claim(free)
         for run in claimed:
             if suspect(run):
@@ -223,7 +237,8 @@ class WorkerProcess:
         stopped."""
         while True:
             try:
-                chore.run(self.chore_context)
+                with exempt():  # a long statement of its own (a prune) is no hang
+                    chore.run(self.chore_context)
             except Exception:  # the chore logs its own errors; this is the last resort
                 log.exception("%s failed; again in %ss", chore.name, chore.interval)
                 close_old_connections()
