@@ -41,10 +41,12 @@ class Lease:
     """A worker's hold on one run; `lost` is set by the heartbeat or a refused write.
 
     `pending` is the completion of the step that just finished, not yet written: the next
-    fenced write of this execution carries it (see `complete_later`), or the completion
-    writer does after STEPGUARD_COMPLETION_WINDOW. `lock` is held by whichever thread writes
-    for the lease (the execution's for each write and engine transaction, the completion
-    writer's for its write), so a completion is taken by exactly one write.
+    fenced write of this execution carries it (see `complete_later`), or the worker's heart
+    (or, without one, the completion writer) does after STEPGUARD_COMPLETION_WINDOW. `lock`
+    is held by whichever thread writes for the lease (the execution's for each write and
+    engine transaction, the completion writer's for its write), so a completion is taken by
+    exactly one write of this process; the heart's and this process's writes of it are
+    exclusive in the database (store._carrying).
     """
 
     run_id: UUID
@@ -56,6 +58,9 @@ class Lease:
     pending_at: float = 0.0  # time.monotonic() when `pending` was set
     depth: int = 0  # how many of the engine's own `atomic` blocks are open
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    #: The worker's heart (runs/engine/heart.Heart), which renews this lease and writes its
+    #: pending completion from a process of its own; None in an execution without one.
+    heart: Any = field(default=None, repr=False, compare=False)
 
 
 RUN_TABLE = Run._meta.db_table

@@ -73,12 +73,16 @@ def _fence(lease: Lease, checks: Fence) -> int:
     first = row[0] - total.events + 1
     if pending is not None:
         if connection.vendor != "postgresql":
-            Step.objects.filter(pk=pending.step_id).update(**pending.fields)
-            Event.objects.create(
-                run_id=lease.run_id, seq=first, **completed_event(pending)
-            )  # the doorbell rings for the write that carried it
+            # Only a step still `started`: the heart may have written it (see `_carrying`).
+            if Step.objects.filter(pk=pending.step_id, status=StepStatus.STARTED).update(
+                **pending.fields
+            ):
+                Event.objects.create(
+                    run_id=lease.run_id, seq=first, **completed_event(pending)
+                )  # the doorbell rings for the write that carried it
         else:
             event_written(lease.run_id, EventType.STEP_COMPLETED, pending.key)
+        _carried(lease, pending)
         lease.pending = None
         first += 1
     return first
@@ -98,24 +102,35 @@ def complete_later(lease: Lease, completion: Completion) -> None:
         lease.pending = completion
         lease.pending_at = time.monotonic()
     # Inside a transaction (a test's) no other connection could see the rows to update.
-    if not connection.in_atomic_block:
+    if connection.in_atomic_block:
+        return
+    # A worker's heart (a process of its own, runs/engine/heart.py) gets it before control
+    # goes back to workflow code, which may hold the GIL for seconds; without one (an
+    # execution in a test or a bench), this process's completion writer thread.
+    if lease.heart is None or not lease.heart.completion(lease, completion):
         completion_writer.watch(lease)
 
 
 def flush(lease: Lease) -> None:
     """Write the pending completion now, by itself: before a transaction step, whose
-    transaction holds business writes for as long as its function runs."""
+    transaction holds business writes for as long as its function runs.
+
+    A write of the fence alone carrying it (`_carrying`): like every write of a completion,
+    it changes nothing if the step is no longer `started` (the heart wrote it)."""
     with lease.lock:
-        completion, lease.pending = lease.pending, None
-        if completion is None:
+        if lease.pending is None:
             return
-        event = (EventType.STEP_COMPLETED, completion.key, completion.payload)
-        update = (completion.step_id, completion.fields)
-        try:
-            fenced_write(lease, event, Fence(progress=completion.progress), update_step=update)
-        except BaseException:
-            lease.pending = completion
-            raise
+        with atomic(lease):
+            fence(lease, Fence(events=0))
+        transaction.on_commit(lambda: doorbell.ring(lease.run_id), robust=True)
+
+
+def _carried(lease: Lease, pending: Completion) -> None:
+    """Tell the worker's heart that this execution wrote `pending` (once it commits), so that
+    the heart does not write it too."""
+    if lease.heart is not None:
+        heart, step_id = lease.heart, pending.step_id
+        transaction.on_commit(lambda: heart.carried(step_id), robust=True)
 
 
 def flush_unrecorded(lease: Lease) -> None:
@@ -286,19 +301,28 @@ def _carrying(
     pending: Completion, lease: Lease, fence_sql: str, params: list, after: int, tail: str
 ) -> tuple[str, list]:
     """`fence_sql` as the CTE `f`, followed by the pending completion's step update and event
-    (the first of the seqs allocated: `after` more follow it), then `tail`."""
+    (the first of the seqs allocated: `after` more follow it), then `tail`.
+
+    Both only while the step is still `started`: the worker's heart may have written the
+    completion meanwhile (runs/engine/heart.py). Whichever of the two writes locks the run row
+    second finds the step completed (read committed re-checks an updated row) and writes
+    nothing but its fence; its event's seq is then left unused."""
     columns, placeholders, values = prep(Step, pending.fields)
     sets = ", ".join(f"{c} = {p}" for c, p in zip(columns, placeholders, strict=True))
     event_columns, event_placeholders, event_values = prep(Event, completed_event(pending))
     sql = (
         f"WITH f AS ({fence_sql})"
-        f", p AS (UPDATE {STEP_TABLE} SET {sets} WHERE id = %s AND EXISTS (SELECT 1 FROM f))"
+        f", p AS (UPDATE {STEP_TABLE} SET {sets} WHERE id = %s AND status = %s"
+        " AND EXISTS (SELECT 1 FROM f) RETURNING id)"
         f", pe AS (INSERT INTO {EVENT_TABLE}"
         f" (run_id, run_created_at, seq, {', '.join(event_columns)})"
         f" SELECT %s::uuid, f.created_at, f.event_seq - %s, {', '.join(event_placeholders)}"
-        " FROM f) "
+        " FROM f WHERE EXISTS (SELECT 1 FROM p)) "
     )
-    params = [*params, *values, pending.step_id, db_id(lease.run_id), after, *event_values]
+    params = [
+        *params, *values, pending.step_id, StepStatus.STARTED, db_id(lease.run_id), after,
+        *event_values,
+    ]  # fmt: skip
     return sql + tail, params
 
 
@@ -515,6 +539,7 @@ def _fenced_write(
         refused(lease, checks)
     if pending is not None:
         event_written(lease.run_id, EventType.STEP_COMPLETED, pending.key)
+        _carried(lease, pending)
     event_written(lease.run_id, type_, key)
     lease.pending = None
     transaction.on_commit(lambda: doorbell.ring(lease.run_id), robust=True)
