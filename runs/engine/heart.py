@@ -13,7 +13,7 @@ completion (a pickle and a `write(2)`, a few microseconds). The heart (`Beat`, a
 started with `python -c`, Django set up, its own connections, no workflow module imported)
 renews the leases every third of a lease with the same compare-and-swap on the epoch, and
 writes a completion that no write of its execution carried within STEPGUARD_COMPLETION_WINDOW,
-fenced by the lease, and only while the step is still `started` (store._carrying: of the
+fenced by the lease, and only while the step is still `started` (fences.carrying_statement: of the
 heart's write and the execution's, the second writes nothing). After a database outage it
 writes them as soon as the database answers. It exits when the pipe closes (the worker died,
 SIGKILL included: its pending completions are written first, its leases expire) and skips
@@ -313,10 +313,9 @@ class Beat:
         """Write one completion, fenced by its lease, if its step is still `started`."""
         from django.db import DatabaseError, connection
 
-        from runs.engine.fences import Fence, Lease
+        from runs.engine.fences import Lease
         from runs.engine.outage import is_disconnect, outage, reconnect
-        from runs.engine.store import _bounded_lock_wait, atomic, fence
-        from runs.engine.wakeup import doorbell
+        from runs.engine.store import _bounded_lock_wait, atomic, flush
         from runs.errors import ControlFlow, StepguardError
         from runs.models import Step, StepStatus
 
@@ -327,9 +326,8 @@ class Beat:
             with atomic(lease), _bounded_lock_wait(window):
                 step = Step.objects.filter(pk=pending.completion.step_id)
                 if step.filter(status=StepStatus.STARTED).exists():
-                    fence(lease, Fence(events=0))
+                    flush(lease)
             outage.ok()
-            doorbell.ring(lease.run_id)
         except (ControlFlow, StepguardError):
             pass  # the lease is no longer ours: the next owner re-sends the step
         except DatabaseError as exc:

@@ -28,6 +28,7 @@ from runs.engine.fences import (
     Completion,
     Fence,
     Lease,
+    carrying_statement,
     completed_event,
     db_id,
     event_fields,
@@ -64,7 +65,7 @@ def _fence(lease: Lease, checks: Fence) -> int:
     sql, params = fence_statement(lease, total)
     if pending is not None and connection.vendor == "postgresql":
         tail = "SELECT event_seq FROM f"
-        sql, params = _carrying(pending, lease, sql, params, checks.events, tail)
+        sql, params = carrying_statement(pending, lease, sql, params, checks.events, tail)
     with hot_cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
@@ -73,7 +74,7 @@ def _fence(lease: Lease, checks: Fence) -> int:
     first = row[0] - total.events + 1
     if pending is not None:
         if connection.vendor != "postgresql":
-            # Only a step still `started`: the heart may have written it (see `_carrying`).
+            # Only a step still `started`: the heart may have written it (carrying_statement).
             if Step.objects.filter(pk=pending.step_id, status=StepStatus.STARTED).update(
                 **pending.fields
             ):
@@ -115,8 +116,8 @@ def flush(lease: Lease) -> None:
     """Write the pending completion now, by itself: before a transaction step, whose
     transaction holds business writes for as long as its function runs.
 
-    A write of the fence alone carrying it (`_carrying`): like every write of a completion,
-    it changes nothing if the step is no longer `started` (the heart wrote it)."""
+    A write of the fence alone carrying it (`carrying_statement`): like every write of a
+    completion, it changes nothing if the step is no longer `started` (the heart wrote it)."""
     with lease.lock:
         if lease.pending is None:
             return
@@ -126,11 +127,9 @@ def flush(lease: Lease) -> None:
 
 
 def _carried(lease: Lease, pending: Completion) -> None:
-    """Tell the worker's heart that this execution wrote `pending` (once it commits), so that
-    the heart does not write it too."""
-    if lease.heart is not None:
-        heart, step_id = lease.heart, pending.step_id
-        transaction.on_commit(lambda: heart.carried(step_id), robust=True)
+    """Tell the worker's heart, once this commits, that this execution wrote `pending`."""
+    if (heart := lease.heart) is not None:
+        transaction.on_commit(lambda: heart.carried(pending.step_id), robust=True)
 
 
 def flush_unrecorded(lease: Lease) -> None:
@@ -295,35 +294,6 @@ def _with_pending(lease: Lease, checks: Fence) -> Fence:
     return replace(
         checks, events=checks.events + 1, progress=checks.progress or lease.pending.progress
     )
-
-
-def _carrying(
-    pending: Completion, lease: Lease, fence_sql: str, params: list, after: int, tail: str
-) -> tuple[str, list]:
-    """`fence_sql` as the CTE `f`, followed by the pending completion's step update and event
-    (the first of the seqs allocated: `after` more follow it), then `tail`.
-
-    Both only while the step is still `started`: the worker's heart may have written the
-    completion meanwhile (runs/engine/heart.py). Whichever of the two writes locks the run row
-    second finds the step completed (read committed re-checks an updated row) and writes
-    nothing but its fence; its event's seq is then left unused."""
-    columns, placeholders, values = prep(Step, pending.fields)
-    sets = ", ".join(f"{c} = {p}" for c, p in zip(columns, placeholders, strict=True))
-    event_columns, event_placeholders, event_values = prep(Event, completed_event(pending))
-    sql = (
-        f"WITH f AS ({fence_sql})"
-        f", p AS (UPDATE {STEP_TABLE} SET {sets} WHERE id = %s AND status = %s"
-        " AND EXISTS (SELECT 1 FROM f) RETURNING id)"
-        f", pe AS (INSERT INTO {EVENT_TABLE}"
-        f" (run_id, run_created_at, seq, {', '.join(event_columns)})"
-        f" SELECT %s::uuid, f.created_at, f.event_seq - %s, {', '.join(event_placeholders)}"
-        " FROM f WHERE EXISTS (SELECT 1 FROM p)) "
-    )
-    params = [
-        *params, *values, pending.step_id, StepStatus.STARTED, db_id(lease.run_id), after,
-        *event_values,
-    ]  # fmt: skip
-    return sql + tail, params
 
 
 def refused(lease: Lease, checks: Fence = Fence()) -> NoReturn:
@@ -502,7 +472,7 @@ def _fenced_write(
     pending = lease.pending
     sql, params = fence_statement(lease, _with_pending(lease, checks))
     if pending is not None:  # its event takes the seq before this write's
-        sql, params = _carrying(pending, lease, sql, params, 1, "")
+        sql, params = carrying_statement(pending, lease, sql, params, 1, "")
     else:
         sql = f"WITH f AS ({sql}) "
     step_sql, step_params = _step_cte(run_id, insert_step, update_step)
