@@ -9,7 +9,7 @@ database in the same run:
 - [1] back-to-back steps (bench/steps.py's `bench.long`): statements and commits per step
   (the carried path: one each);
 - [2] a step followed by 0.5 s of work outside steps: the time from its function's return to
-  its row reading `completed` from another connection, with the default window and, as the
+  its row reading `completed` from another process, with the default window and, as the
   baseline, with STEPGUARD_EAGER_COMPLETIONS (a commit of its own at once);
 - [3] the same with the work a `sorted()` of GAP_FLOATS floats (one C call holding the GIL
   for about a second): written by the worker's heart, a process of its own (as every
@@ -24,13 +24,14 @@ Uses bench/steps.py's database (DATABASE_URL, default stepguard_bench); runs twi
 from __future__ import annotations
 
 import statistics
+import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import psycopg
 from django.db import connections
 from django.test.utils import override_settings
 
@@ -46,14 +47,13 @@ from runs.engine.fences import Lease
 from runs.engine.heart import Heart
 from runs.engine.lifecycle import execute
 from runs.engine.worker import WorkerProcess
-from runs.models import Step, StepStatus
 from runs.sdk import RunContext, start_run, workflow
 
 STEPS = 200
 GAP_RUNS = 15
 GAP_SECONDS = 0.5
 GAP_FLOATS = 1_000_000
-RETURNED: dict[str, float] = {}  # run id -> perf_counter() when step a's function returned
+RETURNED: dict[str, float] = {}  # run id -> monotonic() when step a's function returned
 
 
 bench_steps.BENCH_WORKFLOWS += ("bench.gap", "bench.gil")  # pruned between rounds with the others
@@ -62,7 +62,7 @@ bench_steps.BENCH_WORKFLOWS += ("bench.gap", "bench.gil")  # pruned between roun
 @workflow("bench.gap", version="1")
 def gap(ctx: RunContext, input: dict) -> str:
     def a() -> str:
-        RETURNED[str(ctx.run_id)] = time.perf_counter()
+        RETURNED[str(ctx.run_id)] = time.monotonic()
         return "a"
 
     ctx.step("a", a)
@@ -79,7 +79,7 @@ def gil(ctx: RunContext, input: dict) -> str:
     data = [random.random() for _ in range(input["floats"])]
 
     def a() -> str:
-        RETURNED[str(ctx.run_id)] = time.perf_counter()
+        RETURNED[str(ctx.run_id)] = time.monotonic()
         return "a"
 
     ctx.step("a", a)
@@ -107,6 +107,27 @@ def carried(claimer: WorkerProcess, heart: Heart) -> dict[str, float]:
     }
 
 
+#: Polls step a's row from a process of its own (a thread here would wait for the GIL too) and
+#: prints the time.monotonic() at which it first reads `completed`.
+WATCH = """
+import sys, time, psycopg
+with psycopg.connect(sys.argv[1], autocommit=True) as db:
+    print("ready", flush=True)
+    q = "SELECT status FROM runs_step WHERE run_id = %s AND key = 'a'"
+    while (db.execute(q, [sys.argv[2]]).fetchone() or [None])[0] != "completed":
+        time.sleep(0.001)
+    print(time.monotonic(), flush=True)
+"""
+
+
+def dsn() -> str:
+    s = connections["default"].settings_dict
+    return psycopg.conninfo.make_conninfo(
+        dbname=s["NAME"], user=s["USER"], password=s["PASSWORD"] or None,
+        host=s["HOST"] or None, port=s["PORT"] or None,
+    )  # fmt: skip
+
+
 def recorded_after(
     claimer: WorkerProcess, heart: Heart | None, workflow: str = "bench.gap"
 ) -> list[float]:
@@ -116,22 +137,13 @@ def recorded_after(
         started = start_run(workflow, {"gap": GAP_SECONDS, "floats": GAP_FLOATS})
         run = claimer.claim(1)[0]
         assert run.id == started.id
-        seen: dict[str, float] = {}
-
-        def watch(run_id=str(run.id), seen=seen) -> None:
-            try:
-                step = Step.objects.filter(run_id=run_id, key="a")
-                while step.values_list("status", flat=True).first() != StepStatus.COMPLETED:
-                    time.sleep(0.001)
-                seen["at"] = time.perf_counter()
-            finally:
-                connections.close_all()
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
+        watcher = subprocess.Popen(
+            [sys.executable, "-c", WATCH, dsn(), str(run.id)], stdout=subprocess.PIPE, text=True
+        )
+        assert watcher.stdout is not None and watcher.stdout.readline().strip() == "ready"
         execute(run, leased(run, heart))
-        watcher.join()
-        delays.append(seen["at"] - RETURNED[str(run.id)])
+        seen = float(watcher.communicate(timeout=60)[0])
+        delays.append(seen - RETURNED[str(run.id)])
     return delays
 
 
