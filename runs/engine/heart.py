@@ -311,7 +311,7 @@ class Beat:
 
     def write(self, pending: _Pending, window: float) -> None:
         """Write one completion, fenced by its lease, if its step is still `started`."""
-        from django.db import DatabaseError, connection
+        from django.db import Error, connection
 
         from runs.engine.fences import Lease
         from runs.engine.outage import is_disconnect, outage, reconnect
@@ -330,7 +330,7 @@ class Beat:
             outage.ok()
         except (ControlFlow, StepguardError):
             pass  # the lease is no longer ours: the next owner re-sends the step
-        except DatabaseError as exc:
+        except Error as exc:  # InterfaceError too: a connection a restart closed
             if is_disconnect(exc):
                 outage.failed(exc, "writing a completion", attempted)
                 # Tried again as soon as the database answers (the loop comes back at once).
