@@ -7,10 +7,11 @@ that returned before such a call was recorded only when the next step carried it
 (runs/engine/heart.py) is a process of its own: it keeps both.
 """
 
+import os
+import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -135,12 +136,36 @@ def test_a_step_that_returns_during_a_database_outage_is_recorded_when_it_is_bac
     assert worker.proc.poll() is None, worker.output()[-3000:]
 
 
-def _environ() -> dict:
-    import os
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
 
+
+def test_a_heart_that_dies_is_replaced_and_told_every_lease(spawn_worker):
+    if not Path("/proc").is_dir():
+        pytest.skip("finds the heart's pid in /proc")
+    worker = spawn_worker(lease=1.0)
+    run = start_run("gap", {"gap": 4})
+    wait_until(lambda: Effect.objects.filter(idempotency_key=f"{run.pk}:a").exists(), what="a")
+    (heart,) = wait_until(lambda: children(worker.pid), what="the worker's heart")
+    os.kill(heart, signal.SIGKILL)
+    wait_until(lambda: "starting another" in worker.output(), what="the worker to notice")
+    run = wait_done(run)
+    # Its lease was kept through the 4 s between the steps (4 leases): no other claim.
+    assert run.status == RunStatus.COMPLETED and run.recoveries == 0
+    assert not Event.objects.filter(run=run, type="run.recovered").exists()
+    assert effect_counts() == {f"{run.pk}:a": 1, f"{run.pk}:b": 1}
+    (new,) = children(worker.pid)
+    assert new != heart
+
+
+def _environ() -> dict:
     env = dict(os.environ)
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
     return env
-
-
-_ = (Path, timedelta)

@@ -66,11 +66,13 @@ class Heart:
         lease_seconds: float,
         on_lost: Callable[[uuid.UUID, int], None],
         held: Callable[[], list[Lease]],
+        renew: Callable[[], None] | None = None,
     ):
         self.worker_id = worker_id
         self.lease_seconds = lease_seconds
         self.on_lost = on_lost
         self.held = held  # the leases held now: told again to a heart started anew
+        self.renew = renew  # renews them from this process while a new heart starts
         self.proc: subprocess.Popen | None = None
         self._out: Connection | None = None
         self._send_lock = threading.Lock()
@@ -114,7 +116,8 @@ class Heart:
         to_heart, out = os.pipe()
         inbox, from_heart = os.pipe()
         env = {**os.environ, "STEPGUARD_HEART_PATH": json.dumps([p for p in sys.path if p])}
-        env.setdefault("DJANGO_SETTINGS_MODULE", settings.SETTINGS_MODULE)
+        if settings.SETTINGS_MODULE:
+            env.setdefault("DJANGO_SETTINGS_MODULE", settings.SETTINGS_MODULE)
         argv = [sys.executable, "-c", _BOOT, str(to_heart), str(from_heart), str(self.worker_id),
                 str(self.lease_seconds)]  # fmt: skip
         try:
@@ -132,8 +135,12 @@ class Heart:
         ).start()  # fmt: skip
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
-        if not self._ready.wait(timeout):
-            raise RuntimeError(f"the worker's heart process did not start within {timeout:.0f} s")
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.05):
+            if self.proc is not None and (code := self.proc.poll()) is not None:
+                raise RuntimeError(f"the worker's heart process exited with {code} at start")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the worker's heart process did not start in {timeout:.0f} s")
 
     def stop(self, timeout: float = LAST_WRITES_SECONDS + 5) -> None:
         """Let the heart write what it still holds and exit (the worker is stopping)."""
@@ -147,23 +154,32 @@ class Heart:
                 self.proc.wait()
 
     def _listen(self, inbox: Connection, proc: subprocess.Popen) -> None:
+        ready = False
         while True:
             try:
                 message = inbox.recv()
             except (EOFError, OSError):
                 break
             if message[0] == "ready":
+                ready = True
                 self._ready.set()
             elif message[0] == "lost":
                 self.on_lost(uuid.UUID(message[1]), message[2])
         inbox.close()
         code = proc.wait()
-        if self._stopping or proc is not self.proc:
-            return
+        if self._stopping or proc is not self.proc or not ready:
+            return  # stopping; or it never started, which wait_ready says
         # Its leases are kept by nothing now: start another at once and tell it everything.
         log.error("the worker's heart (pid %s) ended with %s; starting another", proc.pid, code)
         self._out = None
         self.start()
+        # Setting Django up takes a second or more: longer than a short lease.
+        while not self._ready.wait(self.lease_seconds / 3) and self.proc.poll() is None:
+            try:
+                if self.renew is not None:
+                    self.renew()
+            except Exception:
+                log.exception("could not renew the leases while the heart starts")
         self.wait_ready()
         for lease in self.held():
             self.hold(lease)

@@ -98,7 +98,9 @@ class WorkerProcess:
     def run_forever(self) -> None:
         # Started first, it sets Django up while the worker registers; no run is claimed
         # before it answers (it keeps every lease from the first).
-        self.heart = Heart(self.id, self.lease.total_seconds(), self._lost, self._held)
+        self.heart = Heart(
+            self.id, self.lease.total_seconds(), self._lost, self._held, renew=self.heartbeat
+        )
         self.heart.start()
         self.register()
         self.heart.wait_ready()
