@@ -331,18 +331,17 @@ class Beat:
 
         from runs.engine.fences import Lease
         from runs.engine.outage import is_disconnect, outage, reconnect
-        from runs.engine.store import _bounded_lock_wait, atomic, flush
+        from runs.engine.store import flush
         from runs.errors import ControlFlow, StepguardError
-        from runs.models import Step, StepStatus
 
         lease = Lease(uuid.UUID(pending.run_id), pending.epoch)
         lease.pending = pending.completion
         attempted = time.monotonic()
         try:
-            with atomic(lease), _bounded_lock_wait(window):
-                step = Step.objects.filter(pk=pending.completion.step_id)
-                if step.filter(status=StepStatus.STARTED).exists():
-                    flush(lease)
+            # One transaction: the lock bound, then the fence carrying the completion, which
+            # writes it only if the step is still `started` (if the worker's write took it
+            # past the window, that seq of the run's events stays unused).
+            flush(lease, lock_wait=window)
             outage.ok()
         except (ControlFlow, StepguardError):
             pass  # the lease is no longer ours: the next owner re-sends the step

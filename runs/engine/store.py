@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -112,16 +112,18 @@ def complete_later(lease: Lease, completion: Completion) -> None:
         completion_writer.watch(lease)
 
 
-def flush(lease: Lease) -> None:
+def flush(lease: Lease, lock_wait: float | None = None) -> None:
     """Write the pending completion now, by itself: before a transaction step, whose
-    transaction holds business writes for as long as its function runs.
+    transaction holds business writes for as long as its function runs; by the heart.
 
     A write of the fence alone carrying it (`carrying_statement`): like every write of a
-    completion, it changes nothing if the step is no longer `started` (the heart wrote it)."""
+    completion, it changes nothing if the step is no longer `started` (the heart wrote it).
+    With `lock_wait`, it waits at most that long for the run row."""
     with lease.lock:
         if lease.pending is None:
             return
-        with atomic(lease):
+        bound = nullcontext() if lock_wait is None else _bounded_lock_wait(lock_wait)
+        with atomic(lease), bound:
             fence(lease, Fence(events=0))
         transaction.on_commit(lambda: doorbell.ring(lease.run_id), robust=True)
 
