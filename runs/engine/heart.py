@@ -174,12 +174,13 @@ class Heart:
         self._out = None
         self.start()
         # Setting Django up takes a second or more: longer than a short lease.
-        while not self._ready.wait(self.lease_seconds / 3) and self.proc.poll() is None:
+        while self.renew is not None and self.proc.poll() is None:
             try:
-                if self.renew is not None:
-                    self.renew()
+                self.renew()
             except Exception:
                 log.exception("could not renew the leases while the heart starts")
+            if self._ready.wait(self.lease_seconds / 3):
+                break
         self.wait_ready()
         for lease in self.held():
             self.hold(lease)
@@ -262,7 +263,11 @@ class Beat:
 
         from runs.engine.outage import is_disconnect, outage, reconnect
 
-        while not self.ending.wait(self.lease.total_seconds() / 3):
+        interval = self.lease.total_seconds() / 3
+        # The first soon: a heart started anew renews at once the leases it is then told.
+        wait = min(interval, 0.2)
+        while not self.ending.wait(wait):
+            wait = interval
             if worker_stopped(self.worker_pid):
                 continue  # paused: its leases lapse, as the worker's own thread's would
             for _ in range(2):  # again on a new connection if a restart broke the old one
