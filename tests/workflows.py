@@ -629,10 +629,38 @@ def gap(ctx: RunContext, input):
     )
 
     ctx.step("a", charge, compensate=compensate)
+    if input.get("returned"):  # a flag file: step a has returned (no database needed to see it)
+        Path(input["returned"]).touch()
     deadline = time.monotonic() + input.get("gap", 0)
     while time.monotonic() < deadline:  # parsing, a local computation, a time.sleep
         time.sleep(0.01)
     return ctx.step("b", effect, ctx, "b")
+
+
+def random_floats(n: int) -> list[float]:
+    import random
+
+    return [random.random() for _ in range(n)]
+
+
+@workflow("gil")
+def gil(ctx: RunContext, input):
+    """Step `hold` holds the GIL for seconds: one `sorted()` of `floats` floats, a single C call
+    that holds it from start to end (a parse, a local model); with `between`, step `a` returns
+    and the workflow holds the GIL so between it and step `b`. The list is built first, in
+    Python, which lets other threads run."""
+    data = random_floats(input["floats"])
+    if input.get("between"):
+        ctx.step("a", effect, ctx, "a")
+        sorted(data)
+        return ctx.step("b", effect, ctx, "b")
+
+    def hold():
+        Effect.objects.create(idempotency_key=ctx.idempotency_key, label="hold", pid=os.getpid())
+        sorted(data)
+        return "held"
+
+    return ctx.step("hold", hold)
 
 
 @workflow("raises-odd")

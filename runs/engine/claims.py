@@ -582,7 +582,7 @@ class Claims:
                 # Usually the run just finished, waits or was released while this thread was
                 # still unwinding; a takeover by another worker is the rare case.
                 lease.lost.set()
-                log.info("run %s: lease no longer held by this worker", lease.run_id)
+                log.debug("run %s: lease no longer held by this worker", lease.run_id)
         Worker.objects.filter(pk=self.worker_id).update(heartbeat_at=now)
 
     def renew(self, run_id: uuid.UUID, lease: Lease) -> Run | None:

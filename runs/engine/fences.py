@@ -22,7 +22,7 @@ from django.utils import timezone
 from runs.engine.budget import NOTHING, Amount
 from runs.engine.holds import covered_sql, holds_on
 from runs.errors import Cancelled, Halted, OverBudget
-from runs.models import Event, EventType, Run, RunStatus, Step
+from runs.models import Event, EventType, Run, RunStatus, Step, StepStatus
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,12 @@ class Lease:
     """A worker's hold on one run; `lost` is set by the heartbeat or a refused write.
 
     `pending` is the completion of the step that just finished, not yet written: the next
-    fenced write of this execution carries it (see `complete_later`), or the completion
-    writer does after STEPGUARD_COMPLETION_WINDOW. `lock` is held by whichever thread writes
-    for the lease (the execution's for each write and engine transaction, the completion
-    writer's for its write), so a completion is taken by exactly one write.
+    fenced write of this execution carries it (see `complete_later`), or the worker's heart
+    (or, without one, the completion writer) does after STEPGUARD_COMPLETION_WINDOW. `lock`
+    is held by whichever thread writes for the lease (the execution's for each write and
+    engine transaction, the completion writer's for its write), so a completion is taken by
+    exactly one write of this process; the heart's and this process's writes of it are
+    exclusive in the database (carrying_statement).
     """
 
     run_id: UUID
@@ -56,6 +58,9 @@ class Lease:
     pending_at: float = 0.0  # time.monotonic() when `pending` was set
     depth: int = 0  # how many of the engine's own `atomic` blocks are open
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    #: The worker's heart (runs/engine/heart.Heart), which renews this lease and writes its
+    #: pending completion from a process of its own; None in an execution without one.
+    heart: Any = field(default=None, repr=False, compare=False)
 
 
 RUN_TABLE = Run._meta.db_table
@@ -226,6 +231,35 @@ def fence_statement(lease: Lease, checks: Fence = Fence()) -> tuple[str, list[An
             sql += more
             params += more_params
     return sql + " RETURNING event_seq, created_at", params
+
+
+def carrying_statement(
+    pending: Completion, lease: Lease, fence_sql: str, params: list, after: int, tail: str
+) -> tuple[str, list]:
+    """`fence_sql` as the CTE `f`, followed by the pending completion's step update and event
+    (the first of the seqs allocated: `after` more follow it), then `tail`.
+
+    Both only while the step is still `started`: the worker's heart may have written the
+    completion meanwhile (runs/engine/heart.py). Whichever of the two writes locks the run row
+    second finds the step completed (read committed re-checks an updated row) and writes
+    nothing but its fence; its event's seq is then left unused."""
+    columns, placeholders, values = prep(Step, pending.fields)
+    sets = ", ".join(f"{c} = {p}" for c, p in zip(columns, placeholders, strict=True))
+    event_columns, event_placeholders, event_values = prep(Event, completed_event(pending))
+    sql = (
+        f"WITH f AS ({fence_sql})"
+        f", p AS (UPDATE {STEP_TABLE} SET {sets} WHERE id = %s AND status = %s"
+        " AND EXISTS (SELECT 1 FROM f) RETURNING id)"
+        f", pe AS (INSERT INTO {EVENT_TABLE}"
+        f" (run_id, run_created_at, seq, {', '.join(event_columns)})"
+        f" SELECT %s::uuid, f.created_at, f.event_seq - %s, {', '.join(event_placeholders)}"
+        " FROM f WHERE EXISTS (SELECT 1 FROM p)) "
+    )
+    params = [
+        *params, *values, pending.step_id, StepStatus.STARTED, db_id(lease.run_id), after,
+        *event_values,
+    ]  # fmt: skip
+    return sql + tail, params
 
 
 def db_id(run_id) -> Any:

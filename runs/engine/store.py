@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -28,6 +28,7 @@ from runs.engine.fences import (
     Completion,
     Fence,
     Lease,
+    carrying_statement,
     completed_event,
     db_id,
     event_fields,
@@ -64,7 +65,7 @@ def _fence(lease: Lease, checks: Fence) -> int:
     sql, params = fence_statement(lease, total)
     if pending is not None and connection.vendor == "postgresql":
         tail = "SELECT event_seq FROM f"
-        sql, params = _carrying(pending, lease, sql, params, checks.events, tail)
+        sql, params = carrying_statement(pending, lease, sql, params, checks.events, tail)
     with hot_cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
@@ -73,12 +74,16 @@ def _fence(lease: Lease, checks: Fence) -> int:
     first = row[0] - total.events + 1
     if pending is not None:
         if connection.vendor != "postgresql":
-            Step.objects.filter(pk=pending.step_id).update(**pending.fields)
-            Event.objects.create(
-                run_id=lease.run_id, seq=first, **completed_event(pending)
-            )  # the doorbell rings for the write that carried it
+            # Only a step still `started`: the heart may have written it (carrying_statement).
+            if Step.objects.filter(pk=pending.step_id, status=StepStatus.STARTED).update(
+                **pending.fields
+            ):
+                Event.objects.create(
+                    run_id=lease.run_id, seq=first, **completed_event(pending)
+                )  # the doorbell rings for the write that carried it
         else:
             event_written(lease.run_id, EventType.STEP_COMPLETED, pending.key)
+        _carried(lease, pending)
         lease.pending = None
         first += 1
     return first
@@ -98,24 +103,35 @@ def complete_later(lease: Lease, completion: Completion) -> None:
         lease.pending = completion
         lease.pending_at = time.monotonic()
     # Inside a transaction (a test's) no other connection could see the rows to update.
-    if not connection.in_atomic_block:
+    if connection.in_atomic_block:
+        return
+    # A worker's heart (a process of its own, runs/engine/heart.py) gets it before control
+    # goes back to workflow code, which may hold the GIL for seconds; without one (an
+    # execution in a test or a bench), this process's completion writer thread.
+    if lease.heart is None or not lease.heart.completion(lease, completion):
         completion_writer.watch(lease)
 
 
-def flush(lease: Lease) -> None:
+def flush(lease: Lease, lock_wait: float | None = None) -> None:
     """Write the pending completion now, by itself: before a transaction step, whose
-    transaction holds business writes for as long as its function runs."""
+    transaction holds business writes for as long as its function runs; by the heart.
+
+    A write of the fence alone carrying it (`carrying_statement`): like every write of a
+    completion, it changes nothing if the step is no longer `started` (the heart wrote it).
+    With `lock_wait`, it waits at most that long for the run row."""
     with lease.lock:
-        completion, lease.pending = lease.pending, None
-        if completion is None:
+        if lease.pending is None:
             return
-        event = (EventType.STEP_COMPLETED, completion.key, completion.payload)
-        update = (completion.step_id, completion.fields)
-        try:
-            fenced_write(lease, event, Fence(progress=completion.progress), update_step=update)
-        except BaseException:
-            lease.pending = completion
-            raise
+        bound = nullcontext() if lock_wait is None else _bounded_lock_wait(lock_wait)
+        with atomic(lease), bound:
+            fence(lease, Fence(events=0))
+        transaction.on_commit(lambda: doorbell.ring(lease.run_id), robust=True)
+
+
+def _carried(lease: Lease, pending: Completion) -> None:
+    """Tell the worker's heart, once this commits, that this execution wrote `pending`."""
+    if (heart := lease.heart) is not None:
+        transaction.on_commit(lambda: heart.carried(pending.step_id), robust=True)
 
 
 def flush_unrecorded(lease: Lease) -> None:
@@ -280,26 +296,6 @@ def _with_pending(lease: Lease, checks: Fence) -> Fence:
     return replace(
         checks, events=checks.events + 1, progress=checks.progress or lease.pending.progress
     )
-
-
-def _carrying(
-    pending: Completion, lease: Lease, fence_sql: str, params: list, after: int, tail: str
-) -> tuple[str, list]:
-    """`fence_sql` as the CTE `f`, followed by the pending completion's step update and event
-    (the first of the seqs allocated: `after` more follow it), then `tail`."""
-    columns, placeholders, values = prep(Step, pending.fields)
-    sets = ", ".join(f"{c} = {p}" for c, p in zip(columns, placeholders, strict=True))
-    event_columns, event_placeholders, event_values = prep(Event, completed_event(pending))
-    sql = (
-        f"WITH f AS ({fence_sql})"
-        f", p AS (UPDATE {STEP_TABLE} SET {sets} WHERE id = %s AND EXISTS (SELECT 1 FROM f))"
-        f", pe AS (INSERT INTO {EVENT_TABLE}"
-        f" (run_id, run_created_at, seq, {', '.join(event_columns)})"
-        f" SELECT %s::uuid, f.created_at, f.event_seq - %s, {', '.join(event_placeholders)}"
-        " FROM f) "
-    )
-    params = [*params, *values, pending.step_id, db_id(lease.run_id), after, *event_values]
-    return sql + tail, params
 
 
 def refused(lease: Lease, checks: Fence = Fence()) -> NoReturn:
@@ -483,7 +479,7 @@ def _fenced_write(
     pending = lease.pending
     sql, params = fence_statement(lease, _with_pending(lease, checks))
     if pending is not None:  # its event takes the seq before this write's
-        sql, params = _carrying(pending, lease, sql, params, 1, "")
+        sql, params = carrying_statement(pending, lease, sql, params, 1, "")
     else:
         sql = f"WITH f AS ({sql}) "
     step_sql, step_params = _step_cte(run_id, insert_step, update_step)
@@ -520,6 +516,7 @@ def _fenced_write(
         refused(lease, checks)
     if pending is not None:
         event_written(lease.run_id, EventType.STEP_COMPLETED, pending.key)
+        _carried(lease, pending)
     event_written(lease.run_id, type_, key)
     lease.pending = None
     transaction.on_commit(lambda: doorbell.ring(lease.run_id), robust=True)

@@ -1,4 +1,5 @@
-"""The worker process: claim runnable runs, execute them on threads, heartbeat their leases.
+"""The worker process: claim runnable runs, execute them on threads; its heart (a process of
+its own, `heart.py`) renews their leases and writes their completions.
 
 Threads, the loop, the shutdown grace; no SQL: every statement is in `claims.py`. Recovery
 goes through the normal claim path: a run whose lease expired is just another runnable run.
@@ -25,8 +26,9 @@ from runs.engine.chores import Chore, ChoreContext
 from runs.engine.claims import HELD_SCOPES, WAKEABLE, Claims, runnable_filter, suspect
 from runs.engine.deadline import exempt, watchdog
 from runs.engine.fences import Lease
+from runs.engine.heart import Heart
 from runs.engine.lifecycle import execute, release
-from runs.engine.outage import is_disconnect, outage, reconnect, wait_for_database
+from runs.engine.outage import is_disconnect, reconnect, wait_for_database
 from runs.engine.store import completion_writer
 from runs.engine.wakeup import Listener, is_postgres
 from runs.models import Run, Worker
@@ -69,6 +71,7 @@ class WorkerProcess:
         self.stopped = threading.Event()
         self.bell = threading.Event()
         self.active: dict[uuid.UUID, Lease] = {}
+        self.heart: Heart | None = None  # run_forever's; none when tests drive ticks
         self._alone: uuid.UUID | None = None  # the suspect run in flight, which runs alone
         self._lock = threading.Lock()
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="stepguard-run")
@@ -97,6 +100,12 @@ class WorkerProcess:
         watchdog.enable(settings.STEPGUARD_STATEMENT_DEADLINE)
         if connection.connection is not None and is_postgres():
             watchdog.watch(connection.connection)
+        # Started first, it sets Django up while the worker registers; no run is claimed
+        # before it answers (it keeps every lease from the first).
+        self.heart = Heart(
+            self.id, self.lease.total_seconds(), self._lost, self._held, renew=self.heartbeat
+        )
+        self.heart.start()
         while True:  # a database down or failing over at start is waited out, not an exit
             try:
                 self.register()
@@ -104,9 +113,7 @@ class WorkerProcess:
             except Exception as exc:
                 if not is_disconnect(exc) or not wait_for_database(self.stopping.is_set):
                     raise
-        threading.Thread(
-            target=self._heartbeat_loop, name="stepguard-heartbeat", daemon=True
-        ).start()
+        self.heart.wait_ready()
         if is_postgres():
             Listener(self.bell, self.stopped).start()
         for chore in self.chores:
@@ -159,6 +166,8 @@ class WorkerProcess:
                     log.warning("run %s released mid-step after the grace period", lease.run_id)
             except Exception:
                 log.exception("run %s: could not release; its lease will expire", lease.run_id)
+        if self.heart is not None:
+            self.heart.stop()  # it writes what it still holds, then exits
         try:
             self.claims.mark_stopped()
         except Exception:
@@ -206,9 +215,11 @@ class WorkerProcess:
                 self._alone = run.id
             # The epoch is the one our compare-and-swap wrote, never one read back later:
             # a stalled worker must not pick up the epoch of whoever claimed the run after it.
-            lease = Lease(run.id, run.lease_epoch, stopping=self.stopping)
+            lease = Lease(run.id, run.lease_epoch, stopping=self.stopping, heart=self.heart)
             with self._lock:
                 self.active[run.id] = lease
+            if self.heart is not None:
+                self.heart.hold(lease)
             # In a context naming the run, so that every line logged while it runs says so.
             self.pool.submit(logcontext.run_context(run, self.id).run, self._execute, run, lease)
         return len(claimed)
@@ -274,6 +285,8 @@ class WorkerProcess:
                 # our own lease leaves the table.
                 if self.active.get(run.id) is lease:
                     del self.active[run.id]
+            if self.heart is not None:
+                self.heart.drop(lease)
             self.bell.set()
 
     def _carry_on(self, run: Run, lease: Lease) -> Run | None:
@@ -298,25 +311,26 @@ class WorkerProcess:
     # -- heartbeats ----------------------------------------------------------------------------
 
     def heartbeat(self) -> None:
-        """Extend every held lease (compare-and-swap on its epoch) and the worker's heartbeat."""
+        """Extend every held lease (compare-and-swap on its epoch) and the worker's heartbeat,
+        from this process (the heart does it from its own: `heart.Beat.renew`)."""
         with self._lock:
             leases = list(self.active.values())
         self.claims.extend(leases)
 
-    def _heartbeat_loop(self) -> None:
-        interval = self.lease.total_seconds() / 3
-        while not self.stopped.wait(interval):
-            for _ in range(2):  # again on a new connection if a restart broke the old one
-                try:
-                    self.heartbeat()
-                    outage.ok()
-                except Exception as exc:
-                    if is_disconnect(exc) and reconnect("heartbeat"):
-                        continue
-                    if not is_disconnect(exc):
-                        log.exception("heartbeat failed; retrying next interval")
-                        close_old_connections()
-                break
+    def _held(self) -> list[Lease]:
+        with self._lock:
+            return list(self.active.values())
+
+    def _lost(self, run_id: uuid.UUID, epoch: int) -> None:
+        """The heart found a lease of ours taken (or the run just finished, waits or was
+        released while its thread was still unwinding: the common case)."""
+        with self._lock:
+            lease = self.active.get(run_id)
+        if lease is not None and lease.epoch == epoch and not lease.lost.is_set():
+            lease.lost.set()
+            # DEBUG: usually the run just finished or waits; a real takeover is said where
+            # the fence refuses the worker's next write (the demo's output showed it as news).
+            log.debug("run %s: lease no longer held by this worker", run_id)
 
     def _report_unknown(self) -> None:
         for name, version in self.claims.unknown_pending():
