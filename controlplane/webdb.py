@@ -38,23 +38,23 @@ def close_after_each_request(databases: dict) -> None:
 
 def client_of(scope) -> bytes | None:
     """Who a request is from, as far as the bound can tell before Django reads it: its
-    credential (the session cookie or the Authorization header, hashed: never kept whole),
-    else its address; None when it has neither."""
+    credential (the session cookie or the Authorization header, hashed: never kept whole), or
+    None for a request with neither. Not its address: behind a proxy every request has the
+    proxy's, and the anonymous ones (health checks, the login page) are cheap; a load
+    balancer's twenty health checks at once during an outage must not queue behind each
+    other."""
     headers = dict(scope.get("headers") or [])
     cookies = headers.get(b"cookie", b"")
     name = settings.SESSION_COOKIE_NAME.encode() + b"="
     session = next((part for part in cookies.split(b";") if part.strip().startswith(name)), b"")
     credential = headers.get(b"authorization", b"") or session.strip()
-    if credential:
-        return hashlib.blake2b(credential, digest_size=16).digest()
-    client = scope.get("client")
-    return client[0].encode() if client else None
+    return hashlib.blake2b(credential, digest_size=16).digest() if credential else None
 
 
 class ConnectionBound:
     """ASGI middleware: at most `limit` HTTP requests inside the application at once (from the
     first one on, with no persistent connections), and at most `share` of them (half, by
-    default) from one client (`client_of`): ten heavy list requests of one viewer held all ten
+    default) with one credential (`client_of`): ten heavy list requests of one viewer held all ten
     of a web process's database slots for 20 s, and another user's one-row list waited 19 s.
     A client's requests past its share wait without holding a slot."""
 

@@ -30,6 +30,8 @@ class RunStatus(models.TextChoices):
 
 
 TERMINAL_STATUSES = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
+#: Statuses a run waits in until its `wake_at` comes due (a claim takes it up then).
+WAKEABLE_STATUSES = (RunStatus.PENDING, RunStatus.WAITING, RunStatus.OVER_BUDGET)
 
 
 class StepStatus(models.TextChoices):
@@ -242,7 +244,7 @@ class Run(models.Model):
                 condition=Q(status="running"),
                 name="runs_run_running_lease_idx",
             ),
-            # The held-runs sweep (claims.Claims._park_held): whether any run has a hold of its own.
+            # The held-runs sweep (unheld.park_held): whether any run has a hold of its own.
             models.Index(
                 fields=["halted_at"],
                 condition=Q(halted_at__isnull=False),

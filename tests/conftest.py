@@ -287,11 +287,14 @@ def demo_model(monkeypatch):
 PGBOUNCER = "/usr/sbin/pgbouncer"
 
 
-@pytest.fixture
-def pgbouncer(transactional_db):
+@contextmanager
+def running_pgbouncer(server_port: int | None = None):
     """Debian's PgBouncer in transaction pooling mode, with its default settings otherwise, in
-    front of the test database on a free port: yields its DATABASE_URL."""
+    front of the test database's server (or the one on `server_port`, on 127.0.0.1) on a free
+    port, with the test database's credentials: yields its port."""
+    import shutil
     import socket
+    import tempfile
 
     if not os.path.exists(PGBOUNCER):
         if os.environ.get("CI") == "true":
@@ -303,14 +306,14 @@ def pgbouncer(transactional_db):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    import shutil
-    import tempfile
-
     # Not under pytest's own temporary directory: only root may enter that, and PgBouncer
     # drops root for the postgres user.
     home = Path(tempfile.mkdtemp(prefix="stepguard-pgbouncer-"))
     home.chmod(0o777)
-    server = f"host={s['HOST'] or '127.0.0.1'} port={s['PORT'] or 5432} user={s['USER']}"
+    host, target = (s["HOST"] or "127.0.0.1", s["PORT"] or 5432)
+    if server_port is not None:
+        host, target = "127.0.0.1", server_port
+    server = f"host={host} port={target} user={s['USER']}"
     if s["PASSWORD"]:
         server += f" password={s['PASSWORD']}"
     (home / "pgbouncer.ini").write_text(
@@ -331,12 +334,22 @@ def pgbouncer(transactional_db):
         with socket.socket() as client:
             return client.connect_ex(("127.0.0.1", port)) == 0
 
-    wait_until(accepting, timeout=10, what="PgBouncer to listen")
-    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
-    yield f"postgres://{auth}@127.0.0.1:{port}/{s['NAME']}"
-    proc.terminate()
-    proc.wait(10)
-    shutil.rmtree(home, ignore_errors=True)
+    try:
+        wait_until(accepting, timeout=10, what="PgBouncer to listen")
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def pgbouncer(transactional_db):
+    """PgBouncer (`running_pgbouncer`) in front of the test database: yields its DATABASE_URL."""
+    s = connection.settings_dict
+    with running_pgbouncer() as port:
+        auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
+        yield f"postgres://{auth}@127.0.0.1:{port}/{s['NAME']}"
 
 
 def _pg_bin() -> Path | None:

@@ -431,8 +431,12 @@ def test_runs_survive_database_restarts(chaos_server, tmp_path):
             text = log_path.read_text()
             assert proc.poll() is None, f"worker {proc.pid} exited:\n{text[-5000:]}"
             assert "Traceback" not in text, f"worker {proc.pid} logged a traceback:\n{text[-5000:]}"
-            assert text.count("database unreachable") <= len(RESTARTS), text[-5000:]
-            assert text.count("database unreachable") == text.count("database back after")
+            assert text.count("stepguard.database: database unreachable") <= len(RESTARTS), text[
+                -5000:
+            ]
+            assert text.count("stepguard.database: database unreachable") == text.count(
+                "stepguard.database: database back after"
+            )
         logs = "".join(log.read_text() for _, log in workers)
         abandoned = logs.count("abandoning the run") + logs.count("no longer ours, or stopping")
         carried_on = logs.count("carrying on under the same lease")

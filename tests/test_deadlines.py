@@ -10,12 +10,9 @@ first one, with its sessions ended, is a hung primary whose standby took over.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -25,7 +22,7 @@ from django.test.utils import CaptureQueriesContext
 from runs.engine.worker import WorkerProcess
 from runs.models import Run, RunStatus
 from runs.sdk import start_run
-from tests.conftest import PGBOUNCER, ROOT, _free_port, database_url, wait_until
+from tests.conftest import ROOT, database_url, running_pgbouncer, wait_until
 from tests.tcpproxy import Proxy
 
 pytestmark = pytest.mark.postgres
@@ -233,48 +230,6 @@ def test_a_long_lived_caller_survives_a_switchover(tmp_path):
     assert result["failed"] == 0 and started >= 40, (result, started)
 
 
-@contextmanager
-def _pgbouncer(target_port: int):
-    """PgBouncer in transaction mode in front of the server on `target_port` (the test
-    database's credentials): yields its port. `tests.conftest.pgbouncer`, one per host."""
-    import shutil
-    import tempfile
-
-    if not os.path.exists(PGBOUNCER):
-        pytest.skip("pgbouncer is not installed")
-    s = connection.settings_dict
-    port = _free_port()
-    home = Path(tempfile.mkdtemp(prefix="stepguard-pgbouncer-"))
-    home.chmod(0o777)
-    server = f"host=127.0.0.1 port={target_port} user={s['USER']}"
-    if s["PASSWORD"]:
-        server += f" password={s['PASSWORD']}"
-    (home / "pgbouncer.ini").write_text(
-        f"[databases]\n* = {server}\n[pgbouncer]\n"
-        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
-        "auth_type = any\npool_mode = transaction\nmax_client_conn = 200\n"
-        "ignore_startup_parameters = extra_float_digits,options\n"
-        f"logfile = {home}/pgbouncer.log\npidfile = {home}/pgbouncer.pid\n"
-    )
-    argv = [PGBOUNCER, str(home / "pgbouncer.ini")]
-    if os.geteuid() == 0:
-        argv[1:1] = ["-u", "postgres"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-
-    def accepting() -> bool:
-        assert proc.poll() is None, (home / "pgbouncer.log").read_text()
-        with socket.socket() as client:
-            return client.connect_ex(("127.0.0.1", port)) == 0
-
-    try:
-        wait_until(accepting, timeout=10, what="PgBouncer to listen")
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(home, ignore_errors=True)
-
-
 @pytest.mark.slow
 def test_a_pooler_whose_primary_died_is_passed_over_for_the_next_host(spawn_worker):
     """A PgBouncer per database host, the primary dead and its PgBouncer up: it accepts each
@@ -283,7 +238,7 @@ def test_a_pooler_whose_primary_died_is_passed_over_for_the_next_host(spawn_work
     issue), every reconnect back to the first host, and a worker started then exited."""
     primary = Proxy(_port())  # the first host's server, which dies
     try:
-        with _pgbouncer(primary.port) as first, _pgbouncer(_port()) as second:
+        with running_pgbouncer(primary.port) as first, running_pgbouncer(_port()) as second:
             s = connection.settings_dict
             auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
             url = (

@@ -201,7 +201,7 @@ def run_failover(primary: Cluster, standby: Cluster, spawn_worker, tmp_path) -> 
     for w in workers:
         text = w.output()
         assert "Traceback" not in text, text[-5000:]
-        assert text.count("database unreachable") <= 1, text[-5000:]
+        assert text.count("stepguard.database: database unreachable") <= 1, text[-5000:]
     resent = sum(1 for how in recovered.values() if how == "resent")
     reconciled = sum(1 for how in recovered.values() if how == "reconciled")
     print(

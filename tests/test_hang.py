@@ -135,5 +135,5 @@ def test_a_stopped_database_fails_health_fast_and_workers_carry_on(
     assert worker.proc.poll() is None, worker.output()[-5000:]
     logs = worker.output()
     assert "Traceback" not in logs, logs[-5000:]
-    assert logs.count("database unreachable") <= 1, logs[-5000:]
+    assert logs.count("stepguard.database: database unreachable") <= 1, logs[-5000:]
     print(logs[-3000:])

@@ -1,10 +1,11 @@
 """Claims: the statements that take runnable runs for one worker, and the rows a worker keeps.
 
-Every statement a worker sends is here (the worker process, `worker.py`, has threads, signals
-and the loop, and no SQL). On PostgreSQL a claim is one statement built from named queries
-(`CLAIM_DUE`, `CLAIM_LIMITED`, then `TAKE_CLAIMED`, as Procrastinate names its queries); on
-SQLite a compare-and-swap on `(lease_epoch, event_seq)` per run (`_claim_one`). Due runs that a
-hold covers are parked (`_park_held`), runs past the poison bound failed (`_fail_poisoned`).
+Every statement a worker's claim loop sends is here or in the holds' sweeps (`unheld.py`;
+the worker process, `worker.py`, has threads, signals and the loop, and no SQL). On
+PostgreSQL a claim is one statement built from named queries (`CLAIM_DUE`, `CLAIM_LIMITED`,
+then `TAKE_CLAIMED`, as Procrastinate names its queries); on SQLite a compare-and-swap on
+`(lease_epoch, event_seq)` per run (`_claim_one`). Due runs that a hold covers are parked
+(`unheld.park_held`), runs past the poison bound failed (`_fail_poisoned`).
 """
 
 from __future__ import annotations
@@ -29,24 +30,16 @@ from runs.engine.outage import outage
 from runs.engine.pooling import jit_off
 from runs.engine.registry import WorkflowDef
 from runs.engine.store import append_event, wake_parent
+from runs.engine.unheld import park_held
 from runs.engine.wakeup import doorbell
 from runs.logcontext import event_written
-from runs.models import GLOBAL, Event, EventType, Policy, Run, RunStatus, Worker
+from runs.models import WAKEABLE_STATUSES, Event, EventType, Run, RunStatus, Worker
 
 log = logging.getLogger("stepguard.worker")
 
-WAKEABLE = (RunStatus.PENDING, RunStatus.WAITING, RunStatus.OVER_BUDGET)
+WAKEABLE = WAKEABLE_STATUSES
 RUN_TABLE = f'"{Run._meta.db_table}"'
 EVENT_TABLE = f'"{Event._meta.db_table}"'
-#: The halted policies' scopes, and one NULL row if any run has a hold of its own
-#: (`runs_run_halted_idx`): what `_park_held` needs to know whether to sweep at all.
-HELD_SCOPES = (
-    f'SELECT scope FROM "{Policy._meta.db_table}" WHERE halted_at IS NOT NULL'
-    f" UNION ALL SELECT NULL FROM (SELECT 1 FROM {RUN_TABLE} WHERE halted_at IS NOT NULL"
-    " LIMIT 1) AS held"
-)
-
-
 _COVERED = holds.covered_sql()
 #: A run whose worker dies under it this many times in a row (no step finished since) may be
 #: what kills its workers: only a worker with nothing in flight takes it up, and takes nothing
@@ -265,10 +258,10 @@ class Claims:
             if len(claimed) < limit:
                 # Nothing more is runnable now: the due runs left are held or poison runs,
                 # which the statement skips. Park the held ones; fail the poison ones.
-                self._park_held(now)
+                park_held(now)
                 self._fail_poisoned(now)
             return claimed
-        self._park_held(now)
+        park_held(now)
         outage.ok()  # the database answered
         if stopped:
             return []  # the kill switch: nothing starts
@@ -439,60 +432,6 @@ class Claims:
         for candidate in poisoned:
             with transaction.atomic():
                 self._claim_one(*candidate, now)
-
-    def _park_held(self, now) -> None:
-        """Runs a hold covers that are due or whose worker died: mark them halted, never run
-        them. Also catches a run requeued at the instant a hold was placed (the hold's own
-        parking saw it running)."""
-        scopes = self._held_scopes()
-        if scopes is None:
-            return  # no hold anywhere: no run is covered, the sweep would read every due run
-        due = Q(status=RunStatus.RUNNING, lease_until__lt=now) | Q(
-            status__in=WAKEABLE, wake_at__lte=now
-        )
-        # Unordered, so the LIMIT stops the scan at the 50th covered run; and, unless the kill
-        # switch is on, only among runs a hold can cover (implied by `covered`, but indexable).
-        stuck = Run.objects.filter(due, holds.covered()).order_by()
-        if GLOBAL not in scopes:
-            stuck = stuck.filter(
-                Q(halted_at__isnull=False) | Q(workflow__in=scopes) | Q(parent__isnull=False)
-            )
-        for run_id, epoch, event_seq in stuck.values_list("id", "lease_epoch", "event_seq")[:50]:
-            with transaction.atomic():
-                # The holds read under lock, in the lock order, as a pause reads them: an
-                # unhalt committed meanwhile is seen, or waits and finds the run to resume.
-                chain = holds.chain_of(run_id)
-                holds.lock_policies(chain)
-                list(Run.objects.select_for_update().filter(pk=run_id).values_list("pk"))
-                holds.lock_ancestors(chain)
-                parked = (
-                    Run.objects.filter(pk=run_id, lease_epoch=epoch, event_seq=event_seq)
-                    .filter(due, holds.covered())
-                    .update(
-                        status=RunStatus.HALTED,
-                        worker=None,
-                        lease_until=None,
-                        lease_epoch=F("lease_epoch") + 1,
-                        event_seq=F("event_seq") + 1,
-                    )
-                )
-                if parked:
-                    held_by = [h.as_json() for h in holds.holds_on(Run.objects.get(pk=run_id))]
-                    append_event(
-                        run_id, event_seq + 1, EventType.RUN_HALTED,
-                        reason="a hold covers the run", held_by=held_by,
-                    )  # fmt: skip
-
-    def _held_scopes(self) -> set[str] | None:
-        """The scopes of the workflow holds and the kill switch in force, or None when nothing
-        at all is held (no such hold and no run's own): one statement over the policies and
-        the partial index of held runs, whatever the runs table holds."""
-        with connection.cursor() as cursor:
-            cursor.execute(HELD_SCOPES)
-            rows = cursor.fetchall()
-        if not rows:
-            return None
-        return {scope for (scope,) in rows if scope is not None}
 
     def _claim_one(self, run_id, status, epoch, event_seq, recoveries, now) -> bool:
         # Compare-and-swap on (epoch, event_seq): on SQLite there is no row lock, so this is

@@ -378,6 +378,11 @@ def main(argv: list[str]) -> None:
 
     django.setup()
     from runs import logcontext
+    from runs.engine import outage as outages
+
+    # Its outages under a name of its own: the worker says each outage once, and so does
+    # its heart, in the same output (a reader, or a test, tells the two apart).
+    outages.log = logging.getLogger("stepguard.heart.database")
 
     inbox, out = Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False)
     logcontext.process_worker = argv[2]

@@ -1,4 +1,6 @@
-"""The net under the holds: a `halted` run that no hold covers is resumed within seconds.
+"""The holds' two sweeps: due runs a hold covers are parked `halted` (`park_held`, from the
+claim), and the net under the holds: a `halted` run that no hold covers is resumed within
+seconds (the chore below).
 
 Every write that decides between `halted` and `pending` locks the rows whose holds it reads
 first (`holds.lock_covering`), and operators' hold changes wait for each other
@@ -12,21 +14,33 @@ it) and in the run's history (`run.requeued` with `swept: true`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import close_old_connections, transaction
+from django.db import close_old_connections, connection, transaction
+from django.db.models import F, Q
 from django.utils import timezone
 
 from runs.engine import holds
 from runs.engine.chores import Chore, ChoreContext
-from runs.engine.store import run_event
+from runs.engine.outage import is_disconnect, reconnect
+from runs.engine.store import append_event, run_event
 from runs.engine.wakeup import notify_runnable
-from runs.models import GLOBAL, EventType, Policy, Run, RunStatus
+from runs.models import GLOBAL, WAKEABLE_STATUSES, EventType, Policy, Run, RunStatus
 from runs.models import Chore as ChoreRow
 
 log = logging.getLogger("stepguard.holds")
+
+#: The halted policies' scopes, and one NULL row if any run has a hold of its own
+#: (`runs_run_halted_idx`): what `park_held` needs to know whether to sweep at all.
+HELD_SCOPES = (
+    f'SELECT scope FROM "{Policy._meta.db_table}" WHERE halted_at IS NOT NULL'
+    f' UNION ALL SELECT NULL FROM (SELECT 1 FROM "{Run._meta.db_table}" WHERE halted_at IS NOT NULL'
+    " LIMIT 1) AS held"
+)
+
 
 CHORE = "resuming unheld runs"
 BATCH = 100
@@ -86,9 +100,13 @@ def sweep_if_due(worker: str) -> int:
 def sweep_round(context: ChoreContext) -> None:
     try:
         sweep_if_due(context.worker)
-    except Exception:
-        log.exception("holds: the sweep of unheld runs failed; trying again")
-        close_old_connections()
+    except Exception as exc:
+        if is_disconnect(exc):  # a database restart or failover: said once, by the outage
+            with contextlib.suppress(Exception):
+                reconnect("sweeping unheld runs")
+        else:
+            log.exception("holds: the sweep of unheld runs failed; trying again")
+            close_old_connections()
 
 
 def chore() -> Chore | None:
@@ -96,3 +114,59 @@ def chore() -> Chore | None:
     if not settings.STEPGUARD_HOLD_SWEEP_SECONDS:
         return None
     return Chore(CHORE, settings.STEPGUARD_HOLD_SWEEP_SECONDS, sweep_round)
+
+
+def park_held(now) -> None:
+    """Runs a hold covers that are due or whose worker died: mark them halted, never run
+    them. Also catches a run requeued at the instant a hold was placed (the hold's own
+    parking saw it running)."""
+    scopes = held_scopes()
+    if scopes is None:
+        return  # no hold anywhere: no run is covered, the sweep would read every due run
+    due = Q(status=RunStatus.RUNNING, lease_until__lt=now) | Q(
+        status__in=WAKEABLE_STATUSES, wake_at__lte=now
+    )
+    # Unordered, so the LIMIT stops the scan at the 50th covered run; and, unless the kill
+    # switch is on, only among runs a hold can cover (implied by `covered`, but indexable).
+    stuck = Run.objects.filter(due, holds.covered()).order_by()
+    if GLOBAL not in scopes:
+        stuck = stuck.filter(
+            Q(halted_at__isnull=False) | Q(workflow__in=scopes) | Q(parent__isnull=False)
+        )
+    for run_id, epoch, event_seq in stuck.values_list("id", "lease_epoch", "event_seq")[:50]:
+        with transaction.atomic():
+            # The holds read under lock, in the lock order, as a pause reads them: an
+            # unhalt committed meanwhile is seen, or waits and finds the run to resume.
+            chain = holds.chain_of(run_id)
+            holds.lock_policies(chain)
+            list(Run.objects.select_for_update().filter(pk=run_id).values_list("pk"))
+            holds.lock_ancestors(chain)
+            parked = (
+                Run.objects.filter(pk=run_id, lease_epoch=epoch, event_seq=event_seq)
+                .filter(due, holds.covered())
+                .update(
+                    status=RunStatus.HALTED,
+                    worker=None,
+                    lease_until=None,
+                    lease_epoch=F("lease_epoch") + 1,
+                    event_seq=F("event_seq") + 1,
+                )
+            )
+            if parked:
+                held_by = [h.as_json() for h in holds.holds_on(Run.objects.get(pk=run_id))]
+                append_event(
+                    run_id, event_seq + 1, EventType.RUN_HALTED,
+                    reason="a hold covers the run", held_by=held_by,
+                )  # fmt: skip
+
+
+def held_scopes() -> set[str] | None:
+    """The scopes of the workflow holds and the kill switch in force, or None when nothing
+    at all is held (no such hold and no run's own): one statement over the policies and
+    the partial index of held runs, whatever the runs table holds."""
+    with connection.cursor() as cursor:
+        cursor.execute(HELD_SCOPES)
+        rows = cursor.fetchall()
+    if not rows:
+        return None
+    return {scope for (scope,) in rows if scope is not None}

@@ -23,13 +23,14 @@ from django.utils import timezone
 from runs import logcontext
 from runs.engine import registry
 from runs.engine.chores import Chore, ChoreContext
-from runs.engine.claims import HELD_SCOPES, WAKEABLE, Claims, runnable_filter, suspect
+from runs.engine.claims import WAKEABLE, Claims, runnable_filter, suspect
 from runs.engine.deadline import exempt, watchdog
 from runs.engine.fences import Lease
 from runs.engine.heart import Heart
 from runs.engine.lifecycle import execute, release
 from runs.engine.outage import is_disconnect, reconnect, wait_for_database
 from runs.engine.store import completion_writer
+from runs.engine.unheld import HELD_SCOPES
 from runs.engine.wakeup import Listener, is_postgres
 from runs.models import Run, Worker
 
@@ -106,13 +107,7 @@ class WorkerProcess:
             self.id, self.lease.total_seconds(), self._lost, self._held, renew=self.heartbeat
         )
         self.heart.start()
-        while True:  # a database down or failing over at start is waited out, not an exit
-            try:
-                self.register()
-                break
-            except Exception as exc:
-                if not is_disconnect(exc) or not wait_for_database(self.stopping.is_set):
-                    raise
+        self._at_start(self.register)
         self.heart.wait_ready()
         if is_postgres():
             Listener(self.bell, self.stopped).start()
@@ -122,10 +117,10 @@ class WorkerProcess:
                 threading.Thread(
                     target=self._chore_loop, args=(chore,), name=name, daemon=True
                 ).start()
-        self._report_unknown()
+        self._at_start(self._report_unknown)
         for chore in self.chores:
             if chore.start is not None:
-                chore.start(self.chore_context)
+                self._at_start(lambda c=chore: c.start(self.chore_context))
         while not self.stopping.is_set():
             self.bell.clear()
             try:
@@ -331,6 +326,18 @@ class WorkerProcess:
             # DEBUG: usually the run just finished or waits; a real takeover is said where
             # the fence refuses the worker's next write (the demo's output showed it as news).
             log.debug("run %s: lease no longer held by this worker", run_id)
+
+    def _at_start(self, step) -> None:
+        """A statement of the worker's start, with a database that is down or failing over
+        waited out, not an exit: one that went as the worker started (after it registered)
+        ended the process, and `runworker --processes` stopped the whole fleet for it."""
+        while True:
+            try:
+                step()
+                return
+            except Exception as exc:
+                if not is_disconnect(exc) or not wait_for_database(self.stopping.is_set):
+                    raise
 
     def _report_unknown(self) -> None:
         for name, version in self.claims.unknown_pending():
