@@ -9,6 +9,8 @@ from decimal import Decimal
 import pytest
 
 from runs.engine.llm import price_of, usage_of
+from tests import adapter_openai_agents_workflows as oa  # noqa: F401 (its workflows)
+from tests import adapter_pydantic_ai_workflows as pa
 
 #: Not chat models (audio, realtime, image, search): priced by other units than tokens.
 NOT_CHAT = re.compile(r"audio|realtime|image|search")
@@ -84,3 +86,38 @@ def test_a_local_price_wins_and_each_call_records_what_priced_it(settings):
     assert local.usd == Decimal("0.003") and local.breakdown["prices"] == "STEPGUARD_MODEL_PRICES"
     unknown = usage_of({**usage, "model": "my-finetune"}, "my-finetune")
     assert unknown.breakdown["priced"] is False and unknown.breakdown["prices"] is None
+
+
+def _adapter_run(adapter: str, tmp_path):
+    from runs.sdk import start_run
+
+    if adapter == "openai-agents":
+        input = {"protocol": "responses", "script": "lookup", "effects": str(tmp_path)}
+        return start_run("oa-agent", input, budget_usd="1")
+    forecast = {"city": "Paris", "temp": 21, "summary": "clear"}
+    dinner = pa.script("get_weather", args={"get_weather": {"city": "Paris"}}, final=forecast)
+    return start_run("pa-planner", {"instructions": dinner}, budget_usd="1")
+
+
+@pytest.mark.django_db(transaction=True)  # the adapters' async workflows: threads of their own
+@pytest.mark.parametrize("adapter", ["openai-agents", "pydantic-ai"])
+def test_an_unpriced_model_is_flagged_or_refused_by_the_adapters_as_by_ctx_llm(
+    drive, demo_model, settings, monkeypatch, tmp_path, adapter
+):
+    """The demo model unpriced: the adapters make the one check ctx.llm makes (LangChain's:
+    tests/test_adapter_langgraph.py, the plain clients': tests/test_agents.py)."""
+    from runs.engine import prices
+    from runs.models import Event
+
+    monkeypatch.delitem(prices.DEFAULT_PRICES, "stepguard-demo")
+    run = _adapter_run(adapter, tmp_path)
+    assert drive() == ["completed"]
+    assert Event.objects.filter(run=run, type="model.unpriced").count() == 1
+    sent = demo_model.total
+
+    settings.STEPGUARD_REFUSE_UNPRICED_MODELS = True
+    run = _adapter_run(adapter, tmp_path)
+    assert drive() == ["failed"]
+    run.refresh_from_db()
+    assert run.error["cause"]["code"] == "unpriced_model", run.error
+    assert demo_model.total == sent  # the refused call was never sent

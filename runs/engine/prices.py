@@ -9,11 +9,11 @@ the catalogue and its version, or the local table) in its step's usage breakdown
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
-from importlib.metadata import version
 from typing import Any
 
 from django.conf import settings
@@ -45,7 +45,9 @@ _FALLBACK_PROVIDERS = ("openai", "anthropic", "google")
 
 def catalogue_version() -> str:
     """The catalogue the prices come from, as recorded on each call it priced."""
-    return f"genai-prices {version('genai-prices')}"
+    from genai_prices import __version__
+
+    return f"genai-prices {__version__}"
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,8 @@ def price_of(*models: str | None) -> Price | None:
     """The price of the first of `models` that has one (the response's model, then the
     request's), or None: a model nobody prices goes through the one unpriced check."""
     for model in filter(None, models):
-        price = _local(model, stripped=False) or _catalogue(model) or _local(model, stripped=True)
+        price = _local(model, stripped=False) or _catalogue(model, _today())
+        price = price or _local(model, stripped=True)
         if price is not None:
             return price
     return None
@@ -94,9 +97,16 @@ def _local(model: str, *, stripped: bool) -> Price | None:
     return None
 
 
-def _catalogue(model: str) -> Price | None:
+def _today() -> str:
+    return datetime.now(tz=UTC).date().isoformat()
+
+
+@functools.lru_cache(maxsize=1024)
+def _catalogue(model: str, day: str) -> Price | None:
     """The catalogue's price of `model` in any of its spellings: the provider's own, a
-    gateway's (OpenRouter's `anthropic/claude-sonnet-4.5`), Bedrock's, Vertex's (`@date`)."""
+    gateway's (OpenRouter's `anthropic/claude-sonnet-4.5`), Bedrock's, Vertex's (`@date`).
+    Kept for the `day`: a lookup scans the catalogue (milliseconds), and a price the
+    catalogue schedules for a date applies from that day on."""
     from genai_prices import data_snapshot
 
     snapshot = data_snapshot.get_snapshot()
