@@ -378,35 +378,35 @@ def lg_misuse(ctx: RunContext, input: dict):
 # LangChain's docs (the model built once, at module level, SDK retries left at their default).
 
 
-def chat_model(provider: str, **options: Any):
+def chat_model(provider: str, model: str | None = None, **options: Any):
     base = os.environ["STEPGUARD_MODEL_BASE_URL"]
     if provider == "anthropic":
         from langchain_anthropic import ChatAnthropic
 
         return ChatAnthropic(
-            model="claude-3-5-haiku-latest", base_url=base.removesuffix("/v1"), api_key="k",
-            **options,
+            model=model or "claude-3-5-haiku-latest", base_url=base.removesuffix("/v1"),
+            api_key="k", **options,
         )  # fmt: skip
     from langchain_openai import ChatOpenAI
 
-    return ChatOpenAI(model="gpt-4o-mini", base_url=base, api_key="k", **options)
+    return ChatOpenAI(model=model or "gpt-4o-mini", base_url=base, api_key="k", **options)
 
 
 _shared: dict[tuple[str, str], Any] = {}
 
 
-def shared_model(provider: str):
-    """One chat model per provider and model server for the whole process, as a module-level
-    `llm = ChatOpenAI(...)` is: its client outlives every execution."""
-    key = (provider, os.environ["STEPGUARD_MODEL_BASE_URL"])
+def shared_model(provider: str, model: str | None = None):
+    """One chat model per provider, model and model server for the whole process, as a
+    module-level `llm = ChatOpenAI(...)` is: its client outlives every execution."""
+    key = (provider, model or "", os.environ["STEPGUARD_MODEL_BASE_URL"])
     if key not in _shared:
-        _shared[key] = chat_model(provider)
+        _shared[key] = chat_model(provider, model)
     return _shared[key]
 
 
-def chatbot_graph(provider: str, how: str):
+def chatbot_graph(provider: str, how: str, model: str | None = None):
     def chatbot(state: MessagesState) -> dict:
-        llm = shared_model(provider)
+        llm = shared_model(provider, model)
         if how == "stream":
             chunks = list(llm.stream(state["messages"]))
             reply = chunks[0]
@@ -423,7 +423,7 @@ def chatbot_graph(provider: str, how: str):
         return {"messages": [reply]}
 
     async def achatbot(state: MessagesState) -> dict:
-        llm = shared_model(provider)
+        llm = shared_model(provider, model)
         if how == "stream":
             text = "".join([c.text async for c in llm.astream(state["messages"])])
             return {"messages": [AIMessage(text)]}
@@ -451,7 +451,9 @@ def chatbot_input(input: dict) -> dict:
 
 @workflow("lg-chatbot")
 def lg_chatbot(ctx: RunContext, input: dict) -> dict:
-    graph = chatbot_graph(input.get("provider", "openai"), input.get("how", "invoke"))
+    graph = chatbot_graph(
+        input.get("provider", "openai"), input.get("how", "invoke"), input.get("model")
+    )
     state = durable(graph, ctx).invoke(chatbot_input(input))
     return {"answer": state["messages"][-1].text}
 
@@ -459,6 +461,6 @@ def lg_chatbot(ctx: RunContext, input: dict) -> dict:
 @workflow("lg-chatbot-async")
 async def lg_chatbot_async(ctx, input: dict) -> dict:
     how = "stream-async" if input.get("how") == "stream" else "ainvoke"
-    graph = chatbot_graph(input.get("provider", "openai"), how)
+    graph = chatbot_graph(input.get("provider", "openai"), how, input.get("model"))
     state = await durable(graph, ctx).ainvoke(chatbot_input(input))
     return {"answer": state["messages"][-1].text}

@@ -7,7 +7,7 @@ from django.db.models import Count
 from runs.adapters.langgraph import MARK
 from runs.approvals.models import ApprovalRequest
 from runs.approvals.services import decide
-from runs.models import Run, RunStatus, Step
+from runs.models import Event, Run, RunStatus, Step
 from runs.sdk import send_signal, start_run
 from tests import adapter_langgraph_workflows as lg
 from tests import workflows
@@ -271,6 +271,29 @@ def test_a_chat_model_in_a_node_is_an_llm_step_keyed_and_priced(
         assert (node.reserved_micros, node.reserved_tokens) == (0, 0)
         assert run.output["answer"].startswith("[demo model]") or how == "tools"
     assert demo_model.total == 2
+
+
+@pytest.mark.django_db(transaction=True)  # async workflows' checkpoints: threads of their own
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+@pytest.mark.parametrize("name", ["lg-chatbot", "lg-chatbot-async"])
+def test_an_unpriced_chat_model_is_flagged_and_refused_under_a_usd_budget_if_so_set(
+    drive, demo_model, settings, provider, name
+):
+    """The one unpriced check of every path (ctx.llm's): flagged on the timeline, and under
+    STEPGUARD_REFUSE_UNPRICED_MODELS refused before a request is sent."""
+    unpriced = {"provider": provider, "model": "my-finetune"}
+    run = start_run(name, unpriced, budget_usd="1")
+    assert drive() == ["completed"]
+    assert Event.objects.get(run=run, type="model.unpriced").payload == {"model": "my-finetune"}
+    assert step(run, "chatbot").cost_micros == 0 and demo_model.total == 1
+
+    settings.STEPGUARD_REFUSE_UNPRICED_MODELS = True
+    run = start_run(name, unpriced, budget_usd="1")
+    assert drive() == ["failed"]
+    run.refresh_from_db()
+    assert run.error["cause"]["code"] == "unpriced_model", run.error
+    assert demo_model.total == 1  # the refused call was never sent
+    assert step(run, "chatbot").attempt == 1  # nor tried again
 
 
 def test_a_chat_model_call_refused_by_the_provider_is_sent_once(drive, demo_model):

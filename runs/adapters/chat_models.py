@@ -30,6 +30,7 @@ from langchain_core.messages import BaseMessage, convert_to_openai_messages
 
 from runs.engine import llm as llm_engine
 from runs.engine.budget import Amount, Metered, Usage
+from runs.engine.context import engine_of
 from runs.engine.fences import over_budget
 from runs.engine.records import CURRENT_STEP
 from runs.models import Run, StepKind
@@ -48,6 +49,10 @@ class Meter:
     calls: int = 0
     usage: Usage = field(default_factory=Usage)
     models: list[str] = field(default_factory=list)
+    #: The execution's model calls: their one unpriced check (ModelCalls.refuse_unpriced).
+    model_calls: Any = None
+    #: Usages of calls answered unpriced, to flag on the timeline (ModelCalls.flag_unpriced).
+    unpriced: list[tuple[str, Usage]] = field(default_factory=list)
 
     def key(self) -> str:
         running = CURRENT_STEP.get()
@@ -56,7 +61,9 @@ class Meter:
         self.calls += 1
         return f"{running.idempotency_key}:{self.calls}"
 
-    def add(self, usage: Usage) -> None:
+    def add(self, usage: Usage, model: str = "") -> None:
+        if usage.breakdown is not None and not usage.breakdown["priced"]:
+            self.unpriced.append((model, usage))
         breakdowns = [b for b in (self.usage.breakdown, usage.breakdown) if b]
         self.usage = Usage(
             self.usage.tokens_in + usage.tokens_in,
@@ -93,9 +100,12 @@ class Meter:
         return (request.get("max_tokens") if cap is not None else None), estimate
 
 
-def _reserve(estimate: Amount) -> None:
+def _reserve(estimate: Amount, meter: Meter | None = None, model: str = "") -> None:
     """Hold the call's estimate on the step before it is sent (Steps._reserve_in_step): a
-    call cut off in flight by a crash is booked as possibly spent when the step is re-sent."""
+    call cut off in flight by a crash is booked as possibly spent when the step is re-sent.
+    First the one unpriced check every path makes (ModelCalls.refuse_unpriced)."""
+    if meter is not None and meter.model_calls is not None:
+        meter.model_calls.refuse_unpriced(model)
     running = CURRENT_STEP.get()
     if running is not None and running.reserve is not None and estimate:
         running.reserve(estimate)
@@ -107,12 +117,32 @@ def _paid(meter: Meter) -> None:
     running = CURRENT_STEP.get()
     if running is not None and running.answered is not None:
         running.answered(meter.usage)
+    if running is not None:
+        _flag_unpriced(meter, running.key)
 
 
-async def _areserve(estimate: Amount) -> None:
+def _flag_unpriced(meter: Meter, key: str) -> None:
+    """Flag the calls answered unpriced on the timeline, as every path does."""
+    while meter.unpriced and meter.model_calls is not None:
+        model, usage = meter.unpriced.pop(0)
+        meter.model_calls.flag_unpriced(key, usage, model)
+
+
+async def _apaid(meter: Meter) -> None:
+    """`_paid` from the event loop: the timeline is written on the step's thread."""
+    running = CURRENT_STEP.get()
+    if running is not None and running.answered is not None:
+        running.answered(meter.usage)
+    if running is not None and running.thread is not None and meter.unpriced:
+        await running.thread.run(functools.partial(_flag_unpriced, meter, running.key))
+
+
+async def _areserve(estimate: Amount, meter: Meter | None = None, model: str = "") -> None:
     """The same from the event loop, which may not touch the database: on the step's
     thread, which waits for this call meanwhile."""
     running = CURRENT_STEP.get()
+    if running is not None and running.thread is not None and meter and meter.model_calls:
+        await running.thread.run(functools.partial(meter.model_calls.refuse_unpriced, model))
     if running is not None and running.reserve is not None and estimate:
         reserve, thread = running.reserve, running.thread
         assert thread is not None  # every step with a row has one
@@ -128,7 +158,7 @@ _METER: contextvars.ContextVar[Meter | None] = contextvars.ContextVar(
 def metering(ctx: Any, run: Run | None = None) -> Iterator[Meter]:
     """Meter the chat-model calls made in this block (inside the step `ctx` is running),
     against `run` as read before the step if given (async), else as read before each call."""
-    meter = Meter(run_id=ctx.run_id, run=run)
+    meter = Meter(run_id=ctx.run_id, run=run, model_calls=engine_of(ctx).calls)
     token = _METER.set(meter)
     try:
         yield meter
@@ -238,14 +268,14 @@ def _metered_generate(generate: Callable) -> Callable:
         if meter is None:
             return generate(self, messages, stop, run_manager, **kwargs)
         kwargs, estimate = _prepared(meter, self, messages, kwargs)
-        _reserve(estimate)
+        _reserve(estimate, meter, _model_name(self))
         try:
             result = generate(_quiet(self), messages, stop, run_manager, **kwargs)
         except Exception as exc:
             _refused(exc)
             raise
         for generation in result.generations:
-            meter.add(_usage(_model_name(self), generation.message))
+            meter.add(_usage(_model_name(self), generation.message), _model_name(self))
         _paid(meter)
         return result
 
@@ -261,15 +291,15 @@ def _metered_agenerate(agenerate: Callable) -> Callable:
         if meter is None:
             return await agenerate(self, messages, stop, run_manager, **kwargs)
         kwargs, estimate = _prepared(meter, self, messages, kwargs)
-        await _areserve(estimate)
+        await _areserve(estimate, meter, _model_name(self))
         try:
             result = await agenerate(_quiet(self), messages, stop, run_manager, **kwargs)
         except Exception as exc:
             _refused(exc)
             raise
         for generation in result.generations:
-            meter.add(_usage(_model_name(self), generation.message))
-        _paid(meter)
+            meter.add(_usage(_model_name(self), generation.message), _model_name(self))
+        await _apaid(meter)
         return result
 
     return _agenerate_with_cache
@@ -286,7 +316,7 @@ def _metered_stream(stream: Callable) -> Callable:
             return
         messages = self._convert_input(input).to_messages()
         kwargs, estimate = _prepared(meter, self, messages, _streamed(self, kwargs))
-        _reserve(estimate)
+        _reserve(estimate, meter, _model_name(self))
         chunks = stream(_quiet(self), input, config, stop=stop, **kwargs)
         last = None
         while True:
@@ -303,7 +333,7 @@ def _metered_stream(stream: Callable) -> Callable:
             last = chunk if last is None else last + chunk
             yield chunk
         if last is not None:
-            meter.add(_usage(_model_name(self), last))
+            meter.add(_usage(_model_name(self), last), _model_name(self))
             _paid(meter)
 
     return _stream
@@ -321,7 +351,7 @@ def _metered_astream(astream: Callable) -> Callable:
             return
         messages = self._convert_input(input).to_messages()
         kwargs, estimate = _prepared(meter, self, messages, _streamed(self, kwargs))
-        await _areserve(estimate)
+        await _areserve(estimate, meter, _model_name(self))
         chunks = astream(_quiet(self), input, config, stop=stop, **kwargs)
         last = None
         while True:
@@ -338,8 +368,8 @@ def _metered_astream(astream: Callable) -> Callable:
             last = chunk if last is None else last + chunk
             yield chunk
         if last is not None:
-            meter.add(_usage(_model_name(self), last))
-            _paid(meter)
+            meter.add(_usage(_model_name(self), last), _model_name(self))
+            await _apaid(meter)
 
     return _astream
 

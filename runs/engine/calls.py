@@ -110,8 +110,7 @@ class ModelCalls:
         retries off (the step retries); the answer and its usage, or what it cost if it failed."""
         idem = self.steps.idempotency_key
         self.steps.answered_now.pop(idem, None)
-        if llm_engine.price_of(model) is None:
-            self._refuse_unpriced(model)  # before paying; flagged after, by the answer
+        self.refuse_unpriced(model)  # before paying; flagged after, by the answer
         kwargs = request
         if accepts(call, "extra_headers"):  # the SDKs' create() methods do
             headers = {"Idempotency-Key": self.steps.idempotency_key}
@@ -141,8 +140,7 @@ class ModelCalls:
             raise
         data = llm_engine.as_json(response)
         usage = llm_engine.usage_of(data, model)
-        if usage.breakdown is not None and not usage.breakdown["priced"]:
-            self._unpriced(key, str(usage.breakdown["model"] or model))
+        self.flag_unpriced(key, usage, model)
         tracing.model_call(data, usage)
         return Metered(data, usage)
 
@@ -187,14 +185,25 @@ class ModelCalls:
             cap = llm_engine.answer_cap(model, request, Run.objects.get(pk=self.ex.lease.run_id))
         return request if cap is None else {**request, field: cap}
 
-    def _refuse_unpriced(self, model: str) -> None:
-        """Under a USD budget and STEPGUARD_REFUSE_UNPRICED_MODELS, a call to a model with no
-        price is refused before it is sent: its spend could never trip the budget."""
+    def refuse_unpriced(self, model: str) -> None:
+        """The one check before any model call is sent, on every path (`ctx.llm`, and through
+        it the Agents SDK and Pydantic AI adapters; LangChain chat models in a metered node):
+        under a USD budget and STEPGUARD_REFUSE_UNPRICED_MODELS, a model with no price is
+        refused before it is sent, as its spend could never trip the budget. Runs on the
+        step's thread: it may read the policies."""
+        if llm_engine.price_of(model) is not None:
+            return
         if settings.STEPGUARD_REFUSE_UNPRICED_MODELS and self._under_usd_budget():
             raise UnpricedModel(
                 f"model {model!r} has no price (STEPGUARD_MODEL_PRICES) and this run has a USD "
                 "budget it could never trip (STEPGUARD_REFUSE_UNPRICED_MODELS)"
             )
+
+    def flag_unpriced(self, key: str, usage: Usage, model: str) -> None:
+        """After the answer, on every path: a call that came back unpriced is flagged on the
+        timeline (`_unpriced`), judged by the model the answer names."""
+        if usage.breakdown is not None and not usage.breakdown["priced"]:
+            self._unpriced(key, str(usage.breakdown["model"] or model))
 
     def _unpriced(self, key: str, model: str) -> None:
         """A model with no price spends nothing in USD, so a USD budget can never stop it: say

@@ -11,56 +11,13 @@ import json
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from decimal import Decimal
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from django.conf import settings
-
 from runs.engine.budget import Usage, shared_left
+from runs.engine.prices import DEFAULT_PRICES, Price, price_of  # noqa: F401 (re-exported)
 from runs.errors import ModelRequestRejected, OutputNotSerializable, StepMisuse
-
-#: USD per million tokens: (input, output[, cached input[, cache write]]); cached input and
-#: cache writes cost the input price where not given (OpenAI charges nothing extra to write
-#: its cache). A string is an alias: the model it is priced as. Override or extend with
-#: STEPGUARD_MODEL_PRICES, a JSON object of the same shape. Names match exactly, after a
-#: gateway's provider prefix (`openai/gpt-4o`) and then a snapshot suffix (`-2024-08-06`,
-#: `-20241022`, `-latest`) are dropped, so `o3-mini` is never priced as `o3`.
-DEFAULT_PRICES: dict[str, tuple[str, ...] | str] = {
-    # USD per million tokens: input, output, cached input, cache write (the providers' list
-    # prices for standard requests; STEPGUARD_MODEL_PRICES overrides any of them).
-    "gpt-5.1": ("1.25", "10.00", "0.125"),
-    "gpt-5": ("1.25", "10.00", "0.125"),
-    "gpt-5-mini": ("0.25", "2.00", "0.025"),
-    "gpt-5-nano": ("0.05", "0.40", "0.005"),
-    "gpt-4.1": ("2.00", "8.00", "0.50"),
-    "gpt-4.1-mini": ("0.40", "1.60", "0.10"),
-    "gpt-4.1-nano": ("0.10", "0.40", "0.025"),
-    "gpt-4o": ("2.50", "10.00", "1.25"),
-    "gpt-4o-mini": ("0.15", "0.60", "0.075"),
-    "o3": ("2.00", "8.00", "0.50"),
-    "o3-mini": ("1.10", "4.40", "0.55"),
-    "o4-mini": ("1.10", "4.40", "0.275"),
-    "claude-opus-4-5": ("5.00", "25.00", "0.50", "6.25"),
-    "claude-opus-4-1": ("15.00", "75.00", "1.50", "18.75"),
-    "claude-opus-4": ("15.00", "75.00", "1.50", "18.75"),
-    "claude-opus-4-0": "claude-opus-4",
-    "claude-sonnet-4-5": ("3.00", "15.00", "0.30", "3.75"),
-    "claude-sonnet-4": ("3.00", "15.00", "0.30", "3.75"),
-    "claude-sonnet-4-0": "claude-sonnet-4",
-    "claude-3-7-sonnet": ("3.00", "15.00", "0.30", "3.75"),
-    "claude-3-5-sonnet": ("3.00", "15.00", "0.30", "3.75"),
-    "claude-haiku-4-5": ("1.00", "5.00", "0.10", "1.25"),
-    "claude-3-5-haiku": ("0.80", "4.00", "0.08", "1.00"),
-    # Gemini (prompts up to 200k tokens; cached input is context-cache reads).
-    "gemini-2.5-pro": ("1.25", "10.00", "0.125"),
-    "gemini-2.5-flash": ("0.30", "2.50", "0.03"),
-    "gemini-2.5-flash-lite": ("0.10", "0.40", "0.01"),
-    # The scripted demo model served on 127.0.0.1 (examples/model_server.py): priced like a
-    # small real model so the budget demos have something to stop.
-    "stepguard-demo": ("1.00", "4.00", "0.10", "1.25"),
-}
 
 REQUEST_FIELDS = (
     "model", "messages", "input", "instructions", "system", "tools", "tool_choice",
@@ -71,42 +28,6 @@ REQUEST_FIELDS = (
 #: charges for one image (Anthropic: ~1,600 tokens at 1568 px; OpenAI high detail: ~1,100).
 #: Counting its base64 characters instead would make a 400 KB image 100,000 tokens.
 IMAGE_TOKENS = 1_600
-
-_SNAPSHOT = re.compile(r"-(\d{4}-\d{2}-\d{2}|\d{8}|latest)$")
-
-
-@dataclass(frozen=True)
-class Price:
-    """USD per million tokens of each kind."""
-
-    input: Decimal
-    output: Decimal
-    cached_input: Decimal
-    cache_write: Decimal
-
-    @classmethod
-    def of(cls, entry: tuple | list) -> Price:
-        values = [Decimal(str(v)) for v in entry]
-        if not 2 <= len(values) <= 4 or any(v < 0 for v in values):
-            raise ValueError(f"a model price is [input, output, cached?, cache write?]: {entry}")
-        values += [values[0]] * (4 - len(values))
-        return cls(*values)
-
-
-def price_of(*models: str | None) -> Price | None:
-    """The price of the first of `models` that has one (the response's model, then the
-    request's), or None."""
-    table = {**DEFAULT_PRICES, **settings.STEPGUARD_MODEL_PRICES}
-    for model in filter(None, models):
-        bare = model.rsplit("/", 1)[-1]
-        for name in dict.fromkeys((model, bare, _SNAPSHOT.sub("", bare))):
-            entry, seen = table.get(name), {name}
-            while isinstance(entry, str) and entry not in seen:  # an alias
-                seen.add(entry)
-                entry = table.get(entry)
-            if entry is not None and not isinstance(entry, str):
-                return Price.of(entry)
-    return None
 
 
 def cost(model: str, tokens_in: int, tokens_out: int) -> Decimal:
@@ -239,6 +160,7 @@ def usage_of(data: dict, model: str) -> Usage:
     breakdown = {
         "model": priced or answered or model,
         "priced": price is not None,
+        "prices": price.source if price else None,  # the catalogue version, or the local table
         "kinds": {k: {"tokens": n, "usd": str(usd[k])} for k, n in kinds.items() if n},
     }
     return Usage(tokens_in, tokens_out, sum(usd.values(), Decimal(0)), breakdown=breakdown)
