@@ -201,7 +201,7 @@ def _started(response: dict) -> dict:
     """The input tokens of a streamed Anthropic answer as its `message_start` counted them
     (`_with_started_usage`), in `usage_metadata`'s terms: for a provider whose `message_delta`
     carries the output tokens only, LangChain's usage of the answer has no input tokens."""
-    usage = response.get("usage")
+    usage = response.get("message_start_usage")
     if not isinstance(usage, dict) or not usage.get("input_tokens"):
         return {}
     read = usage.get("cache_read_input_tokens") or 0
@@ -410,17 +410,17 @@ def _metered_astream(astream: Callable) -> Callable:
 
 def _with_started_usage(make: Callable) -> Callable:
     """ChatAnthropic's chunk of a streamed answer's `message_start`, keeping the usage that
-    event counts as the chunk's `response_metadata["usage"]` (where a non-streamed answer
-    has it). LangChain reads the usage from `message_delta` alone, which carries the input
-    tokens only where the provider repeats them there (Anthropic's API now; not Bedrock,
-    Vertex or the API before): without them the answer's input would be recorded free."""
+    event counts as the chunk's `response_metadata["message_start_usage"]`. LangChain reads
+    the usage from `message_delta` alone, which carries the input tokens only where the
+    provider repeats them there (Anthropic's API now; not Bedrock, Vertex or the API
+    before): without them the answer's input would be recorded free."""
 
     @functools.wraps(make)
     def _make_message_chunk_from_anthropic_event(self, event, *args, **kwargs):
         chunk, block = make(self, event, *args, **kwargs)
         usage = getattr(getattr(event, "message", None), "usage", None)
         if event.type == "message_start" and chunk is not None and usage is not None:
-            chunk.response_metadata["usage"] = usage.model_dump(exclude_none=True)
+            chunk.response_metadata["message_start_usage"] = usage.model_dump(exclude_none=True)
         return chunk, block
 
     return _make_message_chunk_from_anthropic_event
