@@ -469,12 +469,14 @@ async def lg_chatbot_async(ctx, input: dict) -> dict:
 # a row so a budget spent by the first can stop the next.
 
 
-def turns_graph(provider: str, turns: int, asynchronous: bool = False):
+def turns_graph(provider: str, turns: int, asynchronous: bool = False, **options: Any):
+    model = chat_model(provider, **options) if options else shared_model(provider)
+
     def chatbot(state: MessagesState) -> dict:
-        return {"messages": [shared_model(provider).invoke(state["messages"])]}
+        return {"messages": [model.invoke(state["messages"])]}
 
     async def achatbot(state: MessagesState) -> dict:
-        return {"messages": [await shared_model(provider).ainvoke(state["messages"])]}
+        return {"messages": [await model.ainvoke(state["messages"])]}
 
     def more(state: MessagesState) -> str:
         answers = sum(1 for m in state["messages"] if m.type == "ai")
@@ -489,7 +491,8 @@ def turns_graph(provider: str, turns: int, asynchronous: bool = False):
 
 @workflow("lg-chatbot-streamed")
 def lg_chatbot_streamed(ctx: RunContext, input: dict) -> dict:
-    graph = turns_graph(input.get("provider", "openai"), input.get("turns", 1))
+    options = input.get("options") or {}
+    graph = turns_graph(input.get("provider", "openai"), input.get("turns", 1), **options)
     tokens = []
     for chunk, _meta in durable(graph, ctx).stream(chatbot_input(input), stream_mode="messages"):
         tokens.append(chunk.text)

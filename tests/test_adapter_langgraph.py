@@ -477,3 +477,14 @@ def test_a_streamed_graph_pauses_on_its_budget_as_an_invoked_one(
     assert demo_model.total == 2  # the invoked call and the first streamed one
     run.refresh_from_db()
     assert 0 < run.cost_micros == step(run, "chatbot").cost_micros <= paid  # its answer capped
+
+
+def test_a_streamed_answer_is_metered_whatever_the_models_constructor_says(drive, demo_model):
+    """`ChatOpenAI(stream_usage=False)`: the adapter asks for the usage all the same."""
+    paid = invoked("openai", drive)
+    options = {"stream_usage": False}
+    run = start_run("lg-chatbot-streamed", {"provider": "openai", "options": options})
+    assert drive() == ["completed"]
+    assert demo_model.bodies[-1]["stream_options"] == {"include_usage": True}
+    node = step(run, "chatbot")
+    assert (node.tokens_in, node.tokens_out, node.cost_micros) == paid
