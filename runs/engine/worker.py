@@ -50,7 +50,8 @@ log = logging.getLogger("stepguard.worker")
 #: lease and a renewal must land before the lease runs out: a 1 s lease leaves it 0.67 s, which
 #: a machine short of CPU (more runnable processes than cores, a container's CPU quota) takes
 #: from the heart, and the step in flight is re-sent by another worker though nothing crashed.
-#: 10 s leaves 6.7 s. Tests and benchmarks run 1-2 s leases on purpose, to recover fast.
+#: 10 s leaves 6.7 s. Tests, benchmarks and the demo run 1-3 s leases on purpose, to recover
+#: fast; with DEBUG on (the demo, development) the worker does not warn.
 LEASE_FLOOR_SECONDS = 10.0
 
 #: Times one claim of a run is taken up again after its connection broke; past that, a
@@ -104,7 +105,8 @@ class WorkerProcess:
         self.bell.set()
 
     def run_forever(self) -> None:
-        if (lease := self.lease.total_seconds()) < LEASE_FLOOR_SECONDS:
+        lease = self.lease.total_seconds()
+        if lease < LEASE_FLOOR_SECONDS and not settings.DEBUG:  # the demo's is 3 s on purpose
             log.warning(
                 "a lease of %g s: the heart renews it every %.2g s, and a machine short of CPU "
                 "that delays a renewal by %.2g s lets another worker re-send the step in "
