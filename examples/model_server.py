@@ -132,6 +132,8 @@ class DemoModel:
         self.in_flight = self.max_in_flight = 0
         self._arrivals = threading.Condition()
         self._hold: tuple[int, float] | None = None
+        #: "output": Anthropic's streamed message_delta carries the output tokens only.
+        self.anthropic_delta_usage = "cumulative"
 
     def hold(self, count: int, timeout: float = 5.0) -> None:
         """Answer no request until `count` are in flight together (or `timeout` s passed):
@@ -323,7 +325,9 @@ def _pieces(text: str, size: int = 12) -> list[str]:
     return [text[i : i + size] for i in range(0, len(text), size)] or [""]
 
 
-def stream_events(route: str, body: dict, response: dict) -> list[tuple[str | None, dict | str]]:
+def stream_events(
+    route: str, body: dict, response: dict, delta: str = "cumulative"
+) -> list[tuple[str | None, dict | str]]:
     """`response` as the server-sent events its protocol streams: (event name, data)."""
     if route == "/chat/completions":
         head = {k: response[k] for k in ("id", "created", "model")}
@@ -353,6 +357,9 @@ def stream_events(route: str, body: dict, response: dict) -> list[tuple[str | No
         return [(e["type"], e) for e in events]
     # Anthropic's messages: a text block's text, a tool_use block's input as JSON, in pieces
     usage = response["usage"]
+    # Cumulative in message_delta, as the API sends it now; the output tokens only where the
+    # input tokens come in message_start alone (Bedrock, Vertex, the API before 2025).
+    delta_usage = usage if delta != "output" else {"output_tokens": usage["output_tokens"]}
     start = response | {"content": [], "stop_reason": None, "usage": usage | {"output_tokens": 1}}
     events = [{"type": "message_start", "message": start}]
     for index, block in enumerate(response["content"]):
@@ -368,7 +375,7 @@ def stream_events(route: str, body: dict, response: dict) -> list[tuple[str | No
         events.append({"type": "content_block_stop", "index": index})
     events += [
         {"type": "message_delta", "delta": {"stop_reason": response["stop_reason"],
-         "stop_sequence": None}, "usage": usage},  # cumulative, as the API sends it now
+         "stop_sequence": None}, "usage": delta_usage},
         {"type": "message_stop"},
     ]  # fmt: skip
     return [(e["type"], e) for e in events]
@@ -455,7 +462,8 @@ def serve(port: int = 0) -> tuple[ThreadingHTTPServer, DemoModel]:
             with model.answering():
                 answer = handler(body)
             if body.get("stream"):
-                return self._stream(stream_events(route, body, answer))
+                events = stream_events(route, body, answer, model.anthropic_delta_usage)
+                return self._stream(events)
             return self._send(200, answer)
 
         def _stream(self, events) -> None:

@@ -464,3 +464,53 @@ async def lg_chatbot_async(ctx, input: dict) -> dict:
     graph = chatbot_graph(input.get("provider", "openai"), how, input.get("model"))
     state = await durable(graph, ctx).ainvoke(chatbot_input(input))
     return {"answer": state["messages"][-1].text}
+
+
+# The same chatbot served to a chat UI: the graph streamed, the node calling `invoke` as written
+# (LangGraph's callbacks then stream the model's answer token by token), `turns` model calls in
+# a row so a budget spent by the first can stop the next.
+
+
+def turns_graph(provider: str, turns: int, asynchronous: bool = False, **options: Any):
+    model = chat_model(provider, **options) if options else shared_model(provider)
+
+    def chatbot(state: MessagesState) -> dict:
+        return {"messages": [model.invoke(state["messages"])]}
+
+    async def achatbot(state: MessagesState) -> dict:
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
+    def more(state: MessagesState) -> str:
+        answers = sum(1 for m in state["messages"] if m.type == "ai")
+        return "chatbot" if answers < turns else END
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("chatbot", achatbot if asynchronous else chatbot)
+    graph.add_edge(START, "chatbot")
+    graph.add_conditional_edges("chatbot", more)
+    return graph.compile()
+
+
+@workflow("lg-chatbot-streamed")
+def lg_chatbot_streamed(ctx: RunContext, input: dict) -> dict:
+    options = input.get("options") or {}
+    graph = turns_graph(input.get("provider", "openai"), input.get("turns", 1), **options)
+    tokens = []
+    for chunk, _meta in durable(graph, ctx).stream(chatbot_input(input), stream_mode="messages"):
+        tokens.append(chunk.text)
+    return {"answer": "".join(tokens)}
+
+
+@workflow("lg-chatbot-streamed-async")
+async def lg_chatbot_streamed_async(ctx, input: dict) -> dict:
+    graph = turns_graph(input.get("provider", "openai"), input.get("turns", 1), asynchronous=True)
+    graph = durable(graph, ctx)
+    tokens = []
+    if input.get("how") == "events":
+        async for event in graph.astream_events(chatbot_input(input), version="v2"):
+            if event["event"] == "on_chat_model_stream":
+                tokens.append(event["data"]["chunk"].text)
+    else:
+        async for chunk, _meta in graph.astream(chatbot_input(input), stream_mode="messages"):
+            tokens.append(chunk.text)
+    return {"answer": "".join(tokens)}

@@ -317,8 +317,14 @@ def test_a_server_error_is_retried_by_the_step_with_the_same_key(drive, demo_mod
     assert demo_model.calls[f"{node.idempotency_key}:1"] == 2  # the same key both times
 
 
-def test_a_budget_pauses_the_run_before_the_chat_model_call_that_would_overspend(drive, demo_model):
-    run = start_run("lg-chatbot", {"provider": "openai"}, budget_tokens=5)
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("name", ["lg-chatbot", "lg-chatbot-async"])
+def test_a_budget_pauses_the_run_before_the_chat_model_call_that_would_overspend(
+    drive, demo_model, name
+):
+    """In an async node too: LangChain's `agenerate` took the refusal, which is no
+    `Exception`, for an answer (AttributeError: no `generations`), and the step failed."""
+    run = start_run(name, {"provider": "openai"}, budget_tokens=5)
     assert drive() == ["over_budget"]
     assert demo_model.total == 0  # nothing sent, nothing paid
     run.refresh_from_db()
@@ -432,3 +438,76 @@ def test_a_capped_call_cut_off_in_flight_is_possibly_spent_for_no_more_than_the_
     node = step(run, "chatbot")
     assert node.recovered == "resent"
     assert node.possibly_spent_micros == cut.reserved_micros
+
+
+# A streamed graph (a chat UI's): LangGraph's callbacks make the node's `invoke` stream.
+
+STREAMED = [
+    ("lg-chatbot-streamed", "messages"),
+    ("lg-chatbot-streamed-async", "messages"),
+    ("lg-chatbot-streamed-async", "events"),
+]
+
+
+def invoked(provider: str, drive) -> tuple[int, int, int]:
+    """What the same call costs through `invoke`, not streamed: tokens in and out, µ$."""
+    run = start_run("lg-chatbot", {"provider": provider})
+    assert drive() == ["completed"]
+    node = step(run, "chatbot")
+    return node.tokens_in, node.tokens_out, node.cost_micros
+
+
+@pytest.mark.django_db(transaction=True)  # async workflows' checkpoints: threads of their own
+@pytest.mark.parametrize("provider", ["openai", "anthropic", "anthropic-output-only"])
+@pytest.mark.parametrize(("name", "how"), STREAMED)
+def test_a_streamed_graphs_chat_model_call_is_metered_as_its_invoke(
+    drive, demo_model, provider, name, how
+):
+    """With `stream_mode="messages"` or `astream_events`, LangChain streams the node's `invoke`:
+    ChatOpenAI left the usage out of the stream (0 tokens, $0 recorded, the provider billed),
+    and ChatAnthropic read it from `message_delta` only, which carries no input tokens where
+    the provider sends them in `message_start` only (Bedrock, Vertex, the API before 2025)."""
+    if provider == "anthropic-output-only":
+        demo_model.anthropic_delta_usage = "output"
+    model = provider.removesuffix("-output-only")
+    paid = invoked(model, drive)
+    run = start_run(name, {"provider": model, "how": how})
+    assert drive() == ["completed"]
+    node = step(run, "chatbot")
+    assert demo_model.bodies[-1]["stream"] is True  # the answer was streamed
+    assert (node.tokens_in, node.tokens_out, node.cost_micros) == paid
+    assert node.kind == "llm"
+    run.refresh_from_db()
+    assert run.output["answer"].startswith("[demo model]")  # the tokens reached the caller
+    assert (run.tokens_in, run.tokens_out, run.cost_micros) == paid
+    assert (run.reserved_micros, run.reserved_tokens) == (0, 0)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+@pytest.mark.parametrize(("name", "how"), STREAMED)
+def test_a_streamed_graph_pauses_on_its_budget_as_an_invoked_one(
+    drive, demo_model, provider, name, how
+):
+    """A budget of one call's cost: the second call of the graph is refused before it is sent
+    (before, nothing was recorded and all three calls were sent and paid)."""
+    from decimal import Decimal
+
+    paid = invoked(provider, drive)[2]
+    budget = Decimal(paid) / 1_000_000
+    run = start_run(name, {"provider": provider, "how": how, "turns": 3}, budget_usd=budget)
+    assert drive() == ["over_budget"]
+    assert demo_model.total == 2  # the invoked call and the first streamed one
+    run.refresh_from_db()
+    assert 0 < run.cost_micros == step(run, "chatbot").cost_micros <= paid  # its answer capped
+
+
+def test_a_streamed_answer_is_metered_whatever_the_models_constructor_says(drive, demo_model):
+    """`ChatOpenAI(stream_usage=False)`: the adapter asks for the usage all the same."""
+    paid = invoked("openai", drive)
+    options = {"stream_usage": False}
+    run = start_run("lg-chatbot-streamed", {"provider": "openai", "options": options})
+    assert drive() == ["completed"]
+    assert demo_model.bodies[-1]["stream_options"] == {"include_usage": True}
+    node = step(run, "chatbot")
+    assert (node.tokens_in, node.tokens_out, node.cost_micros) == paid

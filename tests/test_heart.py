@@ -174,3 +174,13 @@ def _environ() -> dict:
     env = dict(os.environ)
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
     return env
+
+
+def test_a_lease_shorter_than_the_floor_is_warned_about_at_start(spawn_worker):
+    """Issue 49 §6: under a 1 s lease a machine short of CPU delayed the heart's renewal past
+    the lease and a step was re-sent with no crash; the worker says so when it starts."""
+    short = spawn_worker(lease=1.0)
+    wait_until(lambda: "a lease of 1 s" in short.output(), what="the short lease's warning")
+    assert "use 10 s or more in production" in short.output()
+    long = spawn_worker(lease=10.0)
+    assert "a lease of" not in long.output()  # registered: the warning would be out by now

@@ -33,6 +33,7 @@ from runs.engine.budget import Amount, Metered, Usage
 from runs.engine.context import engine_of
 from runs.engine.fences import over_budget
 from runs.engine.records import CURRENT_STEP
+from runs.errors import ControlFlow
 from runs.models import Run, StepKind
 
 __all__ = ["metering"]
@@ -208,6 +209,9 @@ def _usage(model: str, message: Any) -> Usage:
     names. LangChain counts cache reads and writes inside the input tokens, for both
     providers: they are split out to be priced at their own rates."""
     meta = getattr(message, "usage_metadata", None) or {}
+    response = getattr(message, "response_metadata", None) or {}
+    if not meta.get("input_tokens") and (started := _started(response)):
+        meta = {**meta, **started}
     details = meta.get("input_token_details") or {}
     read, write = details.get("cache_read") or 0, details.get("cache_creation") or 0
     usage = {
@@ -219,9 +223,23 @@ def _usage(model: str, message: Any) -> Usage:
             "reasoning_tokens": (meta.get("output_token_details") or {}).get("reasoning") or 0
         },
     }
-    response = getattr(message, "response_metadata", None) or {}
     answered_as = response.get("model_name") or response.get("model") or model
     return llm_engine.usage_of({"model": answered_as, "usage": usage}, model)
+
+
+def _started(response: dict) -> dict:
+    """The input tokens of a streamed Anthropic answer as its `message_start` counted them
+    (`_with_started_usage`), in `usage_metadata`'s terms: for a provider whose `message_delta`
+    carries the output tokens only, LangChain's usage of the answer has no input tokens."""
+    usage = response.get("message_start_usage")
+    if not isinstance(usage, dict) or not usage.get("input_tokens"):
+        return {}
+    read = usage.get("cache_read_input_tokens") or 0
+    write = usage.get("cache_creation_input_tokens") or 0
+    return {
+        "input_tokens": usage["input_tokens"] + read + write,
+        "input_token_details": {"cache_read": read, "cache_creation": write},
+    }
 
 
 def _merged(breakdowns: list[dict]) -> dict:
@@ -248,10 +266,34 @@ def _prepared(
 
 
 def _streamed(model: BaseChatModel, kwargs: dict) -> dict:
-    """Ask for the usage of a streamed answer (ChatOpenAI leaves it out by default)."""
-    if "stream_usage" in type(model).model_fields and "stream_usage" not in kwargs:
-        return {**kwargs, "stream_usage": True}
+    """Ask for the usage of a streamed answer (ChatOpenAI leaves it out by default), whatever
+    the call or the model's constructor said: an answer without it would be recorded free."""
+    if "stream_usage" in type(model).model_fields:
+        kwargs = {**kwargs, "stream_usage": True}
+    return _including_usage(kwargs)
+
+
+def _including_usage(kwargs: dict) -> dict:
+    """A call's own `stream_options` (OpenAI's), asking for the usage too."""
+    if isinstance(options := kwargs.get("stream_options"), dict):
+        return {**kwargs, "stream_options": {**options, "include_usage": True}}
     return kwargs
+
+
+def _counting(model: BaseChatModel) -> BaseChatModel:
+    """A copy of `model` that asks for the usage of its answer if it streams it. `invoke`
+    streams whenever a callback handler wants the tokens (LangGraph's `stream_mode="messages"`,
+    `astream_events`), and `stream_usage` cannot be passed to a call that does not stream
+    (ChatOpenAI would send it to the API), so the copy's own setting says it."""
+    fields = type(model).model_fields
+    update: dict[str, Any] = {}
+    if "stream_usage" in fields and model.stream_usage is not True:  # type: ignore[attr-defined]
+        update["stream_usage"] = True
+    extra = getattr(model, "model_kwargs", None)
+    if "model_kwargs" in fields and isinstance(extra, dict) and "stream_options" in extra:
+        options = {**extra["stream_options"], "include_usage": True}
+        update["model_kwargs"] = {**extra, "stream_options": options}
+    return model.model_copy(update=update) if update else model
 
 
 def _refused(exc: Exception) -> None:
@@ -267,10 +309,10 @@ def _metered_generate(generate: Callable) -> Callable:
         meter = _METER.get()
         if meter is None:
             return generate(self, messages, stop, run_manager, **kwargs)
-        kwargs, estimate = _prepared(meter, self, messages, kwargs)
+        kwargs, estimate = _prepared(meter, self, messages, _including_usage(kwargs))
         _reserve(estimate, meter, _model_name(self))
         try:
-            result = generate(_quiet(self), messages, stop, run_manager, **kwargs)
+            result = generate(_counting(_quiet(self)), messages, stop, run_manager, **kwargs)
         except Exception as exc:
             _refused(exc)
             raise
@@ -290,10 +332,13 @@ def _metered_agenerate(agenerate: Callable) -> Callable:
         meter = _METER.get()
         if meter is None:
             return await agenerate(self, messages, stop, run_manager, **kwargs)
-        kwargs, estimate = _prepared(meter, self, messages, kwargs)
-        await _areserve(estimate, meter, _model_name(self))
         try:
-            result = await agenerate(_quiet(self), messages, stop, run_manager, **kwargs)
+            kwargs, estimate = _prepared(meter, self, messages, _including_usage(kwargs))
+            await _areserve(estimate, meter, _model_name(self))
+        except ControlFlow as signal:  # a budget's refusal, a lost lease...
+            raise _Carried(signal) from None
+        try:
+            result = await agenerate(_counting(_quiet(self)), messages, stop, run_manager, **kwargs)
         except Exception as exc:
             _refused(exc)
             raise
@@ -303,6 +348,25 @@ def _metered_agenerate(agenerate: Callable) -> Callable:
         return result
 
     return _agenerate_with_cache
+
+
+class _Carried(Exception):
+    """A signal that stops workflow code (OverBudget...) on its way through LangChain's
+    `agenerate`, which gathers its calls with `return_exceptions=True` and then takes an
+    exception that is no `Exception` for an answer (AttributeError: no `generations`)."""
+
+
+def _carrying(agenerate: Callable) -> Callable:
+    """`agenerate`, raising the signal `_Carried` brought through it."""
+
+    @functools.wraps(agenerate)
+    async def _agenerate(self, *args, **kwargs):
+        try:
+            return await agenerate(self, *args, **kwargs)
+        except _Carried as carried:
+            raise carried.args[0] from None
+
+    return _agenerate
 
 
 def _metered_stream(stream: Callable) -> Callable:
@@ -374,14 +438,39 @@ def _metered_astream(astream: Callable) -> Callable:
     return _astream
 
 
+def _with_started_usage(make: Callable) -> Callable:
+    """ChatAnthropic's chunk of a streamed answer's `message_start`, keeping the usage that
+    event counts as the chunk's `response_metadata["message_start_usage"]`. LangChain reads
+    the usage from `message_delta` alone, which carries the input tokens only where the
+    provider repeats them there (Anthropic's API now; not Bedrock, Vertex or the API
+    before): without them the answer's input would be recorded free."""
+
+    @functools.wraps(make)
+    def _make_message_chunk_from_anthropic_event(self, event, *args, **kwargs):
+        chunk, block = make(self, event, *args, **kwargs)
+        usage = getattr(getattr(event, "message", None), "usage", None)
+        if event.type == "message_start" and chunk is not None and usage is not None:
+            chunk.response_metadata["message_start_usage"] = usage.model_dump(exclude_none=True)
+        return chunk, block
+
+    return _make_message_chunk_from_anthropic_event
+
+
 def _install() -> None:
     for name, metered in (
         ("_generate_with_cache", _metered_generate),
         ("_agenerate_with_cache", _metered_agenerate),
         ("stream", _metered_stream),
         ("astream", _metered_astream),
+        ("agenerate", _carrying),
     ):
         setattr(BaseChatModel, name, metered(getattr(BaseChatModel, name)))
+    try:
+        from langchain_anthropic import ChatAnthropic
+    except ImportError:  # pragma: no cover - an extra of the app's
+        return
+    name = "_make_message_chunk_from_anthropic_event"
+    setattr(ChatAnthropic, name, _with_started_usage(getattr(ChatAnthropic, name)))
 
 
 if not getattr(BaseChatModel, "_stepguard_metered", False):

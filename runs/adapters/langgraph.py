@@ -42,8 +42,10 @@ re-sends, with the same idempotency key, the one in flight (`idempotency_key()` 
   overspending), is sent with the SDK's own retries off (the step retries, so a 400 is sent
   once), and its tokens and USD, priced from the model the response names, are recorded on
   the node's step, which shows as an `llm` step. Its answer is part of the node's recorded
-  update, replayed as LangChain messages. A node marked `@with_ctx` is not a step: call
-  `ctx.llm` there.
+  update, replayed as LangChain messages. A graph streamed with `stream_mode="messages"` or
+  `astream_events` streams the node's `invoke`, metered as if it were not streamed: the
+  adapter asks the client for the streamed answer's usage itself. A node marked `@with_ctx` is
+  not a step: call `ctx.llm` there.
 - **Not replayed.** What a node streams (`stream_mode="custom"`, model tokens) is emitted
   by the execution that runs it only. A node's update must be JSON, messages, `Command`,
   `Send` or `Overwrite`; anything else fails the step with OutputNotSerializable naming the

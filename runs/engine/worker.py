@@ -47,6 +47,14 @@ __all__ = [
 log = logging.getLogger("stepguard.worker")
 
 
+#: The shortest lease a worker starts without a warning. The heart renews every third of a
+#: lease and a renewal must land before the lease runs out: a 1 s lease leaves it 0.67 s, which
+#: a machine short of CPU (more runnable processes than cores, a container's CPU quota) takes
+#: from the heart, and the step in flight is re-sent by another worker though nothing crashed.
+#: 10 s leaves 6.7 s. Tests, benchmarks and the demo run 1-3 s leases on purpose, to recover
+#: fast; with DEBUG on (the demo, development) the worker does not warn.
+LEASE_FLOOR_SECONDS = 10.0
+
 #: Times one claim of a run is taken up again after its connection broke; past that, a
 #: connection that breaks whatever we do is left to lease recovery and its poison-run bound.
 MAX_CARRY_ON = 10
@@ -98,6 +106,14 @@ class WorkerProcess:
         self.bell.set()
 
     def run_forever(self) -> None:
+        lease = self.lease.total_seconds()
+        if lease < LEASE_FLOOR_SECONDS and not settings.DEBUG:  # the demo's is 3 s on purpose
+            log.warning(
+                "a lease of %g s: the heart renews it every %.2g s, and a machine short of CPU "
+                "that delays a renewal by %.2g s lets another worker re-send the step in "
+                "flight; use %g s or more in production (docs/operations.md, *Lease length*)",
+                lease, lease / 3, 2 * lease / 3, LEASE_FLOOR_SECONDS,
+            )  # fmt: skip
         watchdog.enable(settings.STEPGUARD_STATEMENT_DEADLINE)
         if connection.connection is not None and is_postgres():
             watchdog.watch(connection.connection)
