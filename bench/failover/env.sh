@@ -15,3 +15,6 @@ TTL=${FAILOVER_TTL:-30}
 LOOP_WAIT=${FAILOVER_LOOP_WAIT:-10}
 RETRY_TIMEOUT=${FAILOVER_RETRY_TIMEOUT:-10}
 SHUTDOWN_SESSIONS=${FAILOVER_SHUTDOWN_SESSIONS:-1}
+# HAProxy's check of /primary: Patroni's sample haproxy.cfg by default; FAILOVER_CHECK="inter 1s
+# fall 2 rise 1" finds a new leader within a second (docs/deploy.md).
+CHECK=${FAILOVER_CHECK:-inter 3s fall 3 rise 2}

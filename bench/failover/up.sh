@@ -104,7 +104,7 @@ listen primary
     bind 127.0.0.1:$HAPROXY_PORT
     option httpchk OPTIONS /primary
     http-check expect status 200
-    default-server inter 3s fall 3 rise 2 $ssopt
+    default-server $CHECK $ssopt
 CFG
   for m in $MEMBERS; do
     echo "    server $m 127.0.0.1:$(pg_port $m) maxconn 100 check port $(rest_port $m)"
