@@ -254,17 +254,19 @@ DB_WEB_CONNECTIONS = env_int("DB_WEB_CONNECTIONS", 10, minimum=1)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 
-#: Seconds a read from Redis may wait. channels-redis blocks 5 s on its pop (brpop_timeout)
-#: and redis-py 8 gives up reading after 5 s by default: every quiet live feed died with 1011
-#: after 5-6 s. Longer than the pop, short enough that a hung Redis is noticed.
+#: Seconds a read from the Redis cache may wait.
 REDIS_SOCKET_TIMEOUT = 15
 
 
 def redis_channel_layer(url: str) -> dict:
-    """The Channels layer on Redis at `url`: a host dict (not a bare URL) so the connection
-    carries a read timeout longer than the layer's blocking pop, and TCP keepalives."""
-    host = {"address": url, "socket_timeout": REDIS_SOCKET_TIMEOUT, "socket_keepalive": True}
-    return {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [host]}}
+    """The Channels layer on Redis at `url`, with redis-py's default read timeout (5 s).
+
+    Not longer, although a quiet live feed then closes with 1011 after 5-6 s (channels-redis
+    blocks 5 s on its pop) and the page reconnects (issue 50 §1, open): with a read timeout
+    longer than the pop, a consumer's receive loop never finished its cancellation (a
+    refused or closed socket's task went on polling Redis for good: tests/test_live.py hung
+    in asyncio's teardown). That timeout was what ended it."""
+    return {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [url]}}
 
 
 REDIS_URL = os.environ.get("REDIS_URL", "")
