@@ -250,6 +250,9 @@ def test_workers_prune_daily_on_their_own_one_worker_at_a_time(spawn_worker, mon
     spawn_worker(), spawn_worker()
     wait_until(lambda: not Run.objects.filter(pk__in=[r.pk for r in runs]).exists(), what="prune")
     wait_until(lambda: Chore.objects.filter(name="prune").exists(), what="the chore")
+    # The prune's audit event is written once its deletions have committed: after the runs
+    # are gone, not with them.
+    wait_until(lambda: pruned_events(), what="the prune's audit event")
     assert [p["runs"] for p in pruned_events()] == [3]
     assert list(Run.objects.values_list("pk", flat=True)) == [young.pk]
 
