@@ -3,6 +3,7 @@
 import os
 import re
 import secrets
+import socket
 import urllib.parse
 from datetime import timedelta
 from pathlib import Path
@@ -256,17 +257,26 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 #: Seconds a read from the Redis cache may wait.
 REDIS_SOCKET_TIMEOUT = 15
+REDIS_KEEPALIVE = {socket.TCP_KEEPIDLE: 10, socket.TCP_KEEPINTVL: 5, socket.TCP_KEEPCNT: 3}
 
 
 def redis_channel_layer(url: str) -> dict:
-    """The Channels layer on Redis at `url`, with redis-py's default read timeout (5 s).
+    """The Channels layer on Redis at `url`, with no read timeout and TCP keepalives instead.
 
-    Not longer, although a quiet live feed then closes with 1011 after 5-6 s (channels-redis
-    blocks 5 s on its pop) and the page reconnects (issue 50 §1, open): with a read timeout
-    longer than the pop, a consumer's receive loop never finished its cancellation (a
-    refused or closed socket's task went on polling Redis for good: tests/test_live.py hung
-    in asyncio's teardown). That timeout was what ended it."""
-    return {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [url]}}
+    redis-py 8 reads with a 5 s timeout by default, and channels-redis blocks 5 s on its pop: a
+    quiet live feed's pop timed out and the feed closed with 1011 every 5-6 s (issue 50 §1).
+    A longer read timeout is no cure on Python 3.11: any socket timeout wraps each send in
+    `asyncio.wait_for`, which swallows a cancellation landing as the send completes (fixed in
+    3.12), so a closing feed's receive lived on and polled Redis for good. With none, the pop
+    returns every 5 s by itself, and a dead peer is found by keepalive (about 25 s)."""
+    host = {
+        "address": url,
+        "socket_timeout": None,
+        "socket_connect_timeout": 5,
+        "socket_keepalive": True,
+        "socket_keepalive_options": REDIS_KEEPALIVE,
+    }
+    return {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [host]}}
 
 
 REDIS_URL = os.environ.get("REDIS_URL", "")

@@ -10,6 +10,7 @@ from channels.testing import WebsocketCommunicator
 from django.db import transaction
 
 from controlplane.asgi import application
+from controlplane.settings import redis_channel_layer
 from runs.consumers import RunConsumer
 from runs.engine.store import run_event
 from runs.sdk import start_run
@@ -165,12 +166,9 @@ def test_a_streamed_answer_reaches_the_live_page_piece_by_piece(drive, demo_mode
     from django.db import connections
 
     settings.REDIS_URL = "redis://127.0.0.1:6379/0"
-    settings.CHANNEL_LAYERS = {
-        "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [settings.REDIS_URL], "prefix": f"test-{uuid.uuid4().hex[:8]}"},
-        }
-    }
+    layer = redis_channel_layer(settings.REDIS_URL)  # as production configures it
+    layer["CONFIG"]["prefix"] = f"test-{uuid.uuid4().hex[:8]}"
+    settings.CHANNEL_LAYERS = {"default": layer}
     agent_workflows.deltas.clear()
     shape = {"protocol": "chat", "async_client": False, "helper": False}
     run = start_run("llm-stream", shape)
