@@ -104,7 +104,10 @@ def mark_four_eyes(requests: list[ApprovalRequest], user) -> list[ApprovalReques
     return requests
 
 
-def _decide(request, user, status: str, comment: str, event: str, **fields) -> ApprovalRequest:
+def _decide(
+    request, user, status: str, comment: str, event: str, how: dict | None = None, **fields
+) -> ApprovalRequest:
+    """`how`: how the decision was made (`via`: dashboard, api, cli, link...), for the event."""
     four_eyes(request, user)
     now = timezone.now()
     with transaction.atomic():
@@ -122,13 +125,17 @@ def _decide(request, user, status: str, comment: str, event: str, **fields) -> A
         run_event(
             request.run_id, event, wake=True, actor=user.get_username(), step_key=request.step_key,
             approval_id=request.pk, decision=fields.get("resolution") or status, comment=comment,
+            **(how or {}),
         )  # fmt: skip
     request.refresh_from_db()
     return request
 
 
-def decide(approval_id, decision: str, user, comment: str = "") -> ApprovalRequest:
-    """Approve or reject a pending action. Deciding a decided request is a DecisionError."""
+def decide(
+    approval_id, decision: str, user, comment: str = "", *, how: dict | None = None
+) -> ApprovalRequest:
+    """Approve or reject a pending action. Deciding a decided request is a DecisionError.
+    `how` goes into the decision's event: how it was made (`{"via": "link", ...}`)."""
     if decision not in ("approve", "reject"):
         raise DecisionError(f"a decision is 'approve' or 'reject', not {decision!r}")
     user = require(user, DECIDE, "decide approvals")
@@ -136,7 +143,7 @@ def decide(approval_id, decision: str, user, comment: str = "") -> ApprovalReque
     if request.kind != ApprovalKind.ACTION:
         raise DecisionError(f"approval #{request.pk} asks what happened to a step: use resolve")
     status = ApprovalStatus.APPROVED if decision == "approve" else ApprovalStatus.REJECTED
-    return _decide(request, user, status, comment, EventType.APPROVAL_DECIDED)
+    return _decide(request, user, status, comment, EventType.APPROVAL_DECIDED, how)
 
 
 def resolve(approval_id, choice: str, user, comment: str = "", output: Any = None):
