@@ -120,7 +120,7 @@ def test_each_approver_gets_own_links_and_one_decides_once_through_a_confirm_pag
         done.status_code == 200
         and "Approved</strong> by ada, through a link" in done.content.decode()
     )
-    assert done["Referrer-Policy"] == "no-referrer" and "no-store" in done["Cache-Control"]
+    assert done["Referrer-Policy"] == "same-origin" and "no-store" in done["Cache-Control"]
     decided = Event.objects.get(run=approval.run, type=EventType.APPROVAL_DECIDED)
     assert decided.actor == "ada" and decided.payload["via"] == "link"
     assert decided.payload["sent_via"] == "email" and decided.payload["comment"] == "fine by me"

@@ -16,7 +16,9 @@ from runs.approvals.links import DECISIONS, LinkRefused, check, decide_by_link
 
 
 def _private(response):
-    response["Referrer-Policy"] = "no-referrer"  # the link is in the URL
+    # The link is in the URL: never sent to another site. (With "no-referrer", browsers send
+    # `Origin: null` with the form, which CSRF protection rightly refuses.)
+    response["Referrer-Policy"] = "same-origin"
     response["X-Robots-Tag"] = "noindex, nofollow"
     return response
 
