@@ -4,6 +4,7 @@ while the link's signature, expiry and the person's standing hold; the decision'
 it was made through a link. Mails through Django's locmem outbox, pages through the test
 client with CSRF checks on."""
 
+import io
 import json
 import re
 import time
@@ -306,3 +307,19 @@ def test_two_clicks_at_once_decide_once(approvers, outbox, drive):
     assert sorted(map(str, results))[0] in ("409", "410") and len(results) == 2
     assert ApprovalLink.objects.get().used_at is not None
     assert Event.objects.filter(type=EventType.APPROVAL_DECIDED).count() == 1
+
+
+def test_the_cli_revokes_a_person_s_links_with_a_reason(drive, outbox, approvers):
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    approval = ask(drive)
+    url = links.issue(approval, approvers["bea"], key="k", via="email").approve
+    with pytest.raises(CommandError, match="say which links"):
+        call_command("revokelinks", "--reason", "x")
+    out = io.StringIO()
+    call_command("revokelinks", "--user", "bea", "--reason", "phone lost", stdout=out)
+    assert out.getvalue().strip() == "revoked 1 unused link"
+    answer = follow(url)
+    assert answer.status_code == 403 and "revoked by cli" in answer.content.decode()
+    assert "phone lost" in answer.content.decode()
