@@ -323,3 +323,24 @@ def test_the_cli_revokes_a_person_s_links_with_a_reason(drive, outbox, approvers
     answer = follow(url)
     assert answer.status_code == 403 and "revoked by cli" in answer.content.decode()
     assert "phone lost" in answer.content.decode()
+
+
+def test_a_webhook_s_links_cost_the_same_queries_for_one_approver_or_forty(
+    drive, outbox, approvers, django_user_model
+):
+    """Before: 11 queries for one approver, 323 for forty (four eyes and a get_or_create
+    each); now a fixed handful (one bulk insert, one read back)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    approval = ask(drive)
+    counts = []
+    for extra in (0, 38):
+        for i in range(extra):
+            user = django_user_model.objects.create_user(f"approver-{i}", password="x")
+            user.groups.add(Group.objects.get(name="approver"))
+        with CaptureQueriesContext(connection) as queries:
+            sent = links.for_webhook(approval.pk, f"key-{extra}")["decisions"]
+        counts.append((len(sent), len(queries.captured_queries)))
+    assert [n for n, _ in counts] == [2, 40]
+    assert counts[0][1] == counts[1][1] <= 8, counts

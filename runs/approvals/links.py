@@ -22,13 +22,13 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
 from django.core import signing
 from django.core.exceptions import ImproperlyConfigured
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
 from runs.approvals.models import ApprovalKind, ApprovalLink, ApprovalRequest, ApprovalStatus
-from runs.approvals.services import DECIDE, decide, four_eyes_refusals
+from runs.approvals.services import DECIDE, barred, decide, four_eyes_refusals
 from runs.errors import Conflict, DecisionError, Forbidden, NotFound, StepguardError
 from runs.operations import needs_reason, require
 
@@ -87,30 +87,52 @@ def issue(approval: ApprovalRequest, user, *, key: str, via: str, now=None) -> L
     """`user`'s links to decide `approval`, sent under `key` (a delivery's idempotency key):
     the same key gives the same links (a re-sent message carries what the first one did), so
     a delivery retried after a crash issues no second credential."""
+    return issue_many(approval, [user], key=key, via=via, now=now)[0]
+
+
+def issue_many(approval: ApprovalRequest, users: list, *, key: str, via: str, now=None):
+    """`issue` for each of `users`, in two queries whatever their number."""
     now = now or timezone.now()
     base = public_base()
-    token = salted_hmac(SALT, f"{key}|{approval.pk}|{user.pk}", algorithm="sha256").hexdigest()
     expires = now + timedelta(seconds=settings.STEPGUARD_APPROVAL_LINK_SECONDS)
     if approval.expires_at is not None:
         expires = min(expires, approval.expires_at)
-    fields = {
-        "approval": approval, "user": user, "action_sha256": approval.sha256, "sent_via": via,
-        "created_at": now, "expires_at": expires,
-    }  # fmt: skip
-    try:
-        with transaction.atomic():
-            link, _ = ApprovalLink.objects.get_or_create(token_sha256=_sha(token), defaults=fields)
-    except IntegrityError:  # a concurrent re-send made it first
-        link = ApprovalLink.objects.get(token_sha256=_sha(token))
-    signed = signing.TimestampSigner(salt=SALT).sign_object(
-        {"a": approval.pk, "u": user.pk, "t": token}, compress=True
-    )
-    url = f"{base}/approvals/link/{signed}"
-    return Links(
-        username=user.get_username(), email=getattr(user, "email", "") or "", review=url,
-        approve=f"{url}?decision=approve", reject=f"{url}?decision=reject",
-        expires_at=link.expires_at.isoformat(),
-    )  # fmt: skip
+    tokens = {
+        user.pk: salted_hmac(SALT, f"{key}|{approval.pk}|{user.pk}", algorithm="sha256").hexdigest()
+        for user in users
+    }
+    rows = [
+        ApprovalLink(
+            approval=approval,
+            user=user,
+            token_sha256=_sha(tokens[user.pk]),
+            sent_via=via,
+            action_sha256=approval.sha256,
+            created_at=now,
+            expires_at=expires,
+        )
+        for user in users
+    ]
+    # A re-send finds its rows made: the unique token keeps the first, with its expiry.
+    ApprovalLink.objects.bulk_create(rows, ignore_conflicts=True)
+    made = ApprovalLink.objects.filter(token_sha256__in=[row.token_sha256 for row in rows])
+    expiry = dict(made.values_list("user_id", "expires_at"))
+    signer = signing.TimestampSigner(salt=SALT)
+    issued = []
+    for user in users:
+        claims = {"a": approval.pk, "u": user.pk, "t": tokens[user.pk]}
+        url = f"{base}/approvals/link/{signer.sign_object(claims, compress=True)}"
+        issued.append(
+            Links(
+                username=user.get_username(),
+                email=getattr(user, "email", "") or "",
+                review=url,
+                approve=f"{url}?decision=approve",
+                reject=f"{url}?decision=reject",
+                expires_at=expiry[user.pk].isoformat(),
+            )
+        )
+    return issued
 
 
 def approvers(approval: ApprovalRequest, *, email: str = "") -> list:
@@ -125,8 +147,9 @@ def approvers(approval: ApprovalRequest, *, email: str = "") -> list:
     may = Q(is_superuser=True)
     if perm is not None:
         may |= Q(user_permissions=perm) | Q(groups__permissions=perm)
-    found = list(users.filter(may).distinct().order_by("pk")[:MAX_APPROVERS])
-    return [u for u in found if not four_eyes_refusals([approval], u)]
+    return list(
+        users.filter(may).exclude(pk__in=barred(approval)).distinct().order_by("pk")[:MAX_APPROVERS]
+    )
 
 
 def linkable(approval_id) -> ApprovalRequest | None:
@@ -149,7 +172,8 @@ def for_webhook(approval_id, key: str) -> dict:
         log.error("approval #%s: no decision links: %s", approval_id, exc)
         return {"decisions": [], "decisions_error": str(exc)}
     people = approvers(approval)
-    return {"decisions": [issue(approval, u, key=key, via="webhook").as_json() for u in people]}
+    issued = issue_many(approval, people, key=key, via="webhook") if people else []
+    return {"decisions": [one.as_json() for one in issued]}
 
 
 def for_email(approval_id, key: str, addresses: list[str]) -> dict[str, dict] | None:

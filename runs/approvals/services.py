@@ -65,25 +65,15 @@ def four_eyes_refusals(requests: list[ApprovalRequest], user) -> dict[int, str]:
     requests (the inbox shows a page of them)."""
     if not settings.STEPGUARD_FOUR_EYES or not requests:
         return {}
-    ups: dict = {}  # run id -> its parent and fork origin
-    frontier = {request.run_id for request in requests}
-    while frontier:  # level by level (trees are shallow)
-        rows = Run.objects.filter(pk__in=frontier).values_list("id", "parent_id", "forked_from_id")
-        for run_id, *above in rows:
-            ups[run_id] = [r for r in above if r is not None]
-        frontier = {r for above in ups.values() for r in above if r not in ups}
+    lineages = _lineages(requests)
     first: dict = {}  # run id -> (when, how) of this user's first shaping of it
-    shapers = RunShaper.objects.filter(run_id__in=ups, user=user).order_by("created_at")
+    runs = set().union(*lineages.values())
+    shapers = RunShaper.objects.filter(run_id__in=runs, user=user).order_by("created_at")
     for run_id, how, when in shapers.values_list("run_id", "how", "created_at"):
         first.setdefault(run_id, (when, how, run_id))
     refusals = {}
     for request in requests:
-        lineage, todo = set(), [request.run_id]
-        while todo:
-            run_id = todo.pop()
-            if run_id not in lineage:
-                lineage.add(run_id)
-                todo += ups.get(run_id, [])
+        lineage = lineages[request.pk]
         shaped = min((first[r] for r in lineage if r in first), default=None)
         if shaped is not None:
             _, how, run_id = shaped
@@ -93,6 +83,37 @@ def four_eyes_refusals(requests: list[ApprovalRequest], user) -> dict[int, str]:
                 "another person must (STEPGUARD_FOUR_EYES)"
             )
     return refusals
+
+
+def _lineages(requests: list[ApprovalRequest]) -> dict[int, set]:
+    """Each request's run and every run above it (parents, fork origins), by request id: a
+    query per level of the family trees (they are shallow)."""
+    ups: dict = {}  # run id -> its parent and fork origin
+    frontier = {request.run_id for request in requests}
+    while frontier:
+        rows = Run.objects.filter(pk__in=frontier).values_list("id", "parent_id", "forked_from_id")
+        for run_id, *above in rows:
+            ups[run_id] = [r for r in above if r is not None]
+        frontier = {r for above in ups.values() for r in above if r not in ups}
+    lineages = {}
+    for request in requests:
+        lineage, todo = set(), [request.run_id]
+        while todo:
+            run_id = todo.pop()
+            if run_id not in lineage:
+                lineage.add(run_id)
+                todo += ups.get(run_id, [])
+        lineages[request.pk] = lineage
+    return lineages
+
+
+def barred(request: ApprovalRequest) -> set:
+    """The ids of everyone four eyes bars from deciding `request`, in two queries or so (the
+    approvers a notification gives decision links to are those not barred)."""
+    if not settings.STEPGUARD_FOUR_EYES:
+        return set()
+    runs = _lineages([request])[request.pk]
+    return set(RunShaper.objects.filter(run_id__in=runs).values_list("user_id", flat=True))
 
 
 def mark_four_eyes(requests: list[ApprovalRequest], user) -> list[ApprovalRequest]:
