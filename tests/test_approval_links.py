@@ -344,3 +344,12 @@ def test_a_webhook_s_links_cost_the_same_queries_for_one_approver_or_forty(
         counts.append((len(sent), len(queries.captured_queries)))
     assert [n for n, _ in counts] == [2, 40]
     assert counts[0][1] == counts[1][1] <= 8, counts
+
+
+def test_the_admin_lists_links_without_their_token_hash(drive, outbox, approvers, admin_client):
+    approval = ask(drive)
+    links.issue(approval, approvers["ada"], key="k", via="email")
+    link = ApprovalLink.objects.get()
+    assert admin_client.get("/admin/approvals/approvallink/").status_code == 200
+    page = admin_client.get(f"/admin/approvals/approvallink/{link.pk}/change/").content.decode()
+    assert "ada" in page and link.token_sha256 not in page
