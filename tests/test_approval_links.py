@@ -224,6 +224,9 @@ def test_the_requester_gets_no_links_and_is_refused_by_one_four_eyes(drive, outb
 def test_a_rejection_by_link_reaches_the_run(drive, outbox, approvers):
     approval = ask(drive)
     url = links.issue(approval, approvers["bea"], key="k", via="email").reject
+    otto = Client()
+    otto.force_login(approvers["otto"])  # a link decides as its person, whoever is logged in
+    assert "decides as bea, not as otto" in otto.get(path_of(url)).content.decode()
     assert follow(url, "reject", "too much").status_code == 200
     assert drive() == ["completed"]
     assert "refused" in Run.objects.get(pk=approval.run_id).output

@@ -55,5 +55,9 @@ def link_page(request, signed: str):
         "who": link.user.get_username(),
         "payload": shown[:cap] + (" …(cut: see the dashboard)" if len(shown) > cap else ""),
         "first": chosen if chosen in DECISIONS else "",
+        # Logged in to the dashboard as someone else: the link still decides as its person.
+        "other": request.user.get_username()
+        if request.user.is_authenticated and request.user.pk != link.user_id
+        else "",
     }
     return _private(render(request, "approvals/link.html", context))
