@@ -356,3 +356,14 @@ def test_the_admin_lists_links_without_their_token_hash(drive, outbox, approvers
     assert admin_client.get("/admin/approvals/approvallink/").status_code == 200
     page = admin_client.get(f"/admin/approvals/approvallink/{link.pk}/change/").content.decode()
     assert "ada" in page and link.token_sha256 not in page
+
+
+def test_a_link_stands_for_the_action_digest_it_was_sent_for(drive, outbox, approvers):
+    approval = ask(drive)
+    url = links.issue(approval, approvers["ada"], key="k", via="email").approve
+    ApprovalRequest.objects.filter(pk=approval.pk).update(sha256="0" * 64)
+    answer = follow(url)
+    assert answer.status_code == 409 and "no longer asks for what this link was sent for" in (
+        answer.content.decode()
+    )
+    assert ApprovalRequest.objects.get(pk=approval.pk).status == "pending"
