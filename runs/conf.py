@@ -84,6 +84,10 @@ STEPGUARD_NOTIFY_SWEEP_SECONDS = env_float("STEPGUARD_NOTIFY_SWEEP_SECONDS", 1.0
 STEPGUARD_HOLD_SWEEP_SECONDS = env_float("STEPGUARD_HOLD_SWEEP_SECONDS", 5.0)
 STEPGUARD_NOTIFY_RETRY_SECONDS = env_float("STEPGUARD_NOTIFY_RETRY_SECONDS", 2.0)
 STEPGUARD_PUBLIC_URL = os.environ.get("STEPGUARD_PUBLIC_URL", "")
+# Approval notifications carry decision links for each approver (runs/approvals/links.py): on
+# or off, and how long a link works (at most until its approval expires).
+STEPGUARD_APPROVAL_LINKS = env_bool("STEPGUARD_APPROVAL_LINKS", True)
+STEPGUARD_APPROVAL_LINK_SECONDS = env_int("STEPGUARD_APPROVAL_LINK_SECONDS", 86_400, minimum=60)
 # Webhooks reach only public addresses, and these: addresses, networks, host names of internal
 # receivers (runs/egress.py); none by default, an entry that is none of these stops the process.
 STEPGUARD_WEBHOOK_ALLOW = env_allow("STEPGUARD_WEBHOOK_ALLOW")

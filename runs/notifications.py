@@ -31,6 +31,7 @@ from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from runs import egress
+from runs.approvals import links
 from runs.engine.chores import Chore as WorkerChore
 from runs.engine.chores import ChoreContext
 from runs.engine.outage import is_disconnect, reconnect
@@ -64,6 +65,7 @@ TIMEOUT_SECONDS = 10.0
 ALIASES = {"run.over_budget": EventType.BUDGET_EXCEEDED.value, **RENAMED_EVENTS}
 #: 408, 409, 425, 429 and 5xx are worth trying again; other answers will not change.
 RETRYABLE_STATUS = {408, 409, 425, 429}
+APPROVAL_ASKED = EventType.APPROVAL_REQUESTED.value
 
 
 def delivery_retry() -> RetryPolicy:
@@ -448,8 +450,16 @@ def send(channel_id: int, event_id: int, key: str) -> dict:
     if event is None or (event.run_id is not None and event.run is None):  # left in its month
         return {"skipped": "the event is gone (its run was pruned)"}
     body = message(event)
+    approval = event.payload.get("approval_id") if event.type == APPROVAL_ASKED else None
     if channel.kind == ChannelKind.EMAIL:
-        return _email(channel, event, body, key)
+        addresses = [a.strip() for a in channel.target.split(",")]
+        each = links.for_email(approval, key, addresses) if approval else None
+        if each is not None:  # one mail per address, with its approver's own links
+            sent = [_email(channel, event, {**body, **each[a]}, f"{key}|{a}", [a]) for a in each]
+            return {"sent_to": channel.target, "message_ids": [m["message_id"] for m in sent]}
+        return _email(channel, event, body, key, addresses)
+    if approval:  # every approver's links, for a chat tool's bot to post buttons
+        body.update(links.for_webhook(approval, key))
     return _post(channel, event, body, key)
 
 
@@ -489,7 +499,7 @@ def _post(channel: NotificationChannel, event: Event, body: dict, key: str) -> d
         raise DeliveryFailed(f"{shown}: {reason}", retryable=retry) from None
 
 
-def _email(channel: NotificationChannel, event: Event, body: dict, key: str) -> dict:
+def _email(channel, event: Event, body: dict, key: str, to: list[str]) -> dict:
     # The Message-ID is the idempotency key: a mail system that sees it twice (a re-send after
     # a crash) can tell, and threads show one message.
     message_id = "<" + hashlib.sha256(key.encode()).hexdigest()[:32] + "@stepguard>"
@@ -497,15 +507,15 @@ def _email(channel: NotificationChannel, event: Event, body: dict, key: str) -> 
         # A header holds one line: a reason's newlines (which Django refuses there) become
         # spaces. Plain text, not the Slack-escaped `text`.
         subject=" ".join(summary(event).split())[:200],
-        body=json.dumps(body, indent=2, sort_keys=True),
-        to=[a.strip() for a in channel.target.split(",")],
+        body=links.email_text(body) + json.dumps(body, indent=2, sort_keys=True),
+        to=to,
         headers={"Message-ID": message_id, "X-Stepguard-Event": event.type},
     )
     try:
         mail.send()
     except Exception as exc:  # SMTP errors, refused connections...: each worth another try
-        raise DeliveryFailed(f"email to {channel.target}: {exc}", retryable=True) from None
-    return {"sent_to": channel.target, "message_id": message_id}
+        raise DeliveryFailed(f"email to {', '.join(to)}: {exc}", retryable=True) from None
+    return {"sent_to": ", ".join(to), "message_id": message_id}
 
 
 def deliveries(

@@ -124,7 +124,9 @@ def decide_approval(request, approval_id: int, body: DecideIn):
     """Approve or reject. The first decision wins; a second one is a 409 naming the first."""
     _get(approval_id)
     person_deciding(request)
-    return ApprovalOut.of(decide(approval_id, body.decision, request.user, body.comment))
+    return ApprovalOut.of(
+        decide(approval_id, body.decision, request.user, body.comment, how={"via": "api"})
+    )
 
 
 @router.post("/{approval_id}/resolve", response={200: ApprovalOut, **ERRORS_422})

@@ -110,3 +110,43 @@ class ApprovalRequest(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.pk} {self.action} ({self.status})"
+
+
+class ApprovalLink(models.Model):
+    """A decision link sent to one approver about one approval (runs/approvals/links.py).
+
+    The URL carries a token whose SHA-256 is stored here (the token itself never is); the row
+    says whose it is, what it approves (the request's digest when it was sent), until when it
+    works, and whether it was used or revoked. Single use is this row's conditional UPDATE on
+    `used_at IS NULL`, not anything in the process that serves the link.
+    """
+
+    approval = models.ForeignKey(ApprovalRequest, on_delete=models.CASCADE, related_name="links")
+    # Revoking every link of a person reads by user: the foreign key's index serves it.
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    token_sha256 = models.CharField(max_length=64)
+    #: The request's sha256 when the link was made: a link stands for that action only.
+    action_sha256 = models.CharField(max_length=64, blank=True, default="")
+    #: How the link was sent: "email" or "webhook".
+    sent_via = models.CharField(max_length=20)
+    created_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+    used_at = models.DateTimeField(null=True, blank=True)
+    decision = models.CharField(max_length=20, blank=True, default="")
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    revoked_by = models.CharField(max_length=150, blank=True, default="")
+    revoke_reason = models.CharField(max_length=500, blank=True, default="")
+
+    class Meta:
+        constraints = [
+            # Serves the lookup of a followed link, and makes a token one row.
+            models.UniqueConstraint(fields=["token_sha256"], name="approvals_link_token_unique"),
+            models.CheckConstraint(
+                condition=Q(used_at__isnull=True, decision="")
+                | Q(used_at__isnull=False, decision__in=["approve", "reject"]),
+                name="approvals_link_used_has_decision",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"link #{self.pk} to {self.user_id} for approval #{self.approval_id}"

@@ -65,25 +65,15 @@ def four_eyes_refusals(requests: list[ApprovalRequest], user) -> dict[int, str]:
     requests (the inbox shows a page of them)."""
     if not settings.STEPGUARD_FOUR_EYES or not requests:
         return {}
-    ups: dict = {}  # run id -> its parent and fork origin
-    frontier = {request.run_id for request in requests}
-    while frontier:  # level by level (trees are shallow)
-        rows = Run.objects.filter(pk__in=frontier).values_list("id", "parent_id", "forked_from_id")
-        for run_id, *above in rows:
-            ups[run_id] = [r for r in above if r is not None]
-        frontier = {r for above in ups.values() for r in above if r not in ups}
+    lineages = _lineages(requests)
     first: dict = {}  # run id -> (when, how) of this user's first shaping of it
-    shapers = RunShaper.objects.filter(run_id__in=ups, user=user).order_by("created_at")
+    runs = set().union(*lineages.values())
+    shapers = RunShaper.objects.filter(run_id__in=runs, user=user).order_by("created_at")
     for run_id, how, when in shapers.values_list("run_id", "how", "created_at"):
         first.setdefault(run_id, (when, how, run_id))
     refusals = {}
     for request in requests:
-        lineage, todo = set(), [request.run_id]
-        while todo:
-            run_id = todo.pop()
-            if run_id not in lineage:
-                lineage.add(run_id)
-                todo += ups.get(run_id, [])
+        lineage = lineages[request.pk]
         shaped = min((first[r] for r in lineage if r in first), default=None)
         if shaped is not None:
             _, how, run_id = shaped
@@ -95,6 +85,37 @@ def four_eyes_refusals(requests: list[ApprovalRequest], user) -> dict[int, str]:
     return refusals
 
 
+def _lineages(requests: list[ApprovalRequest]) -> dict[int, set]:
+    """Each request's run and every run above it (parents, fork origins), by request id: a
+    query per level of the family trees (they are shallow)."""
+    ups: dict = {}  # run id -> its parent and fork origin
+    frontier = {request.run_id for request in requests}
+    while frontier:
+        rows = Run.objects.filter(pk__in=frontier).values_list("id", "parent_id", "forked_from_id")
+        for run_id, *above in rows:
+            ups[run_id] = [r for r in above if r is not None]
+        frontier = {r for above in ups.values() for r in above if r not in ups}
+    lineages = {}
+    for request in requests:
+        lineage, todo = set(), [request.run_id]
+        while todo:
+            run_id = todo.pop()
+            if run_id not in lineage:
+                lineage.add(run_id)
+                todo += ups.get(run_id, [])
+        lineages[request.pk] = lineage
+    return lineages
+
+
+def barred(request: ApprovalRequest) -> set:
+    """The ids of everyone four eyes bars from deciding `request`, in two queries or so (the
+    approvers a notification gives decision links to are those not barred)."""
+    if not settings.STEPGUARD_FOUR_EYES:
+        return set()
+    runs = _lineages([request])[request.pk]
+    return set(RunShaper.objects.filter(run_id__in=runs).values_list("user_id", flat=True))
+
+
 def mark_four_eyes(requests: list[ApprovalRequest], user) -> list[ApprovalRequest]:
     """Set `four_eyes` on each request `user` may not decide (why, as the refusal says), so a
     page offers them no Approve/Reject but says another person must decide."""
@@ -104,7 +125,10 @@ def mark_four_eyes(requests: list[ApprovalRequest], user) -> list[ApprovalReques
     return requests
 
 
-def _decide(request, user, status: str, comment: str, event: str, **fields) -> ApprovalRequest:
+def _decide(
+    request, user, status: str, comment: str, event: str, how: dict | None = None, **fields
+) -> ApprovalRequest:
+    """`how`: how the decision was made (`via`: dashboard, api, cli, link...), for the event."""
     four_eyes(request, user)
     now = timezone.now()
     with transaction.atomic():
@@ -122,13 +146,17 @@ def _decide(request, user, status: str, comment: str, event: str, **fields) -> A
         run_event(
             request.run_id, event, wake=True, actor=user.get_username(), step_key=request.step_key,
             approval_id=request.pk, decision=fields.get("resolution") or status, comment=comment,
+            **(how or {}),
         )  # fmt: skip
     request.refresh_from_db()
     return request
 
 
-def decide(approval_id, decision: str, user, comment: str = "") -> ApprovalRequest:
-    """Approve or reject a pending action. Deciding a decided request is a DecisionError."""
+def decide(
+    approval_id, decision: str, user, comment: str = "", *, how: dict | None = None
+) -> ApprovalRequest:
+    """Approve or reject a pending action. Deciding a decided request is a DecisionError.
+    `how` goes into the decision's event: how it was made (`{"via": "link", ...}`)."""
     if decision not in ("approve", "reject"):
         raise DecisionError(f"a decision is 'approve' or 'reject', not {decision!r}")
     user = require(user, DECIDE, "decide approvals")
@@ -136,7 +164,7 @@ def decide(approval_id, decision: str, user, comment: str = "") -> ApprovalReque
     if request.kind != ApprovalKind.ACTION:
         raise DecisionError(f"approval #{request.pk} asks what happened to a step: use resolve")
     status = ApprovalStatus.APPROVED if decision == "approve" else ApprovalStatus.REJECTED
-    return _decide(request, user, status, comment, EventType.APPROVAL_DECIDED)
+    return _decide(request, user, status, comment, EventType.APPROVAL_DECIDED, how)
 
 
 def resolve(approval_id, choice: str, user, comment: str = "", output: Any = None):

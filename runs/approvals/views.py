@@ -83,5 +83,8 @@ def decide_view(request, approval_id: int):
         back = reverse("stepguard:approvals")
     done = f"Approval {approval_id}: {decision} recorded."
     return do_action(
-        request, lambda: decide(approval_id, decision, request.user, comment), back, done
+        request,
+        lambda: decide(approval_id, decision, request.user, comment, how={"via": "dashboard"}),
+        back,
+        done,
     )

@@ -16,7 +16,7 @@ class Command(StepguardCommand):
 
     def handle(self, *args, approval_id, user, comment, **options):
         try:
-            request = decide(approval_id, self.decision, user, comment)
+            request = decide(approval_id, self.decision, user, comment, how={"via": "cli"})
         except StepguardError as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"approval #{request.pk} ({request.action}): {request.status} by {user}")
