@@ -33,7 +33,7 @@ from django.utils import timezone
 from runs import egress
 from runs.approvals import links
 from runs.engine.chores import Chore as WorkerChore
-from runs.engine.chores import ChoreContext
+from runs.engine.chores import ChoreContext, my_turn
 from runs.engine.outage import is_disconnect, reconnect
 from runs.engine.retry import RetryPolicy
 from runs.errors import NotFound, OperationError, StepguardError
@@ -41,7 +41,6 @@ from runs.models import (
     NOTIFIABLE,
     RENAMED_EVENTS,
     ChannelKind,
-    Chore,
     Event,
     EventType,
     NotificationChannel,
@@ -346,13 +345,8 @@ def sweep_if_due(worker: str) -> int:
     """The sweep, by the one worker whose conditional UPDATE moves the chore's due time on."""
     if not NotificationChannel.objects.filter(removed_at__isnull=True).exists():
         return 0
-    now = timezone.now()
-    Chore.objects.get_or_create(name=CHORE, defaults={"due_at": now})
-    interval = timedelta(seconds=settings.STEPGUARD_NOTIFY_SWEEP_SECONDS)
-    due = Chore.objects.filter(name=CHORE, due_at__lte=now)
-    if not due.update(due_at=now + interval, claimed_by=worker, claimed_at=now):
-        return 0
-    return sweep(now)
+    now = my_turn(CHORE, worker, settings.STEPGUARD_NOTIFY_SWEEP_SECONDS)
+    return 0 if now is None else sweep(now)
 
 
 def sweep_round(context: ChoreContext) -> None:

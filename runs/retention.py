@@ -28,8 +28,8 @@ from django.utils import timezone
 
 from runs import partitions
 from runs.engine.chores import Chore as WorkerChore
-from runs.engine.chores import ChoreContext
-from runs.models import TERMINAL_STATUSES, Chore, Event, EventType, Run
+from runs.engine.chores import ChoreContext, my_turn
+from runs.models import TERMINAL_STATUSES, Event, EventType, Run
 from runs.operations import audit
 
 log = logging.getLogger("stepguard.retention")
@@ -244,10 +244,7 @@ def _delete_orphans(runs: list) -> int:
 def claim_daily_prune(worker: str) -> bool:
     """True for the one worker that takes today's prune: a conditional UPDATE moves the due
     time a day on, so of many workers on many hosts exactly one sees a row count of 1."""
-    now = timezone.now()
-    Chore.objects.get_or_create(name=CHORE, defaults={"due_at": now})
-    due = Chore.objects.filter(name=CHORE, due_at__lte=now)
-    return bool(due.update(due_at=now + timedelta(days=1), claimed_by=worker, claimed_at=now))
+    return my_turn(CHORE, worker, timedelta(days=1).total_seconds()) is not None
 
 
 def prune_if_due(worker: str) -> PruneResult | None:

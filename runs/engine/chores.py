@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
+
+from django.utils import timezone
 
 
 @dataclass(frozen=True)
@@ -38,3 +40,16 @@ class Chore:
     between_claims: bool = False
     next_due: Callable[[ChoreContext], datetime | None] | None = None
     start: Callable[[ChoreContext], object] | None = None
+
+
+def my_turn(name: str, worker: str, seconds: float) -> datetime | None:
+    """`now` for the one worker that takes the chore `name`'s turn, None for every other: a
+    conditional UPDATE moves its due time `seconds` on, so of many workers on many hosts
+    exactly one sees a row count of 1."""
+    from runs.models import Chore as ChoreRow
+
+    now = timezone.now()
+    ChoreRow.objects.get_or_create(name=name, defaults={"due_at": now})
+    due = ChoreRow.objects.filter(name=name, due_at__lte=now)
+    taken = due.update(due_at=now + timedelta(seconds=seconds), claimed_by=worker, claimed_at=now)
+    return now if taken else None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from datetime import timedelta
 
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
@@ -24,12 +23,11 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from runs.engine import holds
-from runs.engine.chores import Chore, ChoreContext
+from runs.engine.chores import Chore, ChoreContext, my_turn
 from runs.engine.outage import is_disconnect, reconnect
 from runs.engine.store import append_event, run_event
 from runs.engine.wakeup import notify_runnable
 from runs.models import GLOBAL, WAKEABLE_STATUSES, EventType, Policy, Run, RunStatus
-from runs.models import Chore as ChoreRow
 
 log = logging.getLogger("stepguard.holds")
 
@@ -88,11 +86,7 @@ def resume_unheld() -> int:
 
 def sweep_if_due(worker: str) -> int:
     """The sweep, by the one worker whose conditional UPDATE moves the chore's due time on."""
-    now = timezone.now()
-    ChoreRow.objects.get_or_create(name=CHORE, defaults={"due_at": now})
-    interval = timedelta(seconds=settings.STEPGUARD_HOLD_SWEEP_SECONDS)
-    due = ChoreRow.objects.filter(name=CHORE, due_at__lte=now)
-    if not due.update(due_at=now + interval, claimed_by=worker, claimed_at=now):
+    if my_turn(CHORE, worker, settings.STEPGUARD_HOLD_SWEEP_SECONDS) is None:
         return 0
     return resume_unheld()
 
