@@ -34,6 +34,27 @@ def _show(name: str) -> str:
         return cursor.fetchone()[0]
 
 
+def _complete_cleanly(runs, workers, where: str, said: str) -> None:
+    """Every run completes `where`, each step marked once, and the workers, all still up,
+    logged `said` (the outage as the operator reads it) and no traceback."""
+    wait_until(
+        lambda: (
+            not Run.objects.filter(pk__in=[r.pk for r in runs])
+            .exclude(status=RunStatus.COMPLETED)
+            .exists()
+        ),
+        timeout=120,
+        what=f"the {len(runs)} runs to complete {where}",
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(UNMARKED)
+        assert cursor.fetchone()[0] == 0
+    logs = "".join(w.output() for w in workers)
+    assert said in logs, logs[-5000:]
+    assert "Traceback" not in logs, logs[-5000:]
+    assert all(w.proc.poll() is None for w in workers), logs[-5000:]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_engine_connections_compile_no_jit_and_have_tcp_deadlines():
     """Before: `jit` on, and a claim whose estimated cost crossed `jit_above_cost` (a million
@@ -135,23 +156,8 @@ def test_workers_behind_a_primary_that_hangs_finish_on_the_next_host(spawn_worke
             ),
         )
         resumed = time.monotonic() - hung_at
-        wait_until(
-            lambda: (
-                not Run.objects.filter(pk__in=[r.pk for r in runs])
-                .exclude(status=RunStatus.COMPLETED)
-                .exists()
-            ),
-            timeout=120,
-            what="the 8 runs to complete on the second host",
-        )
+        _complete_cleanly(runs, workers, "on the second host", said="connection abandoned")
         finished = time.monotonic() - hung_at
-        with connection.cursor() as cursor:
-            cursor.execute(UNMARKED)
-            assert cursor.fetchone()[0] == 0
-        logs = "".join(w.output() for w in workers)
-        assert "connection abandoned" in logs, logs[-5000:]
-        assert "Traceback" not in logs, logs[-5000:]
-        assert all(w.proc.poll() is None for w in workers)
         print(
             f"\nhung first host: steps again after {resumed:.1f} s, "
             f"all 8 runs done {finished:.1f} s"
@@ -266,23 +272,8 @@ def test_a_pooler_whose_primary_died_is_passed_over_for_the_next_host(spawn_work
             )
             resumed = time.monotonic() - died_at
             workers.append(spawn_worker("--concurrency", "2", lease=15, env=env))
-            wait_until(
-                lambda: (
-                    not Run.objects.filter(pk__in=[r.pk for r in runs])
-                    .exclude(status=RunStatus.COMPLETED)
-                    .exists()
-                ),
-                timeout=120,
-                what="the 6 runs to complete through the second host",
-            )
+            _complete_cleanly(runs, workers, "through the second host", said="trying 127.0.0.1:")
             finished = time.monotonic() - died_at
-            with connection.cursor() as cursor:
-                cursor.execute(UNMARKED)
-                assert cursor.fetchone()[0] == 0
-            logs = "".join(w.output() for w in workers)
-            assert "trying 127.0.0.1:" in logs, logs[-5000:]
-            assert "Traceback" not in logs, logs[-5000:]
-            assert all(w.proc.poll() is None for w in workers), logs[-5000:]
             print(
                 f"\npooler of a dead primary: steps again after {resumed:.1f} s, "
                 f"all 6 runs done {finished:.1f} s"
