@@ -19,11 +19,11 @@ from typing import Any
 
 from django.db import connection, transaction
 from django.db.models import Q
+from django.db.models.base import ModelState
 from django.utils import timezone
 
 from runs.engine import registry
-from runs.engine.dry import RUN_FIELDS, Verdict, replay
-from runs.engine.history import REPLAY_FIELDS
+from runs.engine.dry import RUN_FIELDS, STEP_FIELDS, Verdict, replay
 from runs.errors import InvalidInput, UnknownWorkflow
 from runs.models import TERMINAL_STATUSES, Run, Step
 
@@ -223,9 +223,16 @@ def _code_of(workflow: str, version: str):
 
 
 def _histories(run_ids: list) -> dict[Any, dict[int, Step]]:
-    """The steps of these runs by run and seq, in one query."""
+    """The steps of these runs by run and seq, in one query. Rows are made Steps without
+    Model.__init__ (half the time of reading them): the fields read are set, the others are
+    deferred, loaded by themselves if anything reads one."""
     found: dict[Any, dict[int, Step]] = {}
-    for step in Step.objects.filter(run_id__in=run_ids).only("run", *REPLAY_FIELDS):
+    names = [Step._meta.get_field(f).attname for f in STEP_FIELDS]
+    for row in Step.objects.filter(run_id__in=run_ids).values_list(*names):
+        step = Step.__new__(Step)
+        step.__dict__.update(zip(names, row, strict=True))
+        step._state = ModelState()
+        step._state.adding, step._state.db = False, connection.alias
         found.setdefault(step.run_id, {})[step.seq] = step
     return found
 

@@ -33,6 +33,12 @@ RUN_FIELDS = (
 )  # fmt: skip
 
 
+#: What a dry replay reads of each step: what the cursor and the gate look at up to the first
+#: position not recorded completed (the rest of REPLAY_FIELDS serves writes it never makes;
+#: a deferred field read anyway loads by itself).
+STEP_FIELDS = ("id", "run", "seq", "key", "status", "output", "error", "run_attempt", "inherited")
+
+
 class HistoryEnds(ControlFlow):
     """The code reached a position its history does not hold completed: where the run is now,
     or would act next. Up to here code and history agree ("compatible so far")."""
