@@ -27,6 +27,9 @@ from runs.engine.dry import RUN_FIELDS, STEP_FIELDS, Verdict, replay
 from runs.errors import InvalidInput, UnknownWorkflow
 from runs.models import TERMINAL_STATUSES, Run, Step
 
+#: Who may run the check from the API or the dashboard: it replays up to thousands of histories
+#: on the web process, a cost the operators (who deploy) may impose, a viewer not.
+CHECK_PERMISSION = "runs.set_flow"
 #: Finished runs checked by default: those that ended in the last day.
 DEFAULT_WINDOW = timedelta(hours=24)
 #: Runs whose steps are read in one query (and replayed in one read-only transaction).
