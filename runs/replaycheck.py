@@ -147,7 +147,7 @@ def says(v: Verdict) -> str:
         if v.requested_key == "(the workflow returned)":
             return f"history has {v.recorded_key!r} at {v.seq}, code returns before it"
         return f"history has {v.recorded_key!r} at {v.seq}, code asks for {v.requested_key!r}"
-    return f"code raises {v.error} replaying the history (at position {v.seq})"
+    return f"code raises {v.error} replaying the history (after position {v.seq})"
 
 
 def fix(workflow: str, version: str, v: Verdict) -> str:

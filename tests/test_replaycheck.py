@@ -218,3 +218,49 @@ def test_the_database_itself_refuses_a_write_inside_the_check():
     with pytest.raises(DatabaseError), read_only():
         Run.objects.create(workflow="release.compatible", version="1", input={})
     assert not Run.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)  # an async workflow's checkpoints come from threads
+def test_an_async_workflow_with_a_model_call_replays_without_calling_the_model(
+    drive, expire_lease, demo_model
+):
+    from tests import workflows
+
+    run = start_run("llm-async")
+    workflows.crash_at.add("after-async")
+    with pytest.raises(workflows.Crash):
+        drive()  # the worker died in step 'after': the history ends there, the step started
+    assert (demo_model.total, workflows.calls["async-tool"]) == (1, 1)
+    group = check(workflow="llm-async").groups[0]
+    assert (group.checked, group.live, group.compatible) == (1, 1, 1)
+    expire_lease(run.id)
+    assert drive() == ["completed"]
+    steps = Step.objects.count()
+    group = check(workflow="llm-async").groups[0]
+    assert (group.checked, group.live, group.compatible) == (1, 0, 1)
+    assert (demo_model.total, workflows.calls["async-tool"]) == (1, 1)  # nothing sent again
+    assert Step.objects.count() == steps
+
+
+def _reads_the_signal_as_a_dict(ctx, input: dict) -> str:
+    ctx.step("reserve", release_workflows.call, input["url"], "reserve")
+    paid = ctx.wait_for_event("paid", "paid")
+    return ctx.step("charge", release_workflows.call, input["url"], f"charge-{paid['amount']}")
+
+
+@pytest.mark.django_db
+def test_code_that_cannot_read_what_the_old_code_recorded_is_a_divergence(drive, outside):
+    url, _ = outside
+    with old_code():
+        histories(drive, url, waiting=1, finished=1)
+    name = "release.compatible"
+    with pytest.MonkeyPatch.context() as patch:
+        new = WorkflowDef(name, "1", _reads_the_signal_as_a_dict)
+        patch.setitem(registry._workflows, (name, "1"), new)
+        group = check(workflow=name).groups[0]
+    # the live run is parked before the change; the finished one went through it
+    assert (group.checked, group.compatible, group.diverging, group.diverging_live) == (2, 1, 1, 0)
+    assert group.first["outcome"] == "fails" and group.first["seq"] == 1
+    says = "code raises TypeError: 'int' object is not subscriptable replaying the history"
+    assert group.first["says"] == f"{says} (after position 1)"
+    assert "accept what the old one recorded" in group.first["fix"]
