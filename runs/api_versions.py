@@ -47,6 +47,9 @@ class VersionChecked(Schema):
     diverging: int
     diverging_live: int
     first_divergence: Divergence | None
+    must_stay_on_old_workers: list[str] = Field(
+        description="live runs that would diverge (the first 100): leave them to old workers"
+    )
 
 
 class ReplayCheckOut(Schema):

@@ -32,6 +32,8 @@ from runs.models import TERMINAL_STATUSES, Run, Step
 CHECK_PERMISSION = "runs.set_flow"
 #: Finished runs checked by default: those that ended in the last day.
 DEFAULT_WINDOW = timedelta(hours=24)
+#: Live divergent runs listed by id per version (the count is always whole).
+STAY_LISTED = 100
 #: Runs whose steps are read in one query (and replayed in one read-only transaction).
 BATCH = 500
 
@@ -49,6 +51,8 @@ class Group:
     diverging: int = 0
     diverging_live: int = 0
     first: dict[str, Any] | None = None  # the first divergent run: where, what, the fix
+    #: Live runs this code must not take over (the first STAY_LISTED): old workers keep them.
+    stay: list[str] = field(default_factory=list)
 
     def add(self, run: Run, verdict: Verdict) -> None:
         self.checked += 1
@@ -59,6 +63,8 @@ class Group:
             return
         self.diverging += 1
         self.diverging_live += live
+        if live and len(self.stay) < STAY_LISTED:
+            self.stay.append(str(run.id))
         if self.first is None:
             self.first = {
                 "run": str(run.id),
@@ -83,6 +89,7 @@ class Group:
             "diverging": self.diverging,
             "diverging_live": self.diverging_live,
             "first_divergence": self.first,
+            "must_stay_on_old_workers": self.stay,
         }
 
 

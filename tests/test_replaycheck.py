@@ -157,6 +157,8 @@ def test_the_command_reports_and_exits_non_zero_on_divergence(drive, outside):
     versions = {v["workflow"]: v for v in data["versions"]}
     assert versions["release.divergent"]["first_divergence"]["requested"] == "quote"
     assert versions["release.patched"]["compatible"] == 1
+    waiting = Run.objects.get(workflow="release.divergent", status=RunStatus.WAITING)
+    assert versions["release.divergent"]["must_stay_on_old_workers"] == [str(waiting.id)]
 
 
 @pytest.mark.django_db
