@@ -266,3 +266,21 @@ def test_code_that_cannot_read_what_the_old_code_recorded_is_a_divergence(drive,
     says = "code raises TypeError: 'int' object is not subscriptable replaying the history"
     assert group.first["says"] == f"{says} (after position 1)"
     assert "accept what the old one recorded" in group.first["fix"]
+
+
+def test_the_dry_replays_checkpoints_refuse_every_writing_method():
+    """Built from Checkpoints' own methods: one added later is refused without a word here."""
+    import inspect
+
+    from runs.engine.checkpoints import Checkpoints
+    from runs.engine.dry import HistoryEnds, RefusingCheckpoints
+
+    writes = [
+        name for name, member in vars(Checkpoints).items()
+        if inspect.isfunction(member) and not name.startswith("_") and name != "check_approval"
+    ]  # fmt: skip
+    assert {"new_step", "write_start", "finish_step", "mark_patch", "suspend"} <= set(writes)
+    refusing = RefusingCheckpoints.__new__(RefusingCheckpoints)
+    for name in writes:
+        with pytest.raises(HistoryEnds):
+            getattr(refusing, name)()

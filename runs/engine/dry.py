@@ -52,18 +52,21 @@ class RefusingCheckpoints(Checkpoints):
     READS = frozenset({"check_approval"})
 
 
-def _refused(name: str) -> Callable[..., Any]:
-    def refuse(self: RefusingCheckpoints, *args: Any, **kwargs: Any) -> Any:
-        raise HistoryEnds(f"a dry replay writes nothing ({name})")
+def _refuse_writes() -> None:
+    def refused(name: str) -> Callable[..., Any]:
+        def refuse(self: RefusingCheckpoints, *args: Any, **kwargs: Any) -> Any:
+            raise HistoryEnds(f"a dry replay writes nothing ({name})")
 
-    refuse.__name__ = name
-    return refuse
+        refuse.__name__ = refuse.__qualname__ = name
+        return refuse
+
+    reads = RefusingCheckpoints.READS
+    for name, member in list(vars(Checkpoints).items()):
+        if inspect.isfunction(member) and not name.startswith("_") and name not in reads:
+            setattr(RefusingCheckpoints, name, refused(name))
 
 
-for _name, _member in list(vars(Checkpoints).items()):
-    public = not _name.startswith("_") and _name not in RefusingCheckpoints.READS
-    if inspect.isfunction(_member) and public:
-        setattr(RefusingCheckpoints, _name, _refused(_name))
+_refuse_writes()
 
 
 class DryExecution(Execution):
