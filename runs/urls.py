@@ -5,7 +5,7 @@ websockets follow the same mount point (runs.routing)."""
 
 from django.urls import include, path
 
-from runs import views
+from runs import views, views_versions
 from runs.rest import api_urls
 
 app_name = "stepguard"
@@ -32,6 +32,8 @@ urlpatterns = [
     path("runs/<uuid:run_id>/<str:action>", views.run_action, name="run-action"),
     path("workers", views.workers_page, name="workers"),
     path("audit", views.audit_page, name="audit"),
+    path("versions", views_versions.versions_page, name="versions"),
+    path("versions/check", views_versions.versions_check, name="versions-check"),
     path("notifications", views.notifications_page, name="notifications"),
     path("notifications/add", views.notifications_add, name="notifications-add"),
     path(
