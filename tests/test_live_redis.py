@@ -11,7 +11,8 @@ from django.db import transaction
 from controlplane.settings import redis_channel_layer
 from runs.engine.store import run_event
 from runs.sdk import start_run
-from tests.test_live import communicator, run_async
+from tests.conftest import daphne, database_url, run_coroutine
+from tests.test_live import communicator, run_async, session_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -82,3 +83,33 @@ def test_a_receive_cancelled_at_any_point_of_its_connection_ends(redis_layer):
         return lived_on
 
     assert asyncio.run(go()) == 0
+
+
+def test_six_quiet_feeds_of_a_real_server_stay_open_past_the_pop(tmp_path, cast):
+    """The issue's measurement through daphne and Redis: before, 6 of 6 quiet feeds (the
+    site-wide one and a run's) closed with 1011 after 5.4-6.0 s and the pages reconnected."""
+    import websockets
+    from django.conf import settings
+
+    run = start_run("ledger", {"steps": 1})
+    cookie = f"{settings.SESSION_COOKIE_NAME}={session_of(cast['vera']).session_key}"
+    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    with daphne(tmp_path, DATABASE_URL=database_url(), REDIS_URL=redis_url) as url:
+        base = url.replace("http", "ws", 1)
+        paths = ["/ws/live/"] * 3 + [f"/ws/runs/{run.pk}/?after=0&last=-1"] * 3
+
+        async def quiet(path: str) -> object:
+            headers = {"Cookie": cookie, "Origin": url}
+            async with websockets.connect(base + path, additional_headers=headers) as socket:
+                try:
+                    while True:  # what the page missed first, then nothing for QUIET_SECONDS
+                        await asyncio.wait_for(socket.recv(), QUIET_SECONDS + 4)
+                except TimeoutError:
+                    return "open"
+                except websockets.ConnectionClosed as closed:
+                    return closed.rcvd.code if closed.rcvd else "closed"
+
+        async def all_quiet():
+            return await asyncio.gather(*(quiet(p) for p in paths))
+
+        assert run_coroutine(all_quiet()) == ["open"] * 6
