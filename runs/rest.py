@@ -25,6 +25,7 @@ from controlplane import dbdown, security
 from controlplane.health import health as health_view
 from runs.api import create_run, signal_run
 from runs.api import router as runs_router
+from runs.api_annotations import router as annotations_router
 from runs.apikeys import check_key, match_key
 from runs.approvals.api import router as approvals_router
 from runs.errors import Conflict, Forbidden, NotFound, StepguardError, UnknownWorkflow
@@ -225,6 +226,7 @@ def health(request):
 
 
 api.add_router("/", runs_router)
+api.add_router("/", annotations_router)
 api.add_router("/approvals", approvals_router)
 
 
