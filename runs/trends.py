@@ -146,7 +146,7 @@ def seconds_text(value: float) -> str:
     return f"{value / 60:.1f} min"
 
 
-def _frame(days: list[date], top: float, fmt, unit_label: str) -> list[str]:
+def _frame(days: list[date], top: float, fmt) -> list[str]:
     """Axes, gridlines and their labels: y at 0, half and the top; x at every day, labelled
     at the first, the middle and the last."""
     plot_w, plot_h = W - LEFT - RIGHT, H - TOP - BOTTOM
@@ -188,8 +188,7 @@ def _frame(days: list[date], top: float, fmt, unit_label: str) -> list[str]:
     parts.append(
         format_html(
             '<line class="axis" x1="{}" x2="{}" y1="{}" y2="{}"/>'
-            '<line class="axis" x1="{}" x2="{}" y1="{}" y2="{}"/>'
-            '<text class="unit" x="4" y="{}">{}</text>',
+            '<line class="axis" x1="{}" x2="{}" y1="{}" y2="{}"/>',
             LEFT,
             LEFT,
             TOP,
@@ -198,8 +197,6 @@ def _frame(days: list[date], top: float, fmt, unit_label: str) -> list[str]:
             W - RIGHT,
             TOP + plot_h,
             TOP + plot_h,
-            TOP + plot_h / 2,
-            unit_label,
         )
     )
     return parts
@@ -244,9 +241,9 @@ def cost_chart(name: str, days: list[date], cost: dict[date, int]) -> SafeString
         f", most on {days[busiest].isoformat()} ({usd_text(values[busiest])})" if total else ""
     )
     rects = format_html_join(
-        "", '<rect class="bar" x="{}" y="{}" width="{}" height="{}"><title>{}</title></rect>', bars
+        "", '<rect class="col" x="{}" y="{}" width="{}" height="{}"><title>{}</title></rect>', bars
     )
-    return _svg("cost", said, [*_frame(days, top, usd_text, "USD"), rects])
+    return _svg("cost", said, [*_frame(days, top, usd_text), rects])
 
 
 def latency_chart(
@@ -265,7 +262,7 @@ def latency_chart(
     top = nice(max(v for line in lines.values() for v in line.values()))
     plot_w, plot_h = W - LEFT - RIGHT, H - TOP - BOTTOM
     step = plot_w / len(days)
-    parts = _frame(days, top, seconds_text, "time")
+    parts = _frame(days, top, seconds_text)
     for cls, points in lines.items():
         xy = [
             (

@@ -64,3 +64,63 @@ def test_the_waterfall_shows_whole_at_the_common_widths(server, page, cast, driv
     box = visible_box(page, "#step-2 td.waterfall")
     assert box["visible"] >= box["width"] - 1, box
     shoot(page, f"waterfall-{width}", full_page=False)
+
+
+def test_a_child_run_opens_in_place_under_the_step_that_started_it(server, page, cast, drive):
+    from playwright.sync_api import expect
+
+    from runs.models import Run
+
+    parent = start_run("parent", {"n": 2, "steps": 3})
+    drive()
+    child = Run.objects.get(parent=parent, key=f"{parent.pk}:c0")
+    page.set_viewport_size({"width": 1440, "height": 900})
+    login(page, server, "vera", f"/runs/{parent.pk}")
+    entry = page.locator(f"#trace-{child.pk}")
+    expect(entry.locator("summary")).to_contain_text("queued")
+    expect(entry.locator("summary")).to_contain_text("ran")
+    expect(entry.locator(".trace-step")).to_have_count(0)  # loaded when opened
+    entry.locator("summary").click()
+    steps = entry.locator(".trace-step")
+    expect(steps).to_have_count(3)
+    expect(steps.nth(0)).to_contain_text("s0")
+    expect(steps.nth(2)).to_contain_text("completed")
+    expect(steps.nth(2)).to_contain_text("$")
+    shoot(page.locator("#trace"), "light-run-trace")
+
+
+def test_trends_charts_read_with_axes_and_an_operator_marks_a_step_bad(
+    server, page, cast, drive, demo_model
+):
+    from playwright.sync_api import expect
+
+    from runs.models import Annotation
+
+    for tenant in ("acme", "globex", "acme"):
+        start_run("llm-chat", {"prompt": "hello"}, labels={"tenant": tenant})
+    run = start_run("ledger", {"steps": 3}, labels={"tenant": "acme"})
+    drive()
+    page.set_viewport_size({"width": 1440, "height": 900})
+    login(page, server, "otto", "/trends?by=label")
+    first = page.locator("#trends section.trend").first
+    expect(first.locator("h2")).to_contain_text("tenant=acme")
+    expect(first.locator("svg.cost text.y")).to_have_count(3)
+    expect(first.locator("svg.latency text.legend")).to_have_count(3)
+    box = first.locator("svg.cost").bounding_box()
+    assert box["width"] >= 300, box  # readable, not a 240 x 48 sparkline
+    shoot(page, "light-trends", full_page=True)
+    # Annotate a step from its panel; the run shows up under "marked bad".
+    page.goto(f"{server}/runs/{run.pk}")
+    page.locator("#step-1 .step-open").click()
+    panel = page.locator("#step-panel")
+    panel.locator("summary", has_text="Mark this step").click()
+    panel.get_by_label("bad").check()
+    panel.get_by_label("Note on the step").fill("total is off by one")
+    panel.get_by_role("button", name="Save annotation").click()
+    expect(page.locator("#annotations li")).to_contain_text("step s1")
+    expect(page.locator("#annotations li")).to_contain_text("total is off by one")
+    assert Annotation.objects.get(run=run).by_name == "otto"
+    shoot(page.locator("#annotations"), "light-run-annotations")
+    page.goto(f"{server}/?annotation=bad")
+    expect(page.locator("#runs-rows tr")).to_have_count(1)
+    expect(page.locator(f"#run-{run.pk}")).to_be_visible()
