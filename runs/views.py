@@ -559,11 +559,12 @@ def run_detail(request, run_id: UUID):
     run = _run_or_404(run_id)
     chosen, match = queries.step_filter(request.GET)
     steps, earlier_steps = _earlier(timeline_rows(run.steps.filter(match)), None, STEP_CHUNK)
+    header = header_context(request, run)
     return render(
         request,
         "runs/detail.html",
         {
-            **header_context(request, run),
+            **header,
             "steps": steps,
             "earlier_steps": earlier_steps,
             "shown_from": steps[0].seq if steps else 0,
@@ -582,7 +583,7 @@ def run_detail(request, run_id: UUID):
             "annotations": annotations.of_run(run.pk),
             "can_annotate": request.user.has_perm("runs.annotate_run"),
             "run_id": run.pk,
-            "trace": views_trace.trace_of(run) if run.children.exists() else None,
+            "trace": views_trace.trace_of(run) if header["children"] else None,
             # The latest ones: a run is usually forked near where it went wrong.
             "fork_points": list(
                 run.steps.filter(kind__in=FORK_KINDS)
