@@ -23,6 +23,7 @@ def test_child_runs_sit_under_the_step_that_started_them_with_queue_delay_apart(
     children = {c.key.split(":")[-1]: c for c in Run.objects.filter(parent=parent)}
     client.force_login(cast["vera"])
     page = client.get(f"/runs/{parent.pk}").content.decode()
+    assert re.search(r'<dd id="run-queued"[^>]*>\d+(\.\d+)? (ms|s)</dd>', page)  # its own wait
     trace = page[page.index('id="trace"') :]
     for key, child in children.items():
         entry = re.search(rf'<details class="trace-child" id="trace-{child.pk}">(.*?)</summary>',
