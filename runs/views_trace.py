@@ -15,23 +15,16 @@ from django.contrib.auth.decorators import login_required, permission_required
 from django.http import Http404
 from django.shortcuts import render
 
-from runs.engine.budget import to_usd
 from runs.models import Run, RunStatus, Step, StepKind
+from runs.templatetags.timeline import span_text
 
 #: Steps shown per level: a run with more shows its first ones and says how many it left out.
 LEVEL_STEPS = 200
 
 
 def seconds(span: timedelta | None) -> str:
-    """A duration as people read it: 850 ms, 3.2 s, 4 min 10 s."""
-    if span is None:
-        return ""
-    s = span.total_seconds()
-    if s < 1:
-        return f"{round(s * 1000)} ms"
-    if s < 60:
-        return f"{s:.1f} s"
-    return f"{int(s // 60)} min {round(s % 60)} s"
+    """A duration as the timeline writes it (850 ms, 3.2 s, 4 min 10 s); "" when unknown."""
+    return "" if span is None else span_text(span.total_seconds())
 
 
 def _between(start: datetime | None, end: datetime | None) -> timedelta | None:
@@ -44,7 +37,6 @@ def child_summary(child: Run) -> dict:
     ended = child.finished_at
     return {
         "run": child,
-        "usd": to_usd(child.cost_micros),
         "queued": seconds(_between(child.created_at, child.started_at)),
         "ran": seconds(_between(child.started_at, ended)),
         "running": child.started_at is not None and ended is None,
@@ -82,7 +74,6 @@ def trace_of(run: Run) -> dict:
         rows.append(
             {
                 "step": step,
-                "usd": to_usd(step.cost_micros),
                 "took": seconds(_between(step.started_at, step.finished_at)),
                 "child": child_summary(child) if child else None,
             }
