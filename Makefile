@@ -40,10 +40,10 @@ format: $(STAMP) ## ruff format
 	$(BIN)/ruff format .
 
 screenshots: $(STAMP) ## every page, light, dark and narrow, as PNGs in var/screenshots/ (three go to docs/)
-	STEPGUARD_SCREENSHOTS=var/screenshots $(BIN)/pytest -q tests/test_browser.py tests/test_browser_fork_edits.py -k "accessibility or 360 or fork"
+	STEPGUARD_SCREENSHOTS=var/screenshots $(BIN)/pytest -q tests/test_browser.py tests/test_browser_fork_edits.py tests/test_browser_runview.py -k "accessibility or 360 or fork or trace or trends or waterfall"
 	@ls var/screenshots
 	mkdir -p docs/screenshots
-	cp var/screenshots/light-run-failed.png var/screenshots/dark-run-detail.png var/screenshots/narrow-runs-list.png var/screenshots/light-fork-with-edits.png var/screenshots/light-run-edited-fork.png docs/screenshots/
+	cp var/screenshots/light-run-failed.png var/screenshots/dark-run-detail.png var/screenshots/narrow-runs-list.png var/screenshots/light-fork-with-edits.png var/screenshots/light-run-edited-fork.png var/screenshots/light-run-trace.png var/screenshots/light-run-annotations.png var/screenshots/light-trends.png var/screenshots/waterfall-1440.png docs/screenshots/
 
 bench: $(STAMP) ## step overhead, replay and throughput benchmarks on local PostgreSQL
 	$(BIN)/pip install --quiet -e '.[dev,bench]'

@@ -282,6 +282,9 @@ class Filters(Schema):
     label: str | None = Field(
         None, max_length=500, pattern=TEXT, description="tenant=acme: runs with that label"
     )
+    annotation: str | None = Field(
+        None, pattern=r"^(good|bad|note|any)$", description="runs someone marked so (any: at all)"
+    )
     engine: bool = Field(
         False,
         description="include the engine's own runs (notification deliveries, workflows "
@@ -348,6 +351,7 @@ def list_runs(request, filters: Query[Filters]):
             "until": filters.created_before,
             "q": filters.q,
             "label": filters.label,
+            "annotation": filters.annotation,
             "engine": filters.engine,
         }
     )

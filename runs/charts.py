@@ -11,9 +11,10 @@ from datetime import date, timedelta
 
 from django.db.models import Sum
 from django.utils import timezone
-from django.utils.html import format_html, format_html_join
+from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
+from runs import trends
 from runs.engine.budget import to_usd
 from runs.models import Run, SpendDay, Step
 
@@ -82,37 +83,16 @@ def spend_per_day(today: date | None = None, limit: int = 12) -> list[DailySpend
     for workflow, day, micros in rows:
         by_workflow.setdefault(workflow, {})[day] = micros
     ranked = sorted(by_workflow.items(), key=lambda item: (-sum(item[1].values()), item[0]))
-    top = max((m for _, days in ranked[:limit] for m in days.values()), default=0)
     return [
-        DailySpend(workflow, sum(days.values()), _bars(workflow, days, first, top))
+        DailySpend(workflow, sum(days.values()), _bars(workflow, days, first))
         for workflow, days in ranked[:limit]
     ]
 
 
-def _bars(workflow: str, days: dict[date, int], first: date, top: int) -> SafeString:
-    step = WIDTH / DAYS
-    bars = []
-    for i in range(DAYS):
-        day = first + timedelta(days=i)
-        micros = days.get(day, 0)
-        height = round(micros / top * (HEIGHT - 2), 1) if top else 0
-        bars.append(
-            (round(i * step + 1, 1), round(HEIGHT - height, 1), round(step - 2, 1), height,
-             f"{day.isoformat()}: {_usd(micros)}")
-        )  # fmt: skip
-    busiest = max(days.items(), key=lambda item: item[1])
-    said = (
-        f"{workflow}: {_usd(sum(days.values()))} in the last {DAYS} days, "
-        f"most on {busiest[0].isoformat()} ({_usd(busiest[1])})"
-    )
-    return format_html(
-        '<svg class="chart bars" viewBox="0 0 {} {}" width="{}" height="{}" role="img" '
-        'aria-label="{}"><title>{}</title>{}</svg>',
-        WIDTH, HEIGHT, WIDTH, HEIGHT, said, said,
-        format_html_join(
-            "", '<rect x="{}" y="{}" width="{}" height="{}"><title>{}</title></rect>', bars
-        ),
-    )  # fmt: skip
+def _bars(workflow: str, days: dict[date, int], first: date) -> SafeString:
+    """A workflow's spend per day with both axes labelled (runs/trends.py draws it): the
+    small axis-less bars it replaced gave no scale to read a value against (issue 53)."""
+    return trends.cost_chart(workflow, [first + timedelta(days=i) for i in range(DAYS)], days)
 
 
 __all__ = ["DailySpend", "spend_over_time", "spend_per_day"]

@@ -30,7 +30,9 @@ class BadFilter(OperationError):
 
 
 #: The runs list's filters, as URL parameters (the API names `since`/`until` differently).
-RUN_FILTERS = ("status", "workflow", "version", "parent", "since", "until", "q", "top", "label")
+RUN_FILTERS = (
+    "status", "workflow", "version", "parent", "since", "until", "q", "top", "label", "annotation",
+)  # fmt: skip
 
 
 def _when(value: datetime | str, name: str) -> datetime:
@@ -50,7 +52,8 @@ ENGINE_PREFIX = "stepguard."
 def runs_matching(filters: Mapping[str, object]) -> QuerySet:
     """Runs matching the filters given (empty values ignored): status, workflow, version,
     parent (a run id), since and until (created at or after, before), label (`tenant=acme`,
-    several separated by commas: runs carrying all of them), and q (a whole run id, a whole
+    several separated by commas: runs carrying all of them), annotation (good, bad, note or
+    any: runs someone marked so), and q (a whole run id, a whole
     key, or part of a key).
 
     The engine's own runs (notification deliveries) are left out unless asked for (`engine`,
@@ -81,6 +84,13 @@ def runs_matching(filters: Mapping[str, object]) -> QuerySet:
             runs = runs.filter(run_labels.matching(name, value))
     if f.get("top") in ("1", True):
         runs = runs.filter(parent__isnull=True)
+    if "annotation" in f:  # good, bad, note or any (runs/annotations.py)
+        from runs import annotations  # it imports the operations, as this module does
+
+        try:
+            runs = annotations.runs_annotated(runs, str(f["annotation"]))
+        except annotations.BadAnnotation as exc:
+            raise BadFilter(str(exc)) from None
     if "q" in f:
         q = str(f["q"])
         try:  # a whole run id is looked up by index, not by scanning every key

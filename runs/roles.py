@@ -1,5 +1,8 @@
 """The three roles, as Django groups: viewer (read), operator (act on runs), approver (decide).
 
+Operators and approvers may annotate (mark a run or a step good, bad, or with a note): the
+people who act on runs and who review them; a viewer reads annotations.
+
 Created by a migration; `ensure_groups` is also what tests call after a table flush.
 """
 
@@ -19,6 +22,7 @@ VIEW = [
     ("runs", "view_schedule"),
     ("runs", "view_ratelimit"),
     ("approvals", "view_approvalrequest"),
+    ("runs", "view_annotation"),
 ]
 ROLES = {
     "viewer": VIEW,
@@ -35,8 +39,9 @@ ROLES = {
         ("runs", "add_notificationchannel"),
         ("runs", "delete_notificationchannel"),
         ("runs", "set_flow"),
+        ("runs", "annotate_run"),
     ],
-    "approver": [*VIEW, ("approvals", "decide_approvalrequest")],
+    "approver": [*VIEW, ("approvals", "decide_approvalrequest"), ("runs", "annotate_run")],
 }
 
 

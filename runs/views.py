@@ -30,7 +30,7 @@ from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
-from runs import bounded, charts, notifications, operations, queries
+from runs import annotations, bounded, charts, notifications, operations, queries, views_trace
 from runs import labels as run_labels
 from runs.approvals.models import ApprovalStatus
 from runs.approvals.services import mark_four_eyes
@@ -44,6 +44,7 @@ from runs.models import (
     GLOBAL,
     NOTIFIABLE,
     RENAMED_EVENTS,
+    Annotation,
     BudgetLedger,
     Event,
     EventType,
@@ -148,6 +149,7 @@ def runs_list(request):
             "exact_up_to": f"{queries.EXACT_UP_TO:,}",
             "older_query": older,
             "statuses": RunStatus.values,
+            "annotation_choices": ANNOTATION_CHOICES,
             "can_operate": request.user.has_perm("runs.halt_run"),
             "bulk_actions": BULK_ACTIONS,
             "can_start": request.user.has_perm("runs.add_run"),
@@ -159,6 +161,9 @@ def runs_list(request):
 
 
 LIST_DEFERRED = ("input", "output", "error")
+ANNOTATION_CHOICES = [
+    ("bad", "marked bad"), ("good", "marked good"), ("note", "with a note"), ("any", "annotated"),
+]  # fmt: skip
 
 WAIT_WORDS = {
     StepKind.EVENT: "signal",
@@ -554,11 +559,12 @@ def run_detail(request, run_id: UUID):
     run = _run_or_404(run_id)
     chosen, match = queries.step_filter(request.GET)
     steps, earlier_steps = _earlier(timeline_rows(run.steps.filter(match)), None, STEP_CHUNK)
+    header = header_context(request, run)
     return render(
         request,
         "runs/detail.html",
         {
-            **header_context(request, run),
+            **header,
             "steps": steps,
             "earlier_steps": earlier_steps,
             "shown_from": steps[0].seq if steps else 0,
@@ -574,6 +580,10 @@ def run_detail(request, run_id: UUID):
             "shown_rows": ",".join(str(s.seq) for s in steps),
             "span": _span(run),
             "can_fork": request.user.has_perm("runs.fork_run"),
+            "annotations": annotations.of_run(run.pk),
+            "can_annotate": request.user.has_perm("runs.annotate_run"),
+            "run_id": run.pk,
+            "trace": views_trace.trace_of(run) if header["children"] else None,
             # The latest ones: a run is usually forked near where it went wrong.
             "fork_points": list(
                 run.steps.filter(kind__in=FORK_KINDS)
@@ -650,6 +660,9 @@ def step_body(request, run_id: UUID, seq: int):
     if step is None:
         raise Http404(f"run {run_id} has no step {seq}")
     step.input = Conversations(run_id).expanded(seq, step.input)
+    step.annotated = list(
+        Annotation.objects.filter(run_id=run_id, step_seq=seq).order_by("-created_at", "-id")
+    )
     parts = [
         shown(
             name, getattr(step, name), reverse("stepguard:run-step-json", args=[run_id, seq, name])
@@ -670,6 +683,8 @@ def step_body(request, run_id: UUID, seq: int):
             "turns": turns,
             "model": sent.get("model", "") if isinstance(sent, dict) and turns else "",
             "attempts": attempts(step) if step.kind in ATTEMPTED else None,
+            "step_annotations": step.annotated,
+            "can_annotate": request.user.has_perm("runs.annotate_run"),
         },
     )
 

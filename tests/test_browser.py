@@ -129,7 +129,7 @@ def test_the_main_pages_have_no_serious_accessibility_violations(
     problems = {}
     runs = {waiting.pk: "run-detail", halted.pk: "run-halted", failed.pk: "run-failed"}
     pages = ["/", *(f"/runs/{pk}" for pk in runs), "/approvals", "/halts", "/budgets", "/flow",
-             "/workers", "/audit", "/notifications"]  # fmt: skip
+             "/workers", "/audit", "/notifications", "/trends"]  # fmt: skip
     for path in pages:
         page.goto(f"{server}{path}")
         name = path.strip("/").split("/")[0] or "runs-list"
@@ -163,7 +163,7 @@ def test_the_main_pages_fit_a_360_px_wide_screen(server, browser, cast, drive):
     wide = {}
     flow_content()
     for path in ("/", f"/runs/{run.pk}", "/approvals", "/halts", "/budgets", "/workers", "/audit",
-                 "/flow"):  # fmt: skip
+                 "/flow", "/trends"):  # fmt: skip
         page.goto(f"{server}{path}")
         name = path.strip("/").split("/")[0] or "runs-list"
         shoot(page, f"narrow-{name}", full_page=True)

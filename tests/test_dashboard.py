@@ -259,8 +259,8 @@ def test_a_5000_step_run_renders_its_latest_chunk_and_loads_earlier_ones(
     run = long_run(5000)
     vera = browser_as("vera")
     # A fixed number, whatever the run's size: the header's explanation, holds, children's
-    # spend and pending approvals are a query or two each.
-    with django_assert_max_num_queries(18):
+    # spend, pending approvals and annotations are a query or two each.
+    with django_assert_max_num_queries(19):
         page = vera.get(f"/runs/{run.pk}").content.decode()
     assert rows(page) == list(range(4800, 5000))
     assert len(re.findall(r'<li id="event-', page)) == 500

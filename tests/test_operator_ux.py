@@ -311,6 +311,8 @@ def test_a_run_s_spend_over_time_and_each_workflow_s_spend_per_day_are_charted(c
     assert '<svg class="chart spark"' in page
     page = html.unescape(client.get("/budgets").content.decode())
     today = timezone.now().date().isoformat()
-    assert f"many: $0.006 in the last 14 days, most on {today} ($0.005)" in page
-    bars = re.findall(r'<rect x="[^"]+" y="[^"]+" width="[^"]+" height="([^"]+)">', page)
-    assert len(bars) == 14 and bars[-1] == "46.0" and bars[-2] == "9.2"  # today, yesterday
+    assert f"many: cost per day, $0.006 in 14 days, most on {today} ($0.005)" in page
+    bar = r'<rect class="col" x="[^"]+" y="[^"]+" width="[^"]+" height="([^"]+)">'
+    bars = re.findall(bar, page)
+    assert len(bars) == 14 and bars[-1] == "128.0" and bars[-2] == "25.6"  # today, yesterday
+    assert '<text class="y" x="58" y="16">$0.005</text>' in page  # the y axis's top (issue 53)

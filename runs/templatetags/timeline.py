@@ -173,6 +173,14 @@ def run_duration(run) -> str:
     return span_text((end - run.started_at).total_seconds())
 
 
+@register.filter
+def queue_delay(run) -> str:
+    """From the run's creation to a worker first taking it (or to now while none has): the
+    wait in the queue, apart from the run's own duration."""
+    end = run.started_at or timezone.now()
+    return span_text(max((end - run.created_at).total_seconds(), 0))
+
+
 def how_far(at: datetime, now: datetime) -> str:
     """'41 s ago', '3 minutes ago', 'in 2 hours': one way of saying it on every page (the
     pages said '0 minutes ago' where the run's sentence said '41 s ago'); live.js keeps it
