@@ -25,11 +25,8 @@ from controlplane import dbdown, security
 from controlplane.health import health as health_view
 from runs.api import create_run, signal_run
 from runs.api import router as runs_router
-<<<<<<< HEAD
-from runs.api_versions import router as versions_router
-=======
 from runs.api_annotations import router as annotations_router
->>>>>>> runview
+from runs.api_versions import router as versions_router
 from runs.apikeys import check_key, match_key
 from runs.approvals.api import router as approvals_router
 from runs.errors import Conflict, Forbidden, NotFound, StepguardError, UnknownWorkflow
@@ -230,11 +227,8 @@ def health(request):
 
 
 api.add_router("/", runs_router)
-<<<<<<< HEAD
 api.add_router("/", versions_router)
-=======
 api.add_router("/", annotations_router)
->>>>>>> runview
 api.add_router("/approvals", approvals_router)
 
 
