@@ -116,7 +116,9 @@ class Terminal:
         """Run `command`; its exit status and what it printed."""
         marker = f"__done_{secrets.token_hex(4)}__"
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{command}\necho; echo {marker} $?\n")
+        # One command after it, so that $? is the reader's command's (an `echo` before it
+        # would report its own 0: every command passed, whatever it exited with).
+        self.proc.stdin.write(f"{command}\nprintf '\\n{marker} %s\\n' $?\n")
         self.proc.stdin.flush()
         output, deadline = [], time.monotonic() + timeout
         while True:
@@ -312,8 +314,8 @@ def test_every_command_in_the_docs_runs_as_written(world, name, body, mark):
             status, output = terminal.type(command)
             if status != 0:
                 failures.append(f"$ {written}\nexited {status}:\n{output[-3000:]}")
-            elif " startrun " in f" {written}" and "run" not in block:
-                block["run"] = RUN_ID.search(output)[0]  # what the reader copies from it
+            elif " startrun " in f" {written}" and (printed := RUN_ID.search(output)):
+                block.setdefault("run", printed[0])  # the id the reader copies from it
         world.settle()
         if world.kill_switch() is not None:
             failures.append("the block leaves the kill switch on: it shows how to lift it")
