@@ -1,18 +1,24 @@
-"""Every shell command README.md and docs/*.md show, run as a reader would paste it (issue 33).
+"""Every shell command README.md and docs/*.md show, run as a reader would paste it (issues 33
+and 53).
 
 Each fenced `sh`/`bash` block runs line by line (a line ending in a backslash goes on) in one
 terminal (a bash of its own: variables and exports hold for the rest of the block), at a
 reader's pace (the next line once the worker has caught up), in the world the docs assume: a
-checkout with development settings (`make run`'s var/stepguard.env: examples.settings, DEBUG,
-SQLite), the users `ada` and `otto`, and the reader's code next to it (`myagents.trips`,
-`myapp.agents`, `yourapp.agents`: tests/docs_world/). What a reader fills in is filled in:
-`RUN_ID` (a run waiting for a signal), `APPROVAL_ID` (a pending approval), `...` values, the
-port; the server at 127.0.0.1:8000 is the world's, and curl fails on an HTTP error. Commands that
-do not exit (workers, servers, `--follow`) pass when they are still up a few seconds after they
-start, or ended well.
+checkout with `make run`'s development settings (var/stepguard.env: examples.settings, DEBUG,
+SQLite) and nothing else: the workflows are the ones that ship in examples/ (the README's
+`book-trip` is examples/trips.py), no code of the test's own. The users `ada` and `otto` exist.
+What a reader fills in is filled in: `RUN_ID` (the run the block started, as `startrun` printed
+it, else a run of book-trip waiting for its signal), `APPROVAL_ID` (that run's pending approval,
+else a new one's), `...` values, the port; the server at 127.0.0.1:8000 is the world's, and curl
+fails on an HTTP error. Commands that do not exit (workers, servers, `--follow`) pass when they
+are still up a few seconds after they start, or ended well. A block that turns the kill switch
+on turns it off again.
 
-A block that cannot run here says so just above it, in the Markdown source:
-`<!-- docs-test: skip: the reason -->`. Those are listed by the last test, so they stay few.
+Not run, each for its reason (NOT_RUN): `make run` and `make test`, and `pip` (it changes the
+environment and needs an index); what the docs install is checked against pyproject.toml below,
+and tests/test_install.py builds and installs the wheel. A block that cannot run here says so
+just above it, in the Markdown source: `<!-- docs-test: skip: the reason -->`.
+test_the_commands_not_run_are_few_and_say_why counts both, so they stay few.
 """
 
 import contextlib
@@ -29,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -41,10 +48,15 @@ FENCE = re.compile(
 )
 #: Commands that serve until stopped.
 SERVES = re.compile(r"\b(runworker|serve|runserver)\b|--follow\b")
-#: Commands a reader runs elsewhere: in the Makefile's own terms (tests/test_commands.py runs
-#: `make run`), or to install packages (tests/test_install.py builds and installs the wheel).
-ELSEWHERE = re.compile(r"^(make |pip |\.venv/)")
-WORLD = Path(__file__).parent / "docs_world"
+#: The commands not run here, and why.
+NOT_RUN = {
+    "make run": "serves until Ctrl-C; tests/test_commands.py runs it",
+    "make test": "the whole suite, which this test is part of",
+    "pip ": "builds and installs packages (an index, a changed environment): "
+    "test_what_pip_installs_is_what_pyproject_declares",
+}
+RUN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f-]{27}")
+TRIP = {"from": "LIS", "to": "BER", "email": "a@b.c"}
 
 
 def blocks() -> list:
@@ -104,7 +116,9 @@ class Terminal:
         """Run `command`; its exit status and what it printed."""
         marker = f"__done_{secrets.token_hex(4)}__"
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{command}\necho; echo {marker} $?\n")
+        # One command after it, so that $? is the reader's command's (an `echo` before it
+        # would report its own 0: every command passed, whatever it exited with).
+        self.proc.stdin.write(f"{command}\nprintf '\\n{marker} %s\\n' $?\n")
         self.proc.stdin.flush()
         output, deadline = [], time.monotonic() + timeout
         while True:
@@ -141,8 +155,6 @@ class World:
             "HOME": str(home),
             "LANG": "C.UTF-8",
             "STEPGUARD_VAR_DIR": str(var),
-            "STEPGUARD_WORKFLOW_MODULES": "myagents.trips",
-            "PYTHONPATH": str(WORLD),
             "DJANGO_SUPERUSER_PASSWORD": secrets.token_urlsafe(12),
             "HOOK_SECRET": secrets.token_urlsafe(16),  # docs/operations.md's --secret-env
         }
@@ -200,34 +212,54 @@ class World:
             row = db.execute(sql, params).fetchone()
         return row[0] if row else None
 
-    def run_waiting(self, **input) -> str:
-        """A new run of book-trip, once it waits (for a signal, or an approval)."""
-        out = self.shell(f"python manage.py startrun book-trip --input '{json.dumps(input)}'")
+    def run_waiting(self) -> str:
+        """A new run of the README's book-trip, once it waits for its signal `go`."""
+        out = self.shell(f"python manage.py startrun book-trip --input '{json.dumps(TRIP)}'")
         assert out.returncode == 0, out.stderr
-        run_id = re.search(r"[0-9a-f]{8}-[0-9a-f-]{27}", out.stdout + out.stderr)[0]
+        run_id = RUN_ID.search(out.stdout)[0]
         wait_until(
-            lambda: (
-                self.one("SELECT status FROM runs_run WHERE id = ?", run_id.replace("-", ""))
-                == "waiting"
-            ),
+            lambda: self.status(run_id) == "waiting",
             timeout=60,
             what=lambda: f"run {run_id} waiting; the worker's log:\n{self.log.read_text()}",
         )
         return run_id
 
+    def status(self, run_id: str) -> object:
+        return self.one("SELECT status FROM runs_run WHERE id = ?", run_id.replace("-", ""))
+
+    def pending_approval(self, run_id: str) -> object:
+        return self.one(
+            "SELECT id FROM approvals_approvalrequest WHERE run_id = ? AND status = 'pending'",
+            run_id.replace("-", ""),
+        )
+
+    def approval_waiting(self) -> object:
+        """The approval a new run of book-trip asks for once signalled."""
+        run_id = self.run_waiting()
+        out = self.shell(f"python manage.py signal {run_id} go")
+        assert out.returncode == 0, out.stderr
+        return wait_until(
+            lambda: self.pending_approval(run_id),
+            timeout=60,
+            what=lambda: f"run {run_id}'s approval; the worker's log:\n{self.log.read_text()}",
+        )
+
+    def kill_switch(self) -> object:
+        return self.one("SELECT halted_at FROM runs_policy WHERE scope = '*'")
+
     def fill(self, command: str, block: dict) -> str:
-        """What a reader types in place of the docs' placeholders (one run per block)."""
+        """What a reader types in place of the docs' placeholders: the block's own run where it
+        started one, its approval where it asks for one."""
         if "RUN_ID" in command or "RUN=..." in command:
             if "run" not in block:
-                block["run"] = self.run_waiting(wait=True)
+                block["run"] = self.run_waiting()
             run_id = block["run"]
             command = command.replace("RUN_ID", run_id).replace("RUN=...", f"RUN={run_id}")
         if "APPROVAL_ID" in command:
-            run_id = self.run_waiting(approve=True)
-            approval = self.one(
-                "SELECT id FROM approvals_approvalrequest WHERE run_id = ?", run_id.replace("-", "")
-            )
-            command = command.replace("APPROVAL_ID", str(approval))
+            approval = None
+            if "run" in block:
+                approval = self.pending_approval(block["run"])
+            command = command.replace("APPROVAL_ID", str(approval or self.approval_waiting()))
         command = command.replace("SECRET_KEY=...", f"SECRET_KEY={secrets.token_urlsafe(50)}")
         command = command.replace(
             "DATABASE_URL=postgres://...", f"DATABASE_URL=sqlite:///{self.db}"
@@ -268,26 +300,65 @@ def test_every_command_in_the_docs_runs_as_written(world, name, body, mark):
     block: dict = {}
     try:
         for written in commands(body):
-            if ELSEWHERE.match(written):
+            if not_run(written):
                 continue
             world.settle()
-            command = world.fill(written, block)
+            try:
+                command = world.fill(written, block)
+            except (AssertionError, pytest.fail.Exception) as exc:  # nothing to fill it with
+                failures.append(f"$ {written}\n{exc}")
+                continue
             if SERVES.search(command) and "--dry-run" not in command:
                 # Up for a few seconds (124: stopped by timeout), or ended well.
                 command = f"timeout -k 10 6 bash -c {shlex.quote(command)}; [ $? = 124 ]"
             status, output = terminal.type(command)
             if status != 0:
                 failures.append(f"$ {written}\nexited {status}:\n{output[-3000:]}")
+            elif " startrun " in f" {written}" and (printed := RUN_ID.search(output)):
+                block.setdefault("run", printed[0])  # the id the reader copies from it
+        world.settle()
+        if world.kill_switch() is not None:
+            failures.append("the block leaves the kill switch on: it shows how to lift it")
     finally:
         terminal.close()
-        world.shell("python manage.py unhalt --all --user otto --reason 'docs test: next block'")
+        if world.kill_switch() is not None:  # left on by a failure: not the next block's
+            world.shell("python manage.py unhalt --all --user otto --reason 'docs test'")
     assert not failures, f"{name}:\n\n" + "\n\n".join(failures)
 
 
-def test_the_blocks_not_run_are_few_and_say_why():
+def not_run(command: str) -> str | None:
+    return next((why for start, why in NOT_RUN.items() if command.startswith(start)), None)
+
+
+def test_the_commands_not_run_are_few_and_say_why():
     skipped = [(name, mark) for name, _, mark in blocks() if mark]
     assert all(mark.startswith("skip: ") and len(mark) > 12 for _, mark in skipped), skipped
-    assert len(skipped) <= 3, skipped
+    assert len(skipped) <= 2, skipped
+    not_here = [c for _, body, mark in blocks() if not mark for c in commands(body) if not_run(c)]
+    assert len(not_here) <= 8, not_here
+
+
+def test_the_readme_agent_is_the_one_that_ships():
+    """The README's agent is examples/trips.py as it is, so the commands beside it act on it."""
+    readme = (ROOT / "README.md").read_text()
+    shown = re.search(r"^```python\n(.*?)^```$", readme, re.M | re.S)[1]
+    assert shown in (ROOT / "examples" / "trips.py").read_text()
+
+
+def test_what_pip_installs_is_what_pyproject_declares():
+    """The `pip` lines, not run here (they need an index), install from the checkout or from
+    the wheel it builds, with extras pyproject.toml declares: no `pip install stepguard[...]`
+    that only a release on an index would satisfy."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras, wheel = set(project["optional-dependencies"]), f"stepguard-{project['version']}-"
+    lines = [c for _, body, _ in blocks() for c in commands(body) if c.startswith("pip install")]
+    ours = [c for c in lines if "stepguard" in c or "'." in c]
+    assert len(ours) >= 5, lines
+    for line in ours:
+        target = shlex.split(line, comments=True)[-1]
+        path, _, named = target.partition("[")
+        assert path == "." or path.startswith(f"./dist/{wheel}"), line
+        assert set(filter(None, named.rstrip("]").split(","))) <= extras, line
 
 
 def test_serve_says_first_how_to_open_it_when_production_settings_redirect_to_https(tmp_path):

@@ -1,3 +1,0 @@
-"""docs/install.md's `--import myapp.agents`."""
-
-from myagents.trips import *  # noqa: F403
