@@ -202,7 +202,8 @@ def test_the_live_page_shows_a_re_sent_stream_once(
     worker.kill()
     demo_model.release()
     spawn_worker(*IMPORT, lease=1.0)
-    wait_until(lambda: demo_model.stalled[1].is_set(), timeout=30, what="the re-send's text")
+    wait_until(lambda: len(logged(log)) == 7, timeout=30, what="the re-send's whole text")
+    assert demo_model.stalled[1].is_set()  # and its answer paused before it finishes
     answer = "".join(p["text"] for p in logged(log)[2:])
     assert answer.startswith("[demo model]") and logged(log)[2]["restart"]
     expect(page.locator("#stream-0")).to_have_text(answer, timeout=20_000)
