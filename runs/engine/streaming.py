@@ -129,6 +129,7 @@ def event_piece(event: Any) -> tuple[str, str, Any] | None:
         return (TOOL_CALL, text, getattr(event, "item_id", None)) if text else None
     if kind == "content_block_delta":  # anthropic's raw event: a tool_use block's input
         delta = getattr(event, "delta", None)
-        if getattr(delta, "type", "") == "input_json_delta" and delta.partial_json:
-            return (TOOL_CALL, delta.partial_json, getattr(event, "index", None))
+        text = getattr(delta, "partial_json", None)
+        if getattr(delta, "type", "") == "input_json_delta" and text:
+            return (TOOL_CALL, text, getattr(event, "index", None))
     return None
