@@ -48,6 +48,7 @@ def killed_mid_stream(spawn_worker, demo_model, protocol, log, then=None):
             and len(logged(log)) == 2
             and len(shown_text(run.pk, 0)[0]) == 24
         ),
+        timeout=60,
         what=lambda: (
             f"two pieces handed out and stored: stalled {demo_model.stalled[0].is_set()}, "
             f"handed {logged(log)}, stored {shown_text(run.pk, 0)}\n{worker.output()[-3000:]}"
@@ -130,6 +131,7 @@ def test_a_re_sent_stream_is_seen_once_through_the_sse_endpoint_and_resumes_by_l
     reader.start()
     wait_until(
         lambda: opened.is_set() and demo_model.stalled[0].is_set() and len(logged(log)) == 2,
+        timeout=60,
         what="the stream open and two pieces out",
     )
     wait_until(lambda: len(shown_text(run.pk, 0)[0]) == 24, what="two pieces stored")
