@@ -134,6 +134,35 @@ class DemoModel:
         self._hold: tuple[int, float] | None = None
         #: "output": Anthropic's streamed message_delta carries the output tokens only.
         self.anthropic_delta_usage = "cumulative"
+        #: Streamed answers to pause, in order (see stall_streams).
+        self._stalls: list[dict] = []
+        self.stalled: list[threading.Event] = []  # set as each paused answer reaches its pause
+
+    def stall_streams(self, *after: int | None) -> None:
+        """Pause the next streamed answers, the first after `after[0]` of its events, and so
+        on (None: that one not at all), each until `release()`: a test kills a worker
+        mid-stream, or looks at what a page shows before the step completes."""
+        with self._lock:
+            self._stalls = [{"after": n, "gate": threading.Event(), "taken": False} for n in after]
+            for stall in self._stalls:
+                if stall["after"] is None:
+                    stall["gate"].set()
+            self.stalled = [threading.Event() for _ in after]
+
+    def release(self) -> None:
+        """Let the earliest paused (or still to pause) answer go on."""
+        with self._lock:
+            gate = next((s["gate"] for s in self._stalls if not s["gate"].is_set()), None)
+        if gate is not None:
+            gate.set()
+
+    def _next_stall(self) -> tuple[int | None, threading.Event | None, threading.Event | None]:
+        with self._lock:
+            for index, stall in enumerate(self._stalls):
+                if not stall["taken"]:
+                    stall["taken"] = True
+                    return stall["after"], stall["gate"], self.stalled[index]
+        return None, None, None
 
     def hold(self, count: int, timeout: float = 5.0) -> None:
         """Answer no request until `count` are in flight together (or `timeout` s passed):
@@ -472,7 +501,11 @@ def serve(port: int = 0) -> tuple[ThreadingHTTPServer, DemoModel]:
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            for name, data in events:
+            pause, gate, reached = model._next_stall()
+            for number, (name, data) in enumerate(events):
+                if number == pause and gate is not None and reached is not None:
+                    reached.set()
+                    gate.wait(120)
                 text = data if isinstance(data, str) else json.dumps(data)
                 frame = (f"event: {name}\n" if name else "") + f"data: {text}\n\n"
                 raw = frame.encode()

@@ -28,8 +28,19 @@ from django.utils.crypto import constant_time_compare
 from django.utils.html import escape
 
 from controlplane.security import session_expired
+from runs.engine.streaming import shown_text
 from runs.engine.wakeup import LIVE_GROUP, EventsListener
-from runs.models import GLOBAL, TERMINAL_STATUSES, Event, Policy, Run, Step, Worker
+from runs.models import (
+    GLOBAL,
+    TERMINAL_STATUSES,
+    Event,
+    Policy,
+    Run,
+    Step,
+    StepKind,
+    StepStatus,
+    Worker,
+)
 from runs.queries import step_filter, step_matches
 from runs.views import timeline_rows
 
@@ -195,6 +206,11 @@ class RunConsumer(Feed):
             await self.close()
             return
         self.bell = asyncio.Event()
+        #: What each streaming step's row shows, and the rows the last fragments redrew.
+        self.streams: dict[int, str] = {}
+        self.redrawn: list[int] = []
+        self.redrawn_streaming: list[int] = []  # of those, model calls still streaming
+        self.drawing = asyncio.Lock()  # a row's stream and its redraw go out in order
         self.group = f"run-{self.run_id}"
         await self.channel_layer.group_add(self.group, self.channel_name)
         if not settings.REDIS_URL and connection.vendor == "postgresql":
@@ -211,12 +227,35 @@ class RunConsumer(Feed):
         self.pump = asyncio.create_task(self._pump())
 
     async def step_delta(self, event):
-        """A piece of a model's streamed answer: appended to its step's row while it runs (the
-        row is redrawn with the recorded response when the step completes)."""
-        seq, text = event.get("seq"), event.get("text")
-        if isinstance(seq, int) and isinstance(text, str):
-            piece = f'<output id="stream-{seq}" hx-swap-oob="beforeend">{escape(text)}</output>'
-            await self.send(text_data=piece)
+        """A piece of a model's streamed answer, written at its offset of the step's stream
+        (runs/engine/streaming.py): appended to the step's row when it follows what the row
+        shows, else the row's stream is drawn again whole (a re-send that differs cuts back;
+        a page that missed pieces reads them from the table). The row is redrawn with the
+        recorded response when the step completes."""
+        seq, offset, text = event.get("seq"), event.get("offset"), event.get("text")
+        if not isinstance(seq, int) or not isinstance(text, str):
+            return
+        async with self.drawing:
+            shown = self.streams.get(seq)
+            if shown is not None and offset == len(shown):
+                self.streams[seq] = shown + text
+                if text:
+                    await self._draw_stream(seq, text, "beforeend")
+            elif shown is not None and isinstance(offset, int) and offset < len(shown):
+                self.streams[seq] = shown[:offset] + text
+                await self._draw_stream(seq, self.streams[seq])
+            else:  # the first piece this page sees, or one after a gap
+                await self._draw_stored_stream(seq)
+
+    async def _draw_stream(self, seq: int, text: str, swap: str = "innerHTML") -> None:
+        await self.send(
+            text_data=f'<output id="stream-{seq}" hx-swap-oob="{swap}">{escape(text)}</output>'
+        )
+
+    async def _draw_stored_stream(self, seq: int) -> None:
+        """The step's stream whole, as stored (its pieces are stored before they are sent)."""
+        self.streams[seq] = (await database_sync_to_async(shown_text)(self.run_id, seq))[0]
+        await self._draw_stream(seq, self.streams[seq])
 
     async def _pump(self):
         check_at: float | None = asyncio.get_running_loop().time() + RECHECK_SECONDS
@@ -225,8 +264,13 @@ class RunConsumer(Feed):
                 if (check_at := await self.still_open(check_at)) is None:
                     return
                 messages = await database_sync_to_async(self._fragments)()
-                for message in messages:
-                    await self.send(text_data=message)
+                async with self.drawing:
+                    for message in messages:
+                        await self.send(text_data=message)
+                    for seq in self.redrawn:  # a redrawn row's stream starts empty again
+                        self.streams.pop(seq, None)
+                    for seq in self.redrawn_streaming:
+                        await self._draw_stored_stream(seq)
                 if not messages:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.bell.wait(), POLL_SECONDS)
@@ -254,6 +298,7 @@ class RunConsumer(Feed):
                 run_id=self.run_id, run_created_at=self.created, seq__gt=self.after
             ).order_by("seq")[:BATCH]
         )
+        self.redrawn, self.redrawn_streaming = [], []
         if not events:
             return []
         run = Run.objects.get(pk=self.run_id)
@@ -264,6 +309,9 @@ class RunConsumer(Feed):
             if step.seq not in self.shown and not step_matches(step, self.filters):
                 continue  # filtered out, and not on the page
             row = render_to_string("runs/detail.html#step-row", {"s": step})
+            self.redrawn.append(step.seq)
+            if step.kind == StepKind.LLM and step.status == StepStatus.STARTED:
+                self.redrawn_streaming.append(step.seq)
             if step.seq in self.shown:
                 parts.append(row.replace("<tr ", '<tr hx-swap-oob="outerHTML" ', 1))
             else:

@@ -1004,3 +1004,28 @@ class Annotation(models.Model):
     def __str__(self) -> str:
         where = f"#{self.step_seq} {self.step_key}" if self.step_seq is not None else "run"
         return f"{self.run_id} {where}: {self.verdict}"
+
+
+class StreamPiece(models.Model):
+    """A piece of a step's streamed answer as the run's readers see it (the live page, the SSE
+    stream): `text` written at `offset` of the step's stream, cutting whatever was after it. A
+    re-sent step's stream is written against what its earlier attempt already showed, so an
+    identical re-send adds nothing and a different one cuts back to where they part
+    (runs/engine/streaming.py). Display data, not a checkpoint: pruned with its run."""
+
+    id = models.BigAutoField(primary_key=True)
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+", db_index=False)
+    seq = models.PositiveIntegerField(help_text="the step's position in the run")
+    attempt = models.PositiveIntegerField(help_text="the step attempt that streamed it")
+    offset = models.PositiveIntegerField(help_text="where in the step's stream the text goes")
+    kind = models.CharField(max_length=20, default="text", help_text="text or tool_call")
+    text = models.TextField(blank=True)
+
+    class Meta:
+        indexes = [
+            # The SSE stream and the live page read a run's pieces after a cursor, in order.
+            models.Index(fields=["run", "id"], name="runs_streampiece_run_id"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.run_id} step {self.seq} @{self.offset}"

@@ -31,6 +31,7 @@ from runs.apikeys import check_key, match_key
 from runs.approvals.api import router as approvals_router
 from runs.errors import Conflict, Forbidden, NotFound, StepguardError, UnknownWorkflow
 from runs.models import ApiKey, ApiKeyScope
+from runs.stream_api import router as stream_router
 
 log = logging.getLogger("stepguard.api")
 
@@ -229,6 +230,7 @@ def health(request):
 api.add_router("/", runs_router)
 api.add_router("/", versions_router)
 api.add_router("/", annotations_router)
+api.add_router("/", stream_router)
 api.add_router("/approvals", approvals_router)
 
 

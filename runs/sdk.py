@@ -30,6 +30,7 @@ from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision
 from runs.engine.retry import RetryPolicy
 from runs.engine.serialization import to_json
 from runs.engine.store import run_event
+from runs.engine.streaming import Delta
 from runs.engine.waits import Ask
 from runs.errors import (
     ApprovalExpired,
@@ -64,6 +65,7 @@ __all__ = [
     "ChildFailed",
     "Decision",
     "DecisionError",
+    "Delta",
     "Metered",
     "ModelRequestRejected",
     "NonDeterminismError",

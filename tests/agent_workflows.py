@@ -65,6 +65,20 @@ def llm_stream(ctx: RunContext, input: dict):
     return response
 
 
+@workflow("llm-stream-logged")
+def llm_stream_logged(ctx: RunContext, input: dict):
+    """Streams like "llm-stream", in a worker process: each piece `on_delta` gets is appended
+    to the file `input["log"]` with the position it came with."""
+    call, request = stream_request(input["protocol"], False, False)
+
+    def log(text: str) -> None:
+        where = {k: getattr(text, k, None) for k in ("attempt", "offset", "restart", "kind")}
+        with open(input["log"], "a") as out:
+            out.write(json.dumps({"text": str(text), **where}) + "\n")
+
+    return ctx.llm("ask", call, on_delta=log, **request)
+
+
 @workflow("llm-stream-async")
 async def llm_stream_async(ctx, input: dict):
     call, request = stream_request(input["protocol"], True, input["helper"])

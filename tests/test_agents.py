@@ -822,8 +822,16 @@ def test_a_streamed_agent_loop_hands_out_text_as_it_arrives_and_calls_the_same_t
     assert step_keys(run) == AGENT_PROTOCOLS_STEPS
     answer = Run.objects.get(pk=run.pk).output["answer"]
     assert answer.startswith("Done. Tool results:") and f"{run.id}:tool-book_hotel-1" in answer
-    assert "".join(agent_workflows.streamed) == answer  # the tool turns said nothing
-    assert len(agent_workflows.streamed) > 1  # in pieces, not at the end
+    text = [d for d in agent_workflows.streamed if d.kind == "text"]
+    assert "".join(text) == answer  # the tool turns said nothing
+    assert len(text) > 1  # in pieces, not at the end
+    # The tool calls' arguments stream too (issue 49 §4), each piece naming its call.
+    calls = [d for d in agent_workflows.streamed if d.kind == "tool_call"]
+    assert "".join(calls) == '{"city": "Lisbon"}' * 2 + '{"city": "Lisbon", "nights": 2}'
+    assert all(d.tool is not None for d in calls)
+    for step in {d.step for d in agent_workflows.streamed}:  # positions: one stream a step
+        mine = [d for d in agent_workflows.streamed if d.step == step]
+        assert [d.offset for d in mine] == [sum(map(len, mine[:i])) for i in range(len(mine))]
     assert all(body.get("stream") for body in demo_model.bodies)
     thinks = Step.objects.filter(run=run, kind="llm")
     assert all(step.input[0]["stream"] and step.tokens_out > 0 for step in thinks)  # usage read

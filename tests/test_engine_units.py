@@ -550,3 +550,33 @@ def test_the_approvals_app_is_part_of_the_runs_package_and_nothing_imports_the_o
         if old.search(path.read_text())
     ]
     assert not found, found
+
+
+def test_a_re_sent_stream_is_shown_once_and_cut_back_where_it_differs():
+    """Issue 49 §4: what the readers were shown is not written again; where a re-sent answer
+    parts from it, the first piece cuts back to that offset; a shorter one cuts the rest."""
+    from runs.engine.streaming import Relay, fold
+
+    def resend(shown: str, pieces: list[str]) -> tuple[list, list]:
+        shared, handed = [], []
+        relay = Relay(
+            step="ask", seq=0, attempt=2, shown=shown, share=lambda *p: shared.append(p),
+            on_delta=handed.append,
+        )  # fmt: skip
+        for piece in pieces:
+            relay(piece)
+        relay.close()
+        return shared, handed
+
+    shared, handed = resend("hello wor", ["hello ", "world", "!"])
+    assert shared == [(9, "text", "ld"), (11, "text", "!")]  # the rest, once
+    assert fold([(0, "hello wor"), *((o, t) for o, _, t in shared)]) == "hello world!"
+    assert [(d.offset, d.restart, d.attempt) for d in handed] == [(0, True, 2), (6, False, 2),
+                                                                 (11, False, 2)]  # fmt: skip
+    shared, _ = resend("hello world", ["hello ", "there"])
+    assert shared == [(6, "text", "there")]  # cut back to where they part
+    assert fold([(0, "hello world"), *((o, t) for o, _, t in shared)]) == "hello there"
+    shared, _ = resend("hello world", ["hello"])
+    assert shared == [(5, "text", "")]  # a shorter answer cuts the rest
+    shared, _ = resend("", ["a", "b"])
+    assert shared == [(0, "text", "a"), (1, "text", "b")]

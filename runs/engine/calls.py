@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db.models.fields.json import KT
 
 from runs import tracing
-from runs.engine import agent, deltas
+from runs.engine import agent, deltas, streaming
 from runs.engine import llm as llm_engine
 from runs.engine.budget import Metered, Usage, scopes_for
 from runs.engine.execution import Execution
@@ -120,8 +120,11 @@ class ModelCalls:
             if streaming:
                 helper, kwargs = llm_engine.stream_call(call, kwargs)
                 manager = llm_engine.without_sdk_retries(helper)(**kwargs)
-                relay = self._relay(on_delta)
-                response = self.ex.wait_for(llm_engine.consume(manager, relay))
+                relay = self._relay(key, on_delta)
+                try:
+                    response = self.ex.wait_for(llm_engine.consume(manager, relay))
+                finally:
+                    doorbell.settle(self.ex.who.run_id, relay.seq)
             elif raw := llm_engine.parsed_call(llm_engine.without_sdk_retries(call)):
                 answer = self.ex.wait_for(raw(**kwargs))
                 try:
@@ -157,18 +160,23 @@ class ModelCalls:
             self._last_request = (seq, request, trusted)
         return (seq, request) if trusted else None
 
-    def _relay(self, on_delta: Callable[[str], Any] | None) -> Callable[[str], None]:
-        """Each streamed piece of text to `on_delta` and to the run's live page."""
+    def _relay(self, key: str, on_delta: Callable[[str], Any] | None) -> streaming.Relay:
+        """This attempt's stream: each piece to `on_delta` with its position, and to the run's
+        readers (stored, and rung to its live page) where it is new to them. Two small reads
+        on the step's thread: the step's attempt, and what earlier attempts showed."""
         running = self.ex.running()
         assert running is not None  # called from inside the model call's step
         run_id, seq = self.ex.who.run_id, running.seq
+        shown, last = streaming.shown_text(run_id, seq)
+        row = Step.objects.filter(run_id=run_id, seq=seq).values_list("attempt", flat=True)
+        attempt = max(row.first() or 1, last + 1)
 
-        def relay(text: str) -> None:
-            doorbell.stream(run_id, seq, text)
-            if on_delta is not None:
-                on_delta(text)
+        def share(offset: int, kind: str, text: str) -> None:
+            doorbell.stream(run_id, seq, attempt, offset, kind, text)
 
-        return relay
+        return streaming.Relay(
+            step=key, seq=seq, attempt=attempt, shown=shown, share=share, on_delta=on_delta
+        )
 
     def _capped(self, call: Callable, model: str, request: dict) -> dict:
         """With no `max_tokens` (or its variant) given, a model may answer at length: cap it to

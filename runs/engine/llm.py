@@ -10,13 +10,13 @@ import importlib
 import json
 import re
 import time
-from collections.abc import Callable
 from decimal import Decimal
 from email.utils import parsedate_to_datetime
 from typing import Any
 
 from runs.engine.budget import Usage, shared_left
 from runs.engine.prices import DEFAULT_PRICES, Price, price_of  # noqa: F401 (re-exported)
+from runs.engine.streaming import Relay, event_piece
 from runs.errors import ModelRequestRejected, OutputNotSerializable, StepMisuse
 
 REQUEST_FIELDS = (
@@ -273,16 +273,6 @@ def stream_call(call: Any, request: dict) -> tuple[Any, dict]:
     return helper, kwargs
 
 
-def _delta_text(event: Any) -> str | None:
-    """The text an event of any of the three protocols' stream helpers adds, if any."""
-    kind = getattr(event, "type", "")
-    if kind in ("content.delta", "response.output_text.delta"):
-        return getattr(event, "delta", None)
-    if kind == "text":  # anthropic
-        return getattr(event, "text", None)
-    return None
-
-
 def _final(stream: Any) -> Any:
     for name in ("get_final_completion", "get_final_response", "get_final_message"):
         if callable(method := getattr(stream, name, None)):
@@ -290,24 +280,30 @@ def _final(stream: Any) -> Any:
     raise OutputNotSerializable(f"cannot read the final response of {type(stream).__name__}")
 
 
-def consume(manager: Any, on_delta: Callable[[str], Any] | None) -> Any:
-    """Read a stream to its end, handing each text delta to `on_delta`; returns the final
-    response (a coroutine for an async client's stream)."""
+def consume(manager: Any, relay: Relay | None) -> Any:
+    """Read a stream to its end, handing each piece of text or of a tool call's arguments to
+    `relay`; returns the final response (a coroutine for an async client's stream)."""
     if hasattr(manager, "__aenter__"):
 
         async def read():
             async with manager as stream:
                 async for event in stream:
-                    if on_delta is not None and (text := _delta_text(event)):
-                        on_delta(text)
-                return await _final(stream)
+                    if relay is not None and (piece := event_piece(event)):
+                        relay(piece[1], piece[0], piece[2])
+                final = await _final(stream)
+            if relay is not None:
+                relay.close()
+            return final
 
         return read()
     with manager as stream:
         for event in stream:
-            if on_delta is not None and (text := _delta_text(event)):
-                on_delta(text)
-        return _final(stream)
+            if relay is not None and (piece := event_piece(event)):
+                relay(piece[1], piece[0], piece[2])
+        final = _final(stream)
+    if relay is not None:
+        relay.close()
+    return final
 
 
 def without_sdk_retries(call: Any) -> Any:

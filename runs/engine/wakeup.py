@@ -95,8 +95,11 @@ class Doorbell:
 
     def __init__(self):
         self._ids: set[str] = set()
-        self._deltas: dict[tuple[str, int], list[str]] = {}
+        #: Streamed pieces by (run, step seq): [attempt, offset, kind, text], to store and send.
+        self._deltas: dict[tuple[str, int], list[list]] = {}
+        self._stored: list[dict] = []  # stored already (settle), still to send
         self._lock = threading.Lock()
+        self._store_lock = threading.Lock()  # pieces are stored in the order they came
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self._aloop = None  # the doorbell thread's own event loop: one Redis connection, kept
@@ -113,13 +116,22 @@ class Doorbell:
             self._start()
         self._wake.set()
 
-    def stream(self, run_id, seq: int, text: str) -> None:
-        """A piece of a model's streamed answer for the live page of the run (step `seq`):
-        a display hint like the doorbell, coalesced the same way, never stored."""
-        if not self.enabled() or not text:
-            return
+    def stream(self, run_id, seq: int, attempt: int, offset: int, kind: str, text: str) -> None:
+        """A piece of a model's streamed answer, `text` written at `offset` of step `seq`'s
+        stream (runs/engine/streaming.py): stored for the run's readers and sent to its live
+        page, off the hot path, coalesced the same way (contiguous pieces become one)."""
         with self._lock:
-            self._deltas.setdefault((str(run_id), seq), []).append(text)
+            pieces = self._deltas.setdefault((str(run_id), seq), [])
+            last = pieces[-1] if pieces else None
+            if (
+                last is not None
+                and last[0] == attempt
+                and last[2] == kind
+                and last[1] + len(last[3]) == offset
+            ):
+                last[3] += text
+            else:
+                pieces.append([attempt, offset, kind, text])
             self._start()
         self._wake.set()
 
@@ -136,25 +148,49 @@ class Doorbell:
         while True:
             self._wake.wait()
             self._wake.clear()
-            with self._lock:
-                ids, self._ids = self._ids, set()
-                deltas, self._deltas = self._deltas, {}
-            if not ids and not deltas:
+            with self._store_lock:
+                with self._lock:
+                    ids, self._ids = self._ids, set()
+                    deltas, self._deltas = self._deltas, {}
+                    stored, self._stored = self._stored, []
+                self._store(deltas)
+            if not ids and not deltas and not stored:
                 continue
-            pieces = [
-                (run_id, seq, text[i : i + DELTA_CHARS])
-                for (run_id, seq), parts in deltas.items()
-                for text in ["".join(parts)]
-                for i in range(0, len(text), DELTA_CHARS)
-            ]
-            try:
-                self.publish(ids, pieces)
-            except Exception as exc:
-                log.warning("doorbell not published (%s); pages fall back to polling", exc)
-                connections.close_all()
+            if self.enabled():
+                pieces = [*stored, *published(deltas)]
+                try:
+                    self.publish(ids, pieces)
+                except Exception as exc:
+                    log.warning("doorbell not published (%s); pages fall back to polling", exc)
+                    connections.close_all()
             time.sleep(self.REST)
 
-    def publish(self, ids: set[str], deltas: Sequence[tuple[str, int, str]] = ()) -> None:
+    def settle(self, run_id, seq: int) -> None:
+        """Store step `seq`'s pieces now, in order after those stored before (the live page
+        still gets them from the doorbell thread): called as its stream ends, before the step
+        completes, so a reader that sees the run end has every piece of it."""
+        with self._store_lock:
+            with self._lock:
+                parts = self._deltas.pop((str(run_id), seq), None)
+            if parts:
+                deltas = {(str(run_id), seq): parts}
+                self._store(deltas)
+                with self._lock:
+                    self._stored += published(deltas)
+                    self._start()
+                self._wake.set()
+
+    @staticmethod
+    def _store(deltas: dict) -> None:
+        if not deltas:
+            return
+        try:
+            store_pieces(deltas)
+        except Exception as exc:
+            log.warning("streamed pieces not stored (%s)", exc)
+            connections.close_all()
+
+    def publish(self, ids: set[str], deltas: Sequence[dict[str, Any]] = ()) -> None:
         if settings.REDIS_URL:
             from channels.layers import get_channel_layer
 
@@ -164,10 +200,7 @@ class Doorbell:
             ]
             if ids:  # every other page's feed: something changed somewhere
                 messages.append((LIVE_GROUP, {"type": "run.doorbell"}))
-            messages += [
-                (f"run-{run_id}", {"type": "step.delta", "seq": seq, "text": text})
-                for run_id, seq, text in deltas
-            ]
+            messages += [(f"run-{d['run']}", delta_message(d)) for d in deltas]
 
             async def send():
                 sends = (layer.group_send(group, message) for group, message in messages)
@@ -188,8 +221,8 @@ class Doorbell:
                 batch = []
         if batch:
             self._notify(batch)
-        for run_id, seq, text in deltas:
-            payload = json.dumps({"run": run_id, "seq": seq, "text": text})
+        for delta in deltas:
+            payload = json.dumps(delta)
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_notify(%s, %s)", [DELTAS_CHANNEL, payload])
 
@@ -197,6 +230,35 @@ class Doorbell:
     def _notify(ids: list[str]) -> None:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_notify(%s, %s)", [EVENTS_CHANNEL, ",".join(ids)])
+
+
+def store_pieces(deltas: dict[tuple[str, int], list[list]]) -> None:
+    """The pieces of one flush as StreamPiece rows, in their order (one INSERT)."""
+    from runs.models import StreamPiece
+
+    rows = [
+        StreamPiece(run_id=run_id, seq=seq, attempt=attempt, offset=offset, kind=kind, text=text)
+        for (run_id, seq), parts in deltas.items()
+        for attempt, offset, kind, text in parts
+    ]
+    StreamPiece.objects.bulk_create(rows)
+
+
+def published(deltas: dict[tuple[str, int], list[list]]) -> list[dict]:
+    """The pieces as messages, each under DELTA_CHARS (NOTIFY payloads stay under 8 kB)."""
+    return [
+        {"run": run_id, "seq": seq, "attempt": attempt, "kind": kind,
+         "offset": offset + i, "text": text[i : i + DELTA_CHARS]}
+        for (run_id, seq), parts in deltas.items()
+        for attempt, offset, kind, text in parts
+        for i in range(0, max(len(text), 1), DELTA_CHARS)
+    ]  # fmt: skip
+
+
+def delta_message(delta: dict) -> dict:
+    """A piece as the live page's consumer gets it (RunConsumer.step_delta)."""
+    fields = ("seq", "attempt", "offset", "kind", "text")
+    return {"type": "step.delta", **{k: delta.get(k) for k in fields}}
 
 
 doorbell = Doorbell()
@@ -227,12 +289,7 @@ class EventsListener(threading.Thread):
         """(group, message) pairs for a notification: the runs' pages and the site-wide feed."""
         if channel == DELTAS_CHANNEL:
             delta = json.loads(payload)
-            return [
-                (
-                    f"run-{delta['run']}",
-                    {"type": "step.delta", "seq": delta["seq"], "text": delta["text"]},
-                )
-            ]
+            return [(f"run-{delta['run']}", delta_message(delta))]
         rings = [(f"run-{run_id}", {"type": "run.doorbell"}) for run_id in payload.split(",")]
         return [*rings, (LIVE_GROUP, {"type": "run.doorbell"})]
 
