@@ -30,6 +30,7 @@ from runs.errors import (
     StepFailed,
     StepguardError,
     StepMisuse,
+    StepTimeout,
 )
 
 
@@ -38,7 +39,7 @@ class AgentLoopExhausted(StepguardError):
     retryable = False
 
 
-class ToolTimeout(StepguardError):
+class ToolTimeout(StepTimeout):
     """A tool ran past its timeout: retried like any failure (with the same idempotency key:
     the late call may still finish, and the service recognises the retry by it)."""
 

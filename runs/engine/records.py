@@ -195,6 +195,10 @@ class Running(NamedTuple):
     #: Report what the model calls made inside the step were paid so far in this attempt (a
     #: Usage): booked on the step if the attempt fails after all.
     answered: Callable[[Any], None] | None = None
+    #: The attempt's deadline (time.monotonic()) and its timeout in seconds, if it has one:
+    #: every async call the step waits for is cancelled then (runs/engine/step_deadline.py).
+    deadline: float | None = None
+    timeout: float | None = None
 
 
 #: The step whose function runs in this thread, or whose coroutine runs in this asyncio task:

@@ -1,0 +1,67 @@
+"""Workflows of the tests of what users of Temporal and DBOS expect (tests/test_peers.py):
+step deadlines, progress events. Imported by those tests and their workers only
+(`--import tests.peer_workflows`)."""
+
+import asyncio
+import os
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from runs.sdk import RetryPolicy, RunContext, workflow
+from tests.testapp.models import Effect
+
+TWO_TRIES = RetryPolicy(max_attempts=2, initial_interval=timedelta(0))
+
+#: Never set: a call that waits on it never returns.
+NEVER = threading.Event()
+
+
+def hang(ctx: RunContext, label: str) -> str:
+    """A tool call that never returns (a socket with no timeout), after recording its try."""
+    Effect.objects.create(idempotency_key=ctx.idempotency_key, label=label, pid=os.getpid())
+    NEVER.wait()
+    return "never"
+
+
+@workflow("peers.hung-sync")
+def hung_sync(ctx: RunContext, input: dict) -> str:
+    """A sync step that never returns, bounded by its timeout and tried twice."""
+    return ctx.step("call", hang, ctx, "hung", timeout=input["timeout"], retry=TWO_TRIES)
+
+
+@workflow("peers.slow-once")
+def slow_once(ctx: RunContext, input: dict) -> str:
+    """The first attempt outlives its deadline, the retry answers: the late result of the
+    first is discarded, the run gets the second's."""
+
+    def call() -> str:
+        tries = Effect.objects.filter(idempotency_key=ctx.idempotency_key).count()
+        Effect.objects.create(idempotency_key=ctx.idempotency_key, label="slow", pid=os.getpid())
+        if tries == 0:
+            time.sleep(input["sleep"])
+            return "late"
+        return "on time"
+
+    return ctx.step("call", call, timeout=input["timeout"], retry=TWO_TRIES)
+
+
+@workflow("peers.hung-async")
+async def hung_async(ctx, input: dict) -> str:
+    """An async step cancelled at its deadline: it leaves a mark when the cancel reaches it."""
+
+    async def call() -> str:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            Path(input["marker"]).write_text("cancelled")
+            raise
+        return "never"
+
+    return await ctx.step("call", call, timeout=input["timeout"], retry=RetryPolicy(max_attempts=1))
+
+
+@workflow("peers.quick")
+def quick(ctx: RunContext, input: dict | None) -> str:
+    return ctx.step("quick", lambda: "done")
