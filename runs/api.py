@@ -858,6 +858,14 @@ class ScheduleIn(In):
     input: Any = None
     catchup: str = Field("skip", pattern="^(skip|last|all)$")
     catchup_limit: int = Field(10, ge=1, le=1000)
+    catchup_window: int | None = Field(
+        None, ge=1, le=366 * 86400, description="seconds a tick may be late and still fire"
+    )
+    overlap: str = Field(
+        "skip",
+        pattern="^(skip|buffer_one|buffer_all|allow_all)$",
+        description="what a tick does while the schedule's last run is still open",
+    )
     paused: bool = False
 
 
@@ -870,6 +878,9 @@ class ScheduleOut(Schema):
     paused: bool
     catchup: str
     catchup_limit: int
+    catchup_window: int | None
+    overlap: str
+    buffered: list[str] = Field(description="ticks waiting for the last run to end")
     source: str
     next_fire_at: datetime
     last_fired_at: datetime | None
@@ -923,7 +934,7 @@ def save_schedule(request, name: str, body: ScheduleIn):
     return operations.save_schedule(
         request.user, name, workflow=body.workflow, cron=body.cron, timezone_name=body.timezone,
         input=body.input, catchup=body.catchup, catchup_limit=body.catchup_limit,
-        paused=body.paused,
+        catchup_window=body.catchup_window, overlap=body.overlap, paused=body.paused,
     )  # fmt: skip
 
 

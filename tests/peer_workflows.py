@@ -65,3 +65,13 @@ async def hung_async(ctx, input: dict) -> str:
 @workflow("peers.quick")
 def quick(ctx: RunContext, input: dict | None) -> str:
     return ctx.step("quick", lambda: "done")
+
+
+@workflow("peers.when")
+def when(ctx: RunContext, input: dict | None) -> dict:
+    """The tick a schedule started the run for, and the run's first recorded time."""
+    scheduled = ctx.scheduled_at
+    return {
+        "scheduled_at": scheduled.isoformat() if scheduled else None,
+        "now": ctx.now().isoformat(),
+    }

@@ -164,7 +164,9 @@ def test_a_schedule_starts_one_run_per_tick_however_often_it_is_fired(db):
     ],
 )
 def test_after_downtime_the_catch_up_policy_decides_which_missed_ticks_run(db, catchup, fired):
-    schedules.save("h", workflow="flow.plain", cron="0 * * * *", catchup=catchup, catchup_limit=4)
+    # Every tick it picks starts (allow_all): which ticks that is, is the catch-up's to say.
+    schedules.save("h", workflow="flow.plain", cron="0 * * * *", catchup=catchup, catchup_limit=4,
+                   overlap="allow_all")  # fmt: skip
     Schedule.objects.filter(name="h").update(next_fire_at=at("2026-12-02T07:00:00"))
     schedules.fire_due({"flow.plain"}, now=at("2026-12-02T12:00:20"))
     keys = sorted(Run.objects.values_list("key", flat=True))

@@ -54,3 +54,24 @@ def test_an_async_step_is_cancelled_at_its_deadline(spawn_worker, tmp_path):
     assert (step.status, step.attempt, step.error["code"]) == ("failed", 1, "step_timeout")
     wait_until(marker.exists, what="the step's coroutine to see its cancel")
     assert marker.read_text() == "cancelled"
+
+
+@pytest.mark.postgres
+def test_a_scheduled_run_is_handed_the_time_it_was_scheduled_for(spawn_worker):
+    from datetime import datetime
+
+    from runs import schedules
+    from runs.engine.records import scheduled_tick
+
+    schedules.save("every-second", workflow="peers.when", cron="* * * * * *")
+    spawn_worker(*PEERS)
+    run = wait_until(
+        lambda: Run.objects.filter(workflow="peers.when", status=RunStatus.COMPLETED).first(),
+        what="a scheduled run to complete",
+    )
+    schedules.set_paused("every-second", True)
+    tick = scheduled_tick(run.key)
+    assert tick is not None and datetime.fromisoformat(run.output["scheduled_at"]) == tick
+    late = datetime.fromisoformat(run.output["now"]) - tick
+    assert late.total_seconds() >= 0  # ctx.now() is when it ran; scheduled_at, what it is for
+    print(f"ctx.now() was {late.total_seconds():.3f} s after ctx.scheduled_at")

@@ -36,6 +36,7 @@ class AsyncRunContext:
         who = engine.execution.who
         self.run_id, self.workflow, self.version = who.run_id, who.workflow, who.version
         self.input, self.attempt = engine.execution.input, who.attempt
+        self.scheduled_at, self.labels = who.scheduled_at, dict(who.labels)
         self._in_flight: set[Future] = set()  # calls running on a database thread
 
     async def drain(self) -> None:
