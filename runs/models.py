@@ -774,6 +774,26 @@ class Catchup(models.TextChoices):
     ALL = "all", "run every missed tick, up to a bound"
 
 
+class Published(models.Model):
+    """A named value a run publishes for its clients (`ctx.set_event`, DBOS's set_event): the
+    latest set wins. Written in the transaction of the step that sets it, so a replay writes
+    nothing again and a client never reads a value the run's history does not hold."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="published")
+    name = models.CharField(max_length=200)
+    value = ExactJSONField(null=True, blank=True)
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            # One value per name (its latest); also the index get_event reads by.
+            models.UniqueConstraint(fields=["run", "name"], name="runs_published_one_per_name"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} of run {self.run_id}"
+
+
 class Overlap(models.TextChoices):
     """What a schedule does with a tick while its last run is still open (Temporal's
     ScheduleOverlapPolicy)."""

@@ -75,3 +75,32 @@ def when(ctx: RunContext, input: dict | None) -> dict:
         "scheduled_at": scheduled.isoformat() if scheduled else None,
         "now": ctx.now().isoformat(),
     }
+
+
+def linger(path: str, seconds: float) -> str:
+    """A slow step that says it has started (a file), so a test can kill its worker in it."""
+    Path(path).write_text("in")
+    time.sleep(seconds)
+    return "slow done"
+
+
+@workflow("peers.progress")
+def progress(ctx: RunContext, input: dict) -> str:
+    """Publishes its progress to clients around a slow step (DBOS's set_event)."""
+    ctx.set_event("stage", {"step": 1, "of": 2})
+    ctx.step("slow", linger, input["marker"], input.get("seconds", 0))
+    ctx.set_event("stage", {"step": 2, "of": 2})
+    ctx.set_event("result", "all done")
+    return "finished"
+
+
+@workflow("peers.progress-async")
+async def progress_async(ctx, input: dict) -> str:
+    await ctx.set_event("stage", "async")
+    return "finished"
+
+
+@workflow("peers.publish")
+def publish(ctx: RunContext, input: dict | None) -> str:
+    ctx.set_event("stage", "sync")
+    return "finished"

@@ -75,3 +75,106 @@ def test_a_scheduled_run_is_handed_the_time_it_was_scheduled_for(spawn_worker):
     late = datetime.fromisoformat(run.output["now"]) - tick
     assert late.total_seconds() >= 0  # ctx.now() is when it ran; scheduled_at, what it is for
     print(f"ctx.now() was {late.total_seconds():.3f} s after ctx.scheduled_at")
+
+
+# -- publishing progress: ctx.set_event, get_event ------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_a_published_value_survives_a_worker_kill_and_is_set_once(spawn_worker, tmp_path):
+    from runs.sdk import get_event
+
+    marker = tmp_path / "in-slow"
+    run = start_run("peers.progress", {"marker": str(marker), "seconds": 60})
+    assert get_event(run.pk, "stage") is None  # not yet set, nothing waited for
+    worker = spawn_worker(*PEERS, lease=1.0)
+    assert get_event(run.pk, "stage", timeout=30) == {"step": 1, "of": 2}
+    wait_until(marker.exists, what="the slow step to start")
+    first = Step.objects.get(run=run, key="set_event:stage")
+    worker.kill()
+    # While no worker runs, a client still reads what was published.
+    assert get_event(run.pk, "stage") == {"step": 1, "of": 2}
+    Run.objects.filter(pk=run.pk).update(input={"marker": str(marker), "seconds": 0})
+    spawn_worker(*PEERS, lease=1.0)
+    assert get_event(run.pk, "result", timeout=60) == "all done"
+    assert wait_status(run, RunStatus.COMPLETED).output == "finished"
+    assert get_event(run.pk, "stage") == {"step": 2, "of": 2}
+    # The first set was not written again by the resumed execution: replayed, not re-run.
+    again = Step.objects.get(run=run, key="set_event:stage")
+    assert (again.attempt, again.finished_at) == (1, first.finished_at)
+    keys = list(Step.objects.filter(run=run).order_by("seq").values_list("key", flat=True))
+    assert keys == ["set_event:stage", "slow", "set_event:stage#2", "set_event:result"]
+
+
+@pytest.mark.postgres
+def test_an_async_workflow_publishes_too(spawn_worker):
+    from runs.sdk import get_event
+
+    run = start_run("peers.progress-async", {})
+    spawn_worker(*PEERS)
+    assert get_event(run.pk, "stage", timeout=30) == "async"
+
+
+def test_get_event_gives_up_on_a_finished_run_at_once(drive):
+    from runs.sdk import get_event
+
+    run = start_run("peers.publish", {})
+    assert drive() == ["completed"]
+    assert get_event(run.pk, "stage") == "sync"
+    # Never set, and the run has ended: the default at once, not after the timeout.
+    assert get_event(run.pk, "nothing", timeout=60, default="none") == "none"
+
+
+def test_the_api_reads_a_published_value_with_the_run_view_permission(client, cast, drive):
+    run = start_run("peers.publish", {})
+    url = f"/api/runs/{run.pk}/events/stage"
+    assert client.get(url).status_code == 401
+    client.force_login(cast["vera"])
+    missing = client.get(url)
+    assert missing.status_code == 404
+    assert "has not set event 'stage'" in missing.json()["error"]["message"]
+    assert drive() == ["completed"]
+    found = client.get(url + "?wait=5").json()
+    assert (found["name"], found["value"]) == ("stage", "sync")
+    assert client.get(url + "?wait=31").status_code == 422
+    from django.contrib.auth.models import User
+
+    nobody = User.objects.create_user("nobody", password="x")
+    client.force_login(nobody)
+    assert client.get(url).status_code == 403
+
+
+# -- signals to finished runs ----------------------------------------------------------------------
+
+
+def test_a_signal_to_a_finished_run_says_why_and_may_be_ignored(drive, client, cast):
+    from runs.models import Signal
+    from runs.sdk import Conflict, send_signal
+
+    run = start_run("peers.publish", {})
+    assert drive() == ["completed"]
+    why = r"no wait_for_event will ever consume signal 'go'.*if_finished='ignore'.*signal_with_st"
+    with pytest.raises(Conflict, match=why):
+        send_signal(run.pk, "go", 1)
+    assert send_signal(run.pk, "go", 1, if_finished="ignore") is None
+    client.force_login(cast["otto"])
+    url = f"/api/runs/{run.pk}/signals"
+    refused = client.post(url, {"name": "go"}, content_type="application/json")
+    assert refused.status_code == 409 and "completed" in refused.json()["error"]["message"]
+    ignored = client.post(url, {"name": "go", "if_finished": "ignore"}, "application/json")
+    assert (ignored.status_code, ignored.json()["id"]) == (200, None)
+    assert not Signal.objects.exists()
+
+
+def test_signal_with_start_starts_the_run_that_receives_it(drive):
+    import tests.workflows  # noqa: F401  (the waiter)
+    from runs.sdk import Conflict, signal_with_start
+
+    signal = signal_with_start("waiter", "go", "boarding", key="trip-7", input={})
+    assert Run.objects.get(pk=signal.run_id).key == "trip-7"
+    again = signal_with_start("waiter", "go", "late", key="trip-7", input={})  # the same run
+    assert again.run_id == signal.run_id
+    assert "completed" in drive()
+    assert Run.objects.get(pk=signal.run_id).output == "boarding"
+    with pytest.raises(Conflict, match="is completed"):
+        signal_with_start("waiter", "go", "again", key="trip-7", input={})

@@ -104,6 +104,9 @@ class AsyncRunContext:
     async def patched(self, change_id: str) -> bool:
         return await self._call(self._engine.recorded.patched, change_id)
 
+    async def set_event(self, name: str, value: Any = None) -> None:
+        return await self._call(self._engine.recorded.set_event, name, value)
+
     async def sleep(self, key: str, duration: float | timedelta) -> None:
         return await self._call(self._engine.waits.sleep, key, duration)
 

@@ -106,6 +106,7 @@ class RunContext:
     random = _Delegate("recorded", Recorded.random)
     uuid = _Delegate("recorded", Recorded.uuid)
     patched = _Delegate("recorded", Recorded.patched)
+    set_event = _Delegate("recorded", Recorded.set_event)
 
 
 def engine_of(ctx: RunContext) -> Engine:
