@@ -104,3 +104,17 @@ async def progress_async(ctx, input: dict) -> str:
 def publish(ctx: RunContext, input: dict | None) -> str:
     ctx.set_event("stage", "sync")
     return "finished"
+
+
+@workflow("peers.llm-hang")
+def llm_hang(ctx: RunContext, input: dict) -> dict:
+    """A model call to a server that accepts and never answers, bounded by its timeout."""
+    from openai import AsyncOpenAI, OpenAI
+
+    kind = AsyncOpenAI if input["async"] else OpenAI
+    client = kind(base_url=input["url"], api_key="none", max_retries=0)
+    return ctx.llm(
+        "ask", client.chat.completions.create, model="demo", max_tokens=5,
+        messages=[{"role": "user", "content": "hello?"}], timeout=input["timeout"],
+        retry=RetryPolicy(max_attempts=1),
+    )  # fmt: skip

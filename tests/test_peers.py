@@ -178,3 +178,40 @@ def test_signal_with_start_starts_the_run_that_receives_it(drive):
     assert Run.objects.get(pk=signal.run_id).output == "boarding"
     with pytest.raises(Conflict, match="is completed"):
         signal_with_start("waiter", "go", "again", key="trip-7", input={})
+
+
+@pytest.fixture
+def silent_server():
+    """A TCP server on 127.0.0.1 that accepts connections and never answers (a hung model
+    provider); yields its base URL."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    listener.close()
+    for conn in held:
+        conn.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_model_call_that_never_answers_ends_at_its_timeout(spawn_worker, silent_server, is_async):
+    run = start_run("peers.llm-hang", {"url": silent_server, "timeout": 1.0, "async": is_async})
+    spawn_worker(*PEERS)
+    wait_status(run, RunStatus.FAILED)
+    step = Step.objects.get(run=run, key="ask")
+    # The step's deadline or the client's own (it was handed the same timeout), whichever
+    # came first: either way the attempt ended, and the run with it.
+    assert step.error["type"] in ("StepTimeout", "APITimeoutError"), step.error
+    assert (step.finished_at - step.started_at).total_seconds() < 10
