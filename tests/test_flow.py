@@ -210,7 +210,9 @@ def test_a_bad_schedule_is_refused_with_what_is_wrong_and_nothing_stored(db, fie
 def test_a_schedule_every_second_starts_exactly_one_run_per_tick_through_a_sigkill(spawn_worker):
     workers = [spawn_worker(*FLOW) for _ in range(3)]
     start = timezone.now()
-    schedules.save("every-second", workflow="flow.plain", cron="* * * * * *")
+    # Every tick starts its run however the last one is doing (the overlap policy's tests are
+    # tests/test_schedule_overlap.py): what is shown here is one run per tick, no more.
+    schedules.save("every-second", workflow="flow.plain", cron="* * * * * *", overlap="allow_all")
     wait_until(lambda: timezone.now() > start + timedelta(seconds=10), timeout=15, what="10 s")
     workers[1].kill()  # SIGKILL, mid-way
     wait_until(lambda: timezone.now() > start + timedelta(seconds=20), timeout=15, what="20 s")
