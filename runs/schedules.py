@@ -279,20 +279,20 @@ def set_paused(name: str, paused: bool, by=None) -> Schedule:
 
 def sync_code_schedules() -> None:
     """Store the schedules declared in code (`@workflow(schedule=...)`), named after their
-    workflow. A changed expression replaces the stored one; whether it is paused is the
-    operators' and stays as they left it."""
+    workflow. A changed expression (or time zone, or overlap policy) replaces the stored
+    one; whether it is paused is the operators' and stays as they left it."""
     for definition in registry.all_workflows():
         if not definition.schedule or registry.get(definition.name) != definition:
             continue  # only the newest version's declaration counts
         cron = check_cron(definition.schedule)
         existing = Schedule.objects.filter(name=definition.name).first()
-        if existing is not None and (existing.cron, existing.timezone) == (
-            cron,
-            definition.timezone,
+        declared = (cron, definition.timezone, definition.overlap)
+        if existing is not None and (existing.cron, existing.timezone, existing.overlap) == (
+            declared
         ):
             continue
         save(
             definition.name, workflow=definition.name, cron=cron,
-            timezone_name=definition.timezone, source="code",
+            timezone_name=definition.timezone, overlap=definition.overlap, source="code",
             paused=existing.paused if existing is not None else False,
         )  # fmt: skip

@@ -52,7 +52,7 @@ from runs.errors import (
     UnpricedModel,
     WaitTimeout,
 )
-from runs.models import EventType, Run, Shaped, Signal
+from runs.models import EventType, Overlap, Run, Shaped, Signal
 from runs.operations import cancel_run, lock_run
 
 __all__ = [
@@ -105,6 +105,7 @@ def workflow(
     priority: int = 0,
     schedule: str | None = None,
     timezone: str = "UTC",
+    overlap: str = "skip",
     debounce: float | timedelta | None = None,
     debounce_key: Callable[[Any], Any] | None = None,
     debounce_max: float | timedelta | None = None,
@@ -118,7 +119,9 @@ def workflow(
     once on all workers together, and at most `per_key` of those share the key
     `concurrency_key(input)` (a tenant, a user); runs waiting on a timer, a signal or an
     approval do not count. `priority` (-1000 to 1000) is its runs' default. `schedule`, a cron
-    expression in `timezone`, starts one run per tick. With `debounce` (seconds or a
+    expression in `timezone`, starts one run per tick; `overlap` says what a tick does while
+    the last one's run is still open: "skip" (default), "buffer_one", "buffer_all" or
+    "allow_all". With `debounce` (seconds or a
     timedelta), a start waits for that long a quiet period per `debounce_key(input)`: starts
     in the meantime replace its input (the last one wins) and restart the quiet period, for at
     most `debounce_max` after the first.
@@ -128,12 +131,15 @@ def workflow(
         check_name(name)  # the schedule is named after the workflow
         schedule = check_cron(schedule)
         zone(timezone)
+    if overlap not in Overlap.values:
+        raise InvalidInput(f"overlap must be one of {', '.join(Overlap.values)}, not {overlap!r}")
 
     def decorate(fn: Callable) -> Callable:
         registry.register(
             name, version, fn, concurrency=concurrency, concurrency_key=concurrency_key,
             per_key=per_key, priority=priority, schedule=schedule, timezone=timezone,
-            debounce=debounce, debounce_key=debounce_key, debounce_max=debounce_max,
+            overlap=overlap, debounce=debounce, debounce_key=debounce_key,
+            debounce_max=debounce_max,
         )  # fmt: skip
         return fn
 

@@ -136,3 +136,31 @@ def test_a_scheduled_run_is_handed_its_tick(db):
     run = Run.objects.get(key__startswith="schedule:t:")
     assert scheduled_tick(run.key) == at("10:00:00")
     assert scheduled_tick("my-own-key") is None and scheduled_tick(None) is None
+
+
+def test_a_schedule_declared_in_code_takes_its_overlap_policy(db, monkeypatch):
+    from runs.engine import registry
+    from runs.errors import InvalidInput
+    from runs.sdk import workflow
+
+    # Registered for this test only: no other test's process sees its schedule.
+    monkeypatch.setattr(registry, "_workflows", dict(registry._workflows))
+    monkeypatch.setattr(registry, "_latest", dict(registry._latest))
+
+    @workflow("peers.coded", schedule="*/5 * * * *", overlap="buffer_one")
+    def coded(ctx, input):
+        return None
+
+    schedules.sync_code_schedules()
+    assert Schedule.objects.get(name="peers.coded").overlap == "buffer_one"
+    with pytest.raises(InvalidInput, match="overlap must be one of skip, buffer_one"):
+        workflow("peers.badly", schedule="* * * * *", overlap="queue")
+
+
+def test_a_refused_schedule_form_keeps_the_overlap_chosen(client, cast):
+    client.force_login(cast["otto"])
+    typed = {"name": "n", "workflow": "flow.plain", "cron": "0 3 * *", "overlap": "buffer_all"}
+    page = client.post("/flow/schedules", typed, follow=True).content.decode()
+    assert "bad cron expression" in page
+    form = page[page.index('id="add-schedule"') :]
+    assert '<option value="buffer_all" selected>' in form
