@@ -31,6 +31,8 @@ def test_a_sync_step_that_never_returns_fails_at_its_deadline_and_frees_its_work
     assert "took more than 0.5 s" in failed.error["message"]
     assert Effect.objects.filter(label="hung").values("idempotency_key").distinct().count() == 1
     assert Effect.objects.filter(label="hung").count() == 2
+    took = (step.finished_at - step.started_at).total_seconds()
+    print(f"a call that never returns, 0.5 s deadline: its last attempt ended after {took:.2f} s")
     # The worker's one slot is free again: the threads left hanging hold no run.
     assert wait_status(start_run("peers.quick"), RunStatus.COMPLETED).output == "done"
 
