@@ -16,7 +16,7 @@ from django.utils import timezone
 from ninja import Field, Path, Query, Router, Schema, Status
 from pydantic import ConfigDict
 
-from runs import bounded, notifications, operations, queries
+from runs import bounded, notifications, operations, published, queries
 from runs.engine import flow, rates, registry
 from runs.engine.budget import PLAIN_USD, to_usd
 from runs.engine.deltas import Conversations
@@ -221,12 +221,23 @@ class StepPreview(Schema):
 class SignalIn(In):
     name: str = Field(min_length=1, max_length=200, pattern=TEXT, examples=["go"])
     payload: Any = None
+    if_finished: str = Field(
+        "raise",
+        pattern="^(raise|ignore)$",
+        description="a finished run: 409 saying so (raise), or 200 with nothing stored (ignore)",
+    )
 
 
 class SignalOut(Schema):
-    id: int
+    id: int | None = Field(description="null when nothing was stored (if_finished=ignore)")
     run_id: UUID
     name: str
+
+
+class PublishedOut(Schema):
+    name: str
+    value: Any
+    updated_at: datetime
 
 
 class BudgetIn(ReasonIn):
@@ -556,15 +567,42 @@ def fork_run(request, run_id: UUID, body: ForkIn):
     return Status(201, RunOut.of(fork))
 
 
-@router.post("/runs/{run_id}/signals", response={201: SignalOut, **ERRORS_422}, tags=["signals"])
+@router.post(
+    "/runs/{run_id}/signals", response={201: SignalOut, 200: SignalOut, **ERRORS_422},
+    tags=["signals"],
+)  # fmt: skip
 def signal_run(request, run_id: UUID, body: SignalIn):
-    """Send a signal; the run's next wait_for_event for `name` consumes it."""
+    """Send a signal; the run's next wait_for_event for `name` consumes it. A finished run
+    never would: 409 (`if_finished: "raise"`), or 200 with `id: null` (`"ignore"`)."""
     if not request.user.has_perm("runs.add_signal"):
         raise Forbidden(
             f"{request.user.get_username()} may not send signals (needs runs.add_signal)"
         )
-    signal = send_signal(run_id, body.name, body.payload, sent_by=request.user.get_username())
+    signal = send_signal(
+        run_id, body.name, body.payload, sent_by=request.user.get_username(),
+        if_finished=body.if_finished,
+    )  # fmt: skip
+    if signal is None:
+        return Status(200, {"id": None, "run_id": run_id, "name": body.name})
     return Status(201, {"id": signal.pk, "run_id": signal.run_id, "name": signal.name})
+
+
+@router.get(
+    "/runs/{run_id}/events/{name}", response={200: PublishedOut, **ERRORS_422}, tags=["runs"]
+)
+def get_published(
+    request,
+    run_id: UUID,
+    name: str = Path(..., min_length=1, max_length=100, pattern=r"^[^\x00#]*$"),
+    wait: float = Query(0, ge=0, le=30, description="seconds to wait for it to be set"),
+):
+    """The latest value the run published as `name` (`ctx.set_event`), waiting up to `wait`
+    seconds for it to be set: 404 if it is not by then, or never will be (the run ended)."""
+    viewer(request)
+    found = published.find(run_id, name, wait=wait)
+    if found is None:
+        raise NotFound(f"run {run_id} has not set event {name!r}")
+    return found
 
 
 # -- budgets and halts on workflows and everything ---------------------------------------------
@@ -862,6 +900,14 @@ class ScheduleIn(In):
     input: Any = None
     catchup: str = Field("skip", pattern="^(skip|last|all)$")
     catchup_limit: int = Field(10, ge=1, le=1000)
+    catchup_window: int | None = Field(
+        None, ge=1, le=366 * 86400, description="seconds a tick may be late and still fire"
+    )
+    overlap: str = Field(
+        "skip",
+        pattern="^(skip|buffer_one|buffer_all|allow_all)$",
+        description="what a tick does while the schedule's last run is still open",
+    )
     paused: bool = False
 
 
@@ -874,6 +920,9 @@ class ScheduleOut(Schema):
     paused: bool
     catchup: str
     catchup_limit: int
+    catchup_window: int | None
+    overlap: str
+    buffered: list[str] = Field(description="ticks waiting for the last run to end")
     source: str
     next_fire_at: datetime
     last_fired_at: datetime | None
@@ -927,7 +976,7 @@ def save_schedule(request, name: str, body: ScheduleIn):
     return operations.save_schedule(
         request.user, name, workflow=body.workflow, cron=body.cron, timezone_name=body.timezone,
         input=body.input, catchup=body.catchup, catchup_limit=body.catchup_limit,
-        paused=body.paused,
+        catchup_window=body.catchup_window, overlap=body.overlap, paused=body.paused,
     )  # fmt: skip
 
 

@@ -102,6 +102,13 @@ class WaitTimeout(StepguardError, TimeoutError):
     code = "wait_timeout"
 
 
+class StepTimeout(StepguardError, TimeoutError):
+    """A step's attempt ran past its `timeout=`: a failed attempt, retried per the step's
+    RetryPolicy with the same idempotency key (the late call may still have happened)."""
+
+    code = "step_timeout"
+
+
 class ApprovalRejected(StepguardError):
     code = "approval_rejected"
     retryable = False

@@ -775,6 +775,40 @@ class Catchup(models.TextChoices):
     ALL = "all", "run every missed tick, up to a bound"
 
 
+class Published(models.Model):
+    """A named value a run publishes for its clients (`ctx.set_event`, DBOS's set_event): the
+    latest set wins. Written in the transaction of the step that sets it, so a replay writes
+    nothing again and a client never reads a value the run's history does not hold."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="published")
+    name = models.CharField(max_length=200)
+    value = ExactJSONField(null=True, blank=True)
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            # One value per name (its latest); also the index get_event reads by.
+            models.UniqueConstraint(fields=["run", "name"], name="runs_published_one_per_name"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} of run {self.run_id}"
+
+
+class Overlap(models.TextChoices):
+    """What a schedule does with a tick while its last run is still open (Temporal's
+    ScheduleOverlapPolicy)."""
+
+    SKIP = "skip", "skip the tick"
+    BUFFER_ONE = "buffer_one", "start one tick when the last run ends"
+    BUFFER_ALL = "buffer_all", "start every tick, one after another"
+    ALLOW_ALL = "allow_all", "start every tick at once"
+
+
+#: The most ticks a `buffer_all` schedule keeps waiting; ticks past it are skipped.
+MAX_BUFFERED_TICKS = 1000
+
+
 class Schedule(models.Model):
     """A cron schedule: each tick starts one run of `workflow` (runs/schedules.py)."""
 
@@ -786,6 +820,13 @@ class Schedule(models.Model):
     paused = models.BooleanField(default=False)
     catchup = models.CharField(max_length=10, choices=Catchup.choices, default=Catchup.SKIP)
     catchup_limit = models.PositiveIntegerField(default=10)
+    # Seconds a tick may be late and still fire (null: STEPGUARD_SCHEDULE_GRACE_SECONDS).
+    catchup_window = models.PositiveIntegerField(null=True, blank=True)
+    overlap = models.CharField(max_length=12, choices=Overlap.choices, default=Overlap.SKIP)
+    # The run of its newest started tick (no foreign key: retention may prune it, which
+    # counts as ended), and the ticks waiting for it to end (`buffer_one`, `buffer_all`).
+    last_run_id = models.UUIDField(null=True, blank=True)
+    buffered = models.JSONField(default=list, blank=True)
     source = models.CharField(max_length=10, default="api", help_text="code or api")
     # Who added it: its runs are started in their name (the four-eyes rule applies to them),
     # and it fires only while they are active.
@@ -807,6 +848,14 @@ class Schedule(models.Model):
             models.CheckConstraint(
                 condition=Q(catchup_limit__gte=1, catchup_limit__lte=1000),
                 name="runs_schedule_catchup_limit_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(overlap__in=Overlap.values), name="runs_schedule_overlap_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(catchup_window__isnull=True)
+                | Q(catchup_window__gte=1, catchup_window__lte=366 * 86400),
+                name="runs_schedule_catchup_window_range",
             ),
         ]
         indexes = [

@@ -25,7 +25,15 @@ from runs.engine.chores import Chore
 from runs.engine.serialization import to_json
 from runs.engine.starts import start_run
 from runs.errors import StepguardError, UnknownWorkflow
-from runs.models import Catchup, Schedule, Shaped
+from runs.models import (
+    MAX_BUFFERED_TICKS,
+    TERMINAL_STATUSES,
+    Catchup,
+    Overlap,
+    Run,
+    Schedule,
+    Shaped,
+)
 
 __all__ = [
     "NAME",
@@ -66,10 +74,11 @@ def ticks_to_fire(schedule: Schedule, now: datetime) -> list[datetime]:
     """The due ticks (from `next_fire_at` up to `now`) that its catch-up policy fires, oldest
     first. A tick is late once it is more than STEPGUARD_SCHEDULE_GRACE_SECONDS old: `skip`
     fires no late tick, `last` only the newest late one, `all` the newest `catchup_limit`
-    of them; ticks within the grace period always fire. Walks back from now, so a long
-    outage costs no more than the ticks it fires."""
+    of them; ticks within the grace period (the schedule's `catchup_window`, if set) always
+    fire. Walks back from now, so a long outage costs no more than the ticks it fires."""
     assert schedule.next_fire_at is not None
-    grace = now - timedelta(seconds=settings.STEPGUARD_SCHEDULE_GRACE_SECONDS)
+    window = schedule.catchup_window or settings.STEPGUARD_SCHEDULE_GRACE_SECONDS
+    grace = now - timedelta(seconds=window)
     back = CronSim(
         schedule.cron,
         (now + timedelta(microseconds=1)).astimezone(zone(schedule.timezone)),
@@ -100,7 +109,8 @@ def run_key(schedule: Schedule, tick: datetime) -> str:
 
 def fire_due(workflows: set[str], now: datetime | None = None) -> int:
     """Start the runs of every due tick of the schedules of `workflows` (those this process
-    can start); returns how many runs it started. One transaction: the ticks' runs and the
+    can start), and of ticks buffered behind a run that has ended since, per each schedule's
+    overlap policy; returns how many runs it started. One transaction: the ticks' runs and the
     schedule's next fire time commit together, so a worker killed mid-way fires nothing
     twice and loses no tick (the next firing finds the same ticks due)."""
     now = now or timezone.now()
@@ -108,36 +118,66 @@ def fire_due(workflows: set[str], now: datetime | None = None) -> int:
     with transaction.atomic():
         due = (
             Schedule.objects.select_for_update(skip_locked=True, of=("self",))
-            .filter(_author_active(), paused=False, next_fire_at__lte=now, workflow__in=workflows)
+            .filter(_author_active(), paused=False, workflow__in=workflows)
+            .filter(Q(next_fire_at__lte=now) | ~Q(buffered=[]))
             .order_by("next_fire_at")[:BATCH]
         )
         for schedule in due:
-            ticks = ticks_to_fire(schedule, now)
+            is_due = schedule.next_fire_at <= now
+            ticks = ticks_to_fire(schedule, now) if is_due else []
+            before = schedule.last_run_id
             try:
                 with transaction.atomic():  # a savepoint: one schedule's failure is its own
-                    for tick in ticks:
-                        run = start_run(
-                            schedule.workflow,
-                            schedule.input,
-                            key=run_key(schedule, tick),
-                            started_by=schedule.created_by,
-                            shapers=[(user, Shaped.SCHEDULED) for user in schedule.shaped_by],
-                            created={"schedule": schedule.name, "tick": tick.isoformat()},
-                        )
-                        started += int(run.was_created)
+                    started += _start_ticks(schedule, ticks)
             except (StepguardError, ValueError) as exc:  # ValueError: a foreign run's key
                 # A tick whose run cannot be started (its input no longer fits the workflow)
                 # is missed, said in the log; it must not stop the other schedules or claims.
                 log.error("schedule %s: no run for its ticks up to %s: %s",
                           schedule.name, now.isoformat(), exc)  # fmt: skip
-                ticks = []
-            skipped = ticks[0] != schedule.next_fire_at if ticks else True
-            if skipped:
-                missed = schedule.next_fire_at.isoformat()
-                log.info("schedule %s: ticks from %s missed", schedule.name, missed)
-            schedule.last_fired_at = ticks[-1] if ticks else schedule.last_fired_at
-            schedule.next_fire_at = next_tick(schedule.cron, schedule.timezone, now)
-            schedule.save(update_fields=["last_fired_at", "next_fire_at", "updated_at"])
+                ticks, schedule.buffered = [], []  # a buffered tick that cannot start is missed
+                schedule.last_run_id = before
+            fields = ["last_run_id", "buffered", "updated_at"]
+            if is_due:
+                if not ticks or ticks[0] != schedule.next_fire_at:
+                    missed = schedule.next_fire_at.isoformat()
+                    log.info("schedule %s: ticks from %s missed", schedule.name, missed)
+                schedule.last_fired_at = ticks[-1] if ticks else schedule.last_fired_at
+                schedule.next_fire_at = next_tick(schedule.cron, schedule.timezone, now)
+                fields += ["last_fired_at", "next_fire_at"]
+            schedule.save(update_fields=fields)
+    return started
+
+
+def _start_ticks(schedule: Schedule, ticks: list[datetime]) -> int:
+    """Start the runs of the schedule's buffered ticks, then of `ticks`, as its overlap policy
+    says while its last run is open: `skip` drops a tick, `buffer_one` keeps one (the first)
+    to start when the run ends, `buffer_all` keeps them all (up to MAX_BUFFERED_TICKS) to
+    start one after another, `allow_all` starts every tick at once. Returns the runs started."""
+    policy = schedule.overlap
+    waiting = [datetime.fromisoformat(tick) for tick in schedule.buffered]
+    open_run = schedule.last_run_id is not None and (
+        Run.objects.filter(pk=schedule.last_run_id).exclude(status__in=TERMINAL_STATUSES).exists()
+    )
+    room = {Overlap.BUFFER_ONE: 1, Overlap.BUFFER_ALL: MAX_BUFFERED_TICKS}.get(policy, 0)
+    started, buffered = 0, []
+    for tick in [*waiting, *ticks]:
+        if policy == Overlap.ALLOW_ALL or not open_run:
+            run = start_run(
+                schedule.workflow,
+                schedule.input,
+                key=run_key(schedule, tick),
+                started_by=schedule.created_by,
+                shapers=[(user, Shaped.SCHEDULED) for user in schedule.shaped_by],
+                created={"schedule": schedule.name, "tick": tick.isoformat()},
+            )
+            started += int(run.was_created)
+            schedule.last_run_id, open_run = run.pk, not run.is_terminal
+        elif len(buffered) < room:
+            buffered.append(tick)
+        else:
+            log.info("schedule %s: tick %s skipped, its last run is still open",
+                     schedule.name, tick.isoformat())  # fmt: skip
+    schedule.buffered = [tick.isoformat() for tick in buffered]
     return started
 
 
@@ -180,6 +220,8 @@ def save(
     input: Any = None,
     catchup: str = Catchup.SKIP,
     catchup_limit: int = 10,
+    catchup_window: int | None = None,
+    overlap: str = Overlap.SKIP,
     paused: bool = False,
     source: str = "api",
     created_by=None,
@@ -200,6 +242,10 @@ def save(
         raise ScheduleError(f"catch-up must be one of {', '.join(Catchup.values)}, not {catchup!r}")
     if not 1 <= catchup_limit <= 1000:
         raise ScheduleError("catchup_limit must be between 1 and 1000")
+    if overlap not in Overlap.values:
+        raise ScheduleError(f"overlap must be one of {', '.join(Overlap.values)}, not {overlap!r}")
+    if catchup_window is not None and not 1 <= catchup_window <= 366 * 86400:
+        raise ScheduleError("catchup_window must be between 1 second and 366 days")
     data = to_json(input, what=f"the input of schedule {name!r}")
     definition.key_for(data)  # its runs must be startable: a key function that fails is said now
     definition.key_for(data, "debounce")
@@ -209,6 +255,7 @@ def save(
         defaults={
             "workflow": workflow, "cron": cron, "timezone": timezone_name, "input": data,
             "catchup": catchup, "catchup_limit": catchup_limit, "paused": paused,
+            "catchup_window": catchup_window, "overlap": overlap,
             "source": source, "next_fire_at": next_tick(cron, timezone_name, now),
             "created_by": created_by, "shaped_by": shaped_by or [],
         },
@@ -232,20 +279,20 @@ def set_paused(name: str, paused: bool, by=None) -> Schedule:
 
 def sync_code_schedules() -> None:
     """Store the schedules declared in code (`@workflow(schedule=...)`), named after their
-    workflow. A changed expression replaces the stored one; whether it is paused is the
-    operators' and stays as they left it."""
+    workflow. A changed expression (or time zone, or overlap policy) replaces the stored
+    one; whether it is paused is the operators' and stays as they left it."""
     for definition in registry.all_workflows():
         if not definition.schedule or registry.get(definition.name) != definition:
             continue  # only the newest version's declaration counts
         cron = check_cron(definition.schedule)
         existing = Schedule.objects.filter(name=definition.name).first()
-        if existing is not None and (existing.cron, existing.timezone) == (
-            cron,
-            definition.timezone,
+        declared = (cron, definition.timezone, definition.overlap)
+        if existing is not None and (existing.cron, existing.timezone, existing.overlap) == (
+            declared
         ):
             continue
         save(
             definition.name, workflow=definition.name, cron=cron,
-            timezone_name=definition.timezone, source="code",
+            timezone_name=definition.timezone, overlap=definition.overlap, source="code",
             paused=existing.paused if existing is not None else False,
         )  # fmt: skip

@@ -49,6 +49,7 @@ from runs.models import (
     Event,
     EventType,
     NotificationChannel,
+    Overlap,
     Policy,
     RateLimit,
     Run,
@@ -1348,6 +1349,7 @@ def flow_page(request):
             # What a refused schedule form held, typed again (flow_schedule).
             "schedule_form": request.session.pop(SCHEDULE_FORM, None) or {"timezone": "UTC"},
             "catchup_choices": CATCHUP_CHOICES,
+            "overlap_choices": Overlap.choices,
         },
     )
 
@@ -1450,6 +1452,7 @@ def flow_schedule(request):
             request.user, post.get("name", "").strip(), workflow=post.get("workflow", ""),
             cron=post.get("cron", ""), timezone_name=post.get("timezone", "UTC").strip() or "UTC",
             input=data, catchup=post.get("catchup", "skip"),
+            overlap=post.get("overlap", "skip"),
         )  # fmt: skip
 
     saved: dict = {}
@@ -1464,7 +1467,7 @@ def flow_schedule(request):
         f"{schedule.cron} ({schedule.timezone}).",
     )  # fmt: skip
     if "schedule" not in saved:  # refused: the form opens again with what was typed
-        fields = ("name", "workflow", "cron", "timezone", "catchup", "input")
+        fields = ("name", "workflow", "cron", "timezone", "catchup", "overlap", "input")
         request.session[SCHEDULE_FORM] = {name: post.get(name, "")[:100_000] for name in fields}
     return response
 

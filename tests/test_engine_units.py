@@ -420,9 +420,11 @@ def test_workflow_code_sees_the_public_calls_and_the_runs_identity_and_nothing_o
     calls = {
         "step", "transaction", "llm", "tool", "agent_loop", "approval", "approvals", "child",
         "children", "sleep", "sleep_until", "wait_for_event", "now", "random", "uuid", "patched",
-        "idempotency_key",
+        "set_event", "idempotency_key",
     }  # fmt: skip
-    identity = {"run_id", "workflow", "version", "input", "attempt", "worker_id", "labels"}
+    identity = {
+        "run_id", "workflow", "version", "input", "attempt", "worker_id", "labels", "scheduled_at",
+    }  # fmt: skip
     assert {name for name in dir(RunContext) if not name.startswith("_")} == calls | identity
     private = {n for n in vars(RunContext) if n.startswith("_") and not n.startswith("__")}
     assert private == {"_engine"}

@@ -164,7 +164,9 @@ def test_a_schedule_starts_one_run_per_tick_however_often_it_is_fired(db):
     ],
 )
 def test_after_downtime_the_catch_up_policy_decides_which_missed_ticks_run(db, catchup, fired):
-    schedules.save("h", workflow="flow.plain", cron="0 * * * *", catchup=catchup, catchup_limit=4)
+    # Every tick it picks starts (allow_all): which ticks that is, is the catch-up's to say.
+    schedules.save("h", workflow="flow.plain", cron="0 * * * *", catchup=catchup, catchup_limit=4,
+                   overlap="allow_all")  # fmt: skip
     Schedule.objects.filter(name="h").update(next_fire_at=at("2026-12-02T07:00:00"))
     schedules.fire_due({"flow.plain"}, now=at("2026-12-02T12:00:20"))
     keys = sorted(Run.objects.values_list("key", flat=True))
@@ -208,7 +210,9 @@ def test_a_bad_schedule_is_refused_with_what_is_wrong_and_nothing_stored(db, fie
 def test_a_schedule_every_second_starts_exactly_one_run_per_tick_through_a_sigkill(spawn_worker):
     workers = [spawn_worker(*FLOW) for _ in range(3)]
     start = timezone.now()
-    schedules.save("every-second", workflow="flow.plain", cron="* * * * * *")
+    # Every tick starts its run however the last one is doing (the overlap policy's tests are
+    # tests/test_schedule_overlap.py): what is shown here is one run per tick, no more.
+    schedules.save("every-second", workflow="flow.plain", cron="* * * * * *", overlap="allow_all")
     wait_until(lambda: timezone.now() > start + timedelta(seconds=10), timeout=15, what="10 s")
     workers[1].kill()  # SIGKILL, mid-way
     wait_until(lambda: timezone.now() > start + timedelta(seconds=20), timeout=15, what="20 s")

@@ -10,16 +10,17 @@ turn's tool calls and answer are in the response, and how the conversation goes 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import inspect
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
 
+from runs.engine import step_deadline
 from runs.engine.llm import MAX_TOKENS_FIELDS
 from runs.engine.retry import RetryPolicy
 from runs.engine.waits import Ask
@@ -30,6 +31,7 @@ from runs.errors import (
     StepFailed,
     StepguardError,
     StepMisuse,
+    StepTimeout,
 )
 
 
@@ -38,7 +40,7 @@ class AgentLoopExhausted(StepguardError):
     retryable = False
 
 
-class ToolTimeout(StepguardError):
+class ToolTimeout(StepTimeout):
     """A tool ran past its timeout: retried like any failure (with the same idempotency key:
     the late call may still finish, and the service recognises the retry by it)."""
 
@@ -115,8 +117,9 @@ class Tool:
 
 def with_timeout(fn: Callable, seconds: float) -> Callable:
     """`fn` bounded to `seconds` an attempt: an async function is cancelled; a sync one is left
-    to finish on a thread of its own while the step fails with ToolTimeout (Python cannot stop
-    a thread), so give such a tool an idempotency key."""
+    to finish on a daemon thread of its own while the step fails with ToolTimeout (Python
+    cannot stop a thread; runs/engine/step_deadline.py), so give such a tool an idempotency
+    key."""
 
     if inspect.iscoroutinefunction(fn):
 
@@ -131,13 +134,13 @@ def with_timeout(fn: Callable, seconds: float) -> Callable:
 
     @functools.wraps(fn)
     def bounded(*args, **kwargs):
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stepguard-tool")
+        deadline = time.monotonic() + seconds
         try:
-            return pool.submit(fn, *args, **kwargs).result(timeout=seconds)
-        except concurrent.futures.TimeoutError:
+            return step_deadline.call_by(fn, args, kwargs, deadline, fn.__name__, seconds)
+        except ToolTimeout:
+            raise
+        except StepTimeout:
             raise ToolTimeout(f"{fn.__name__} took more than {seconds:g} s") from None
-        finally:
-            pool.shutdown(wait=False)
 
     return bounded
 

@@ -36,6 +36,7 @@ class AsyncRunContext:
         who = engine.execution.who
         self.run_id, self.workflow, self.version = who.run_id, who.workflow, who.version
         self.input, self.attempt = engine.execution.input, who.attempt
+        self.scheduled_at, self.labels = who.scheduled_at, dict(who.labels)
         self._in_flight: set[Future] = set()  # calls running on a database thread
 
     async def drain(self) -> None:
@@ -102,6 +103,9 @@ class AsyncRunContext:
 
     async def patched(self, change_id: str) -> bool:
         return await self._call(self._engine.recorded.patched, change_id)
+
+    async def set_event(self, name: str, value: Any = None) -> None:
+        return await self._call(self._engine.recorded.set_event, name, value)
 
     async def sleep(self, key: str, duration: float | timedelta) -> None:
         return await self._call(self._engine.waits.sleep, key, duration)

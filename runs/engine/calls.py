@@ -49,6 +49,7 @@ class ModelCalls:
         retry: RetryPolicy | None = None,
         typed: bool | type = False,
         on_delta: Callable[[str], Any] | None = None,
+        timeout: float | timedelta | None = None,
         **request: Any,
     ) -> Any:
         """Call a model once for this run: `call(**request)`, e.g.
@@ -89,7 +90,7 @@ class ModelCalls:
             )  # fmt: skip
         output = self.steps.run_step(
             key, invoke, (), {}, retry=retry, estimate=guess, kind=StepKind.LLM,
-            described=described, model=model, resource=model or None,
+            described=described, model=model, resource=model or None, timeout=timeout,
         )  # fmt: skip
         # A request stored whole or as a delta can be the next one's base; one cut to fit (or
         # recorded by an earlier execution, until its fingerprint is checked) cannot yet.
@@ -243,6 +244,7 @@ class ModelCalls:
         retry: RetryPolicy | None = None,
         compensate: Callable[[Any], Any] | None = None,
         approved: Decision | None = None,
+        timeout: float | timedelta | None = None,
     ) -> Any:
         """Call a tool once for this run: `fn(**args)`, with its approval policy.
 
@@ -251,7 +253,7 @@ class ModelCalls:
         only if that approval still stands. `approved` is a decision already obtained (from
         `ctx.approvals`, asking several at once), checked the same way as the tool starts. A
         tool whose function takes `idempotency_key` receives the step's. Raises
-        ApprovalRejected when refused.
+        ApprovalRejected when refused. `timeout` bounds each attempt, as on `ctx.step`.
         """
         args = dict(args or {})
         name = getattr(fn, "__name__", "tool")
@@ -274,7 +276,7 @@ class ModelCalls:
             call = fn
         return self.steps.run_step(
             key, call, (), args, retry=retry, approval=decision, compensate=compensate,
-            kind=StepKind.TOOL, model=name,  # the tool's name, for its span
+            kind=StepKind.TOOL, model=name, timeout=timeout,  # model: the tool's name, for its span
         )  # fmt: skip
 
     def concurrently(self, jobs: list[Callable[[], Any]]) -> list[Any]:

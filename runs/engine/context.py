@@ -9,6 +9,7 @@ workflow code sees the public calls and the run's identity, never the engine.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from runs.engine.calls import ModelCalls
@@ -62,7 +63,8 @@ class RunContext:
     """
 
     __slots__ = (
-        "_engine", "attempt", "input", "labels", "run_id", "version", "worker_id", "workflow",
+        "_engine", "attempt", "input", "labels", "run_id", "scheduled_at", "version", "worker_id",
+        "workflow",
     )  # fmt: skip
 
     def __init__(self, engine: Engine):
@@ -76,6 +78,9 @@ class RunContext:
         self.attempt: int = who.attempt
         self.labels: dict[str, str] = dict(who.labels)  # who the run is for: a copy
         self.worker_id: str = who.worker_id
+        #: The tick a schedule started this run for (timezone-aware UTC), else None: the
+        #: time the run is "for", the same on every replay, unlike the start's delay.
+        self.scheduled_at: datetime | None = who.scheduled_at
 
     def __repr__(self) -> str:
         return f"<RunContext run={self.run_id} workflow={self.workflow!r}>"
@@ -101,6 +106,7 @@ class RunContext:
     random = _Delegate("recorded", Recorded.random)
     uuid = _Delegate("recorded", Recorded.uuid)
     patched = _Delegate("recorded", Recorded.patched)
+    set_event = _Delegate("recorded", Recorded.set_event)
 
 
 def engine_of(ctx: RunContext) -> Engine:

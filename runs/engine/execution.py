@@ -23,6 +23,7 @@ from runs.engine.history import History
 from runs.engine.host import AsyncHost
 from runs.engine.loop import engine_loop
 from runs.engine.records import CURRENT_STEP, Identity, Running
+from runs.engine.step_deadline import bounded
 from runs.errors import (
     Cancelled,
     LeaseLost,
@@ -127,6 +128,8 @@ class Execution:
             return value
 
         running = CURRENT_STEP.get()
+        if running is not None and running.deadline is not None:
+            value = bounded(value, running.deadline, running.key, running.timeout or 0.0)
 
         async def wait():
             CURRENT_STEP.set(running)  # this task's own: concurrent steps each see theirs

@@ -1,17 +1,31 @@
 """Values recorded once and handed back on replay: the time, randomness, ids and patch markers
-(`ctx.now`, `ctx.random`, `ctx.uuid`, `ctx.patched`)."""
+(`ctx.now`, `ctx.random`, `ctx.uuid`, `ctx.patched`), and the values a run publishes
+(`ctx.set_event`)."""
 
 from __future__ import annotations
 
 import random
 import uuid
 from datetime import datetime
+from typing import Any
 from uuid import UUID
 
 from django.utils import timezone
 
 from runs.engine.execution import Execution
+from runs.engine.serialization import to_json
 from runs.engine.steps import Steps
+from runs.errors import StepMisuse
+from runs.models import Published
+
+
+def check_event_name(name: Any) -> str:
+    """`name` if it can name a published value: 1 to 100 characters, no '#' nor NUL."""
+    if not isinstance(name, str) or not 0 < len(name) <= 100 or "#" in name or "\x00" in name:
+        raise StepMisuse(
+            f"an event name is 1 to 100 characters without '#' or NUL, not {name!r}"[:300]
+        )
+    return name
 
 
 class Recorded:
@@ -54,3 +68,19 @@ class Recorded:
             self.ex.checkpoints.mark_patch(seq, key, change_id, cancelled=cancelled)
         self._patches[change_id] = True
         return True
+
+    def set_event(self, name: str, value: Any = None) -> None:
+        """Publish `value` (JSON) under `name` for the run's clients: `get_event(run_id, name)`
+        and `GET /api/runs/{id}/events/{name}` read the latest set (DBOS's set_event). A step
+        of its own, `set_event:<name>`, written in one transaction with the value: the value
+        is set exactly once, and a replay sets nothing again."""
+        check_event_name(name)
+        data = to_json(value, what=f"the value of event {name!r}")
+        run_id = self.ex.lease.run_id
+
+        def publish() -> None:
+            Published.objects.update_or_create(
+                run_id=run_id, name=name, defaults={"value": data, "updated_at": timezone.now()}
+            )
+
+        self.steps.transaction(f"set_event:{name}", publish)

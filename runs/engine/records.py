@@ -34,6 +34,8 @@ class Identity:
     forked_from: Any
     #: Recovering from a lost worker: each step's completion is written at once.
     recovering: bool
+    #: The tick a schedule started the run for (its key says), else None.
+    scheduled_at: datetime | None = None
 
     @classmethod
     def of(cls, run: Any) -> Identity:
@@ -46,7 +48,19 @@ class Identity:
             worker_id=str(run.worker_id or ""),
             forked_from=run.forked_from_id,
             recovering=run.recoveries > 0,
+            scheduled_at=scheduled_tick(run.key),
         )
+
+
+def scheduled_tick(key: str | None) -> datetime | None:
+    """The tick in a schedule's run key, `schedule:<name>:<tick in UTC>` (runs/schedules.py
+    run_key): part of the run's identity, so the same on every replay."""
+    if not isinstance(key, str) or not key.startswith("schedule:"):
+        return None
+    try:
+        return datetime.fromisoformat(key.split(":", 2)[2])
+    except (IndexError, ValueError):
+        return None
 
 
 class _NotFound:
@@ -195,6 +209,10 @@ class Running(NamedTuple):
     #: Report what the model calls made inside the step were paid so far in this attempt (a
     #: Usage): booked on the step if the attempt fails after all.
     answered: Callable[[Any], None] | None = None
+    #: The attempt's deadline (time.monotonic()) and its timeout in seconds, if it has one:
+    #: every async call the step waits for is cancelled then (runs/engine/step_deadline.py).
+    deadline: float | None = None
+    timeout: float | None = None
 
 
 #: The step whose function runs in this thread, or whose coroutine runs in this asyncio task:

@@ -23,6 +23,7 @@ class WorkflowDef:
     priority: int = 0
     schedule: str | None = None
     timezone: str = "UTC"
+    overlap: str = "skip"  # the schedule's overlap policy (runs.models.Overlap)
     debounce: timedelta | None = None
     debounce_key: Callable[[Any], Any] | None = None
     debounce_max: timedelta | None = None

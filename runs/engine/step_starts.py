@@ -51,6 +51,7 @@ class StepCall:
     approval: Decision | None
     defer: bool = False  # the completion rides with the run's next write (complete_later)
     rate: rates.Grant | None = None  # the rate grant this call took, finished when it returns
+    timeout: float | None = None  # seconds an attempt may take (runs/engine/step_deadline.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ class StepOptions:
     described: Any = None
     model: str = ""
     resource: str | None = None
+    timeout: float | None = None
 
     @property
     def durable(self) -> bool:

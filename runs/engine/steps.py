@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 from contextlib import nullcontext
@@ -24,6 +25,7 @@ from runs.engine.llm import retry_after
 from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, StepThread, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import describe_input, to_json
+from runs.engine.step_deadline import call_by, seconds_of
 from runs.engine.step_starts import (
     Hold,
     StepCall,
@@ -85,6 +87,7 @@ class Steps:
         estimate: Usage | None = None,
         kind: str = StepKind.CALL,
         resource: str | None = None,
+        timeout: float | timedelta | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run `fn(*args, **kwargs)` once for this run and checkpoint its JSON output.
@@ -97,15 +100,18 @@ class Steps:
         the step if the run is cancelled or finally fails. With `approval=decision`, the step
         starts only if that approval still stands, checked in the transaction that starts it.
         With `resource="name"`, each call first waits for that resource's rate limit (taking
-        `estimate`'s tokens), durably: the run is released until capacity returns. The
-        keyword options are never passed to `fn`.
+        `estimate`'s tokens), durably: the run is released until capacity returns. With
+        `timeout` (seconds or a timedelta), an attempt that takes longer fails with
+        StepTimeout and is retried per `retry`: an async `fn` is cancelled, a sync one is
+        abandoned on its thread, its late result discarded (runs/engine/step_deadline.py).
+        The keyword options are never passed to `fn`.
         """
         if on_ambiguous not in ("resend", "ask"):
             raise StepMisuse("on_ambiguous must be 'resend' or 'ask'")
         return self.run_step(
             key, fn, args, kwargs, retry=retry, reconcile=reconcile, on_ambiguous=on_ambiguous,
             compensate=compensate, approval=approval, estimate=estimate, kind=kind,
-            resource=resource,
+            resource=resource, timeout=timeout,
         )  # fmt: skip
 
     def run_step(
@@ -126,11 +132,13 @@ class Steps:
         described: Any = None,
         model: str = "",
         resource: str | None = None,
+        timeout: float | timedelta | None = None,
     ) -> Any:
+        seconds = seconds_of(timeout, f"step {key!r}")
         key, seq, record = self.ex.position(key, internal=internal)
         options = StepOptions(
             retry, reconcile, on_ambiguous, compensate, approval, estimate, kind, described, model,
-            resource,
+            resource, seconds,
         )  # fmt: skip
         in_doubt = (
             record is not None
@@ -207,6 +215,7 @@ class Steps:
                 # effect writes its completion at once; any other rides with the run's next write.
                 defer=o.approval is None and not o.durable,
                 rate=rate,
+                timeout=o.timeout,
             )  # fmt: skip
             output = self._call(call, attempt, tries)
         return self.ex.undo.remember(key, o.compensate, output)
@@ -332,21 +341,32 @@ class Steps:
         kwargs: dict,
         release=False,
         step_pk: Any = None,
+        timeout: float | None = None,
     ) -> Any:
         """Call a step's function. With `release`, an async workflow's other steps may use the
         run's context meanwhile (the function touches only its own arguments). A step with a
-        row (`step_pk`) lets model calls made inside it reserve their estimates."""
+        row (`step_pk`) lets model calls made inside it reserve their estimates. With
+        `timeout`, the attempt ends with StepTimeout at its deadline (step_deadline.py)."""
         reserve = answered = None
         if step_pk is not None:
             reserve = functools.partial(self._reserve_in_step, step_pk)
             answered = functools.partial(self.answered_now.__setitem__, idem)
-        running = Running(key, idem, seq, id(self.ex), reserve, StepThread(), answered)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        running = Running(
+            key, idem, seq, id(self.ex), reserve, StepThread(), answered, deadline, timeout
+        )
         token = CURRENT_STEP.set(running)
+
+        def call() -> Any:
+            if deadline is None:
+                return self.ex.wait_for(fn(*args, **kwargs))
+            return self.ex.wait_for(call_by(fn, args, kwargs, deadline, key, timeout or 0.0))
+
         try:
             if release:
                 with self.ex.released():
-                    return self.ex.wait_for(fn(*args, **kwargs))
-            return self.ex.wait_for(fn(*args, **kwargs))
+                    return call()
+            return call()
         finally:
             CURRENT_STEP.reset(token)
 
@@ -368,7 +388,7 @@ class Steps:
                 try:
                     value = self._invoke(
                         key, idem, call.seq, call.fn, call.args, call.kwargs, release=True,
-                        step_pk=step_pk,
+                        step_pk=step_pk, timeout=call.timeout,
                     )  # fmt: skip
                 finally:
                     if rate is not None:

@@ -9,7 +9,7 @@ from runs import operations
 from runs.engine import registry
 from runs.errors import StepguardError
 from runs.management.base import StepguardCommand
-from runs.models import Catchup, Schedule
+from runs.models import Catchup, Overlap, Schedule
 
 
 class Command(StepguardCommand):
@@ -25,6 +25,10 @@ class Command(StepguardCommand):
         add.add_argument("--input", default="null", help="JSON given to each run")
         add.add_argument("--catchup", choices=Catchup.values, default=Catchup.SKIP)
         add.add_argument("--catchup-limit", type=int, default=10, help="for --catchup all")
+        add.add_argument("--catchup-window", type=int, default=None,
+                         help="seconds a tick may be late and still fire")  # fmt: skip
+        add.add_argument("--overlap", choices=Overlap.values, default=Overlap.SKIP,
+                         help="a tick while the last run is open (default skip)")  # fmt: skip
         add.add_argument("--paused", action="store_true")
         add.add_argument("--import", dest="modules", action="append", default=[],
                          help="a module that registers the workflow")  # fmt: skip
@@ -53,6 +57,7 @@ class Command(StepguardCommand):
             options["user"], options["name"], workflow=options["workflow"],
             cron=options["cron"], timezone_name=options["timezone"], input=data,
             catchup=options["catchup"], catchup_limit=options["catchup_limit"],
+            catchup_window=options["catchup_window"], overlap=options["overlap"],
             paused=options["paused"],
         )  # fmt: skip
         self.stdout.write(f"saved {self._line(schedule)}")
@@ -85,5 +90,6 @@ class Command(StepguardCommand):
         )
         return (
             f"{s.name}: {s.workflow} at '{s.cron}' ({s.timezone}), catch-up {s.catchup}, "
+            f"overlap {s.overlap}, "
             f"{state} [{s.source}]"
         )
