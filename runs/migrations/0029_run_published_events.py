@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('runs', '0026_schedule_overlap_policy'),
+        ('runs', '0028_schedule_overlap_policy'),
     ]
 
     operations = [

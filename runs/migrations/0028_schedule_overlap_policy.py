@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('runs', '0025_partition_events'),
+        ('runs', '0027_stream_pieces'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
