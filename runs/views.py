@@ -107,6 +107,16 @@ def filtered_runs(params) -> tuple[QuerySet, dict]:
     return queries.runs_matching(matching), chosen
 
 
+def list_counts(params) -> dict[str, tuple[int, bool]]:
+    """The runs list's count per status, under its other filters (a status filter picks one
+    of them, so it is left out: each status says how many runs choosing it would show)."""
+    try:
+        counted, _ = filtered_runs({**params.dict(), "status": ""})
+    except BadFilter:
+        return dict.fromkeys(RunStatus.values, (0, True))
+    return queries.status_counts(counted)
+
+
 @viewer_required
 def runs_list(request):
     """Runs, newest first, filtered by URL parameters, paged by keyset (created_at, id)."""
@@ -122,10 +132,7 @@ def runs_list(request):
         page, marker = queries.page(runs.defer(*LIST_DEFERRED), PAGE, request.GET.get("before"))
     except BadFilter as exc:
         raise Http404(str(exc)) from None
-    counted = Run.objects.all()
-    if not filters.get("engine"):  # the engine's own runs count where they are shown
-        counted = counted.exclude(workflow__startswith=queries.ENGINE_PREFIX)
-    counts = queries.status_counts(counted)
+    counts = list_counts(request.GET)
     total = sum(n for n, _ in counts.values())
     all_exact = all(exact for _, exact in counts.values())
     rows = list_rows(page)
@@ -141,6 +148,8 @@ def runs_list(request):
             ],
             "filters": filters,
             "filter_query": urlencode(query),
+            # Each status's link keeps the other filters, as its count does.
+            "counts_query": urlencode({k: v for k, v in query.items() if k != "status"}),
             # Unfiltered, the counts say how many runs a bulk action would touch; filtered, the
             # page asks /runs/count after it renders (a substring search counts by a scan).
             "total": total if all_exact else queries.about(total),
