@@ -140,7 +140,16 @@ from runs import queries  # noqa: E402
 from runs.engine.fences import Fence, Lease  # noqa: E402
 from runs.engine.store import create_run, fenced_write  # noqa: E402
 from runs.engine.wakeup import doorbell  # noqa: E402
-from runs.models import Event, Policy, Run, RunStatus, Step, StepKind, StepStatus  # noqa: E402
+from runs.models import (  # noqa: E402
+    Event,
+    Policy,
+    Run,
+    RunStatus,
+    Step,
+    StepKind,
+    StepStatus,
+    Worker,
+)
 
 
 def fill() -> None:
@@ -306,7 +315,7 @@ def idle_poll() -> None:
     workflows no worker imports (the fill's pending runs, all due): its claim statement, the
     held-runs sweep, the poison check and its next-timer query, all as `WorkerProcess` sends
     them (target under 10 ms). Then a claim that takes one due run of a workflow the worker
-    serves (bench-3), put back to pending after each claim."""
+    serves (one with due pending runs), put back to pending after each claim."""
     from uuid import uuid4
 
     from runs.engine import registry
@@ -319,7 +328,18 @@ def idle_poll() -> None:
         assert claims.claim(4) == []
         claims.next_wake(timezone.now())
 
-    serving = Claims(uuid4(), timedelta(seconds=30), [registry.register("bench-3", "1", _idle)])
+    due_run = due.filter(status="pending", workflow__startswith="bench-").first()
+    served = due_run.workflow if due_run else "bench-3"
+    worker = Worker.objects.create(
+        host="bench-claimer",
+        pid=os.getpid(),
+        concurrency=1,
+        workflows=[served],
+        started_at=timezone.now(),
+        heartbeat_at=timezone.now(),
+        stopped_at=timezone.now(),
+    )  # fmt: skip  (stopped: no other page or sweep takes it for live)
+    serving = Claims(worker.pk, timedelta(seconds=30), [registry.register(served, "1", _idle)])
 
     def claim():
         taken = serving.claim(1)
@@ -328,7 +348,7 @@ def idle_poll() -> None:
             status=RunStatus.PENDING, worker=None, lease_until=None
         )
 
-    print(f"\nworker poll and claim, {due.count():,} due runs (bench-3's among them)")
+    print(f"\nworker poll and claim, {due.count():,} due runs ({served}'s among them)")
     for label, work in (("idle poll (claim+sweep+timer)", poll), ("claim of one run", claim)):
         samples = []
         for _ in range(REPEATS):
