@@ -108,7 +108,7 @@ class DatabaseCollector:
         runs = GaugeMetricFamily(
             "stepguard_runs",
             "Runs stored, by workflow and status (finished ones, and any status with more "
-            "than 10,000 runs, as of the summary).",
+            "than 1,000 runs, as of the summary).",
             labels=["workflow", "status"],
         )
         capped = queries.capped_counts(Run.objects.all(), LIVE_STATUSES, CAP)

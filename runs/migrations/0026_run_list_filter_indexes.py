@@ -13,10 +13,11 @@ LABELS_STATUS = (
     "CREATE INDEX IF NOT EXISTS runs_run_labels_status_gin_idx ON runs_run "
     "USING gin (labels jsonb_path_ops, status)"
 )
-#: The same, run by hand on a live database (docs/deploy.md): the table stays writable.
+#: The same, run by hand on a live database (docs/deploy.md): the table stays writable. Two
+#: statements, each on its own (CONCURRENTLY refuses a transaction block).
 BY_HAND = (
     LABELS_STATUS.replace("CREATE INDEX", "CREATE INDEX CONCURRENTLY")
-    + "; DROP INDEX CONCURRENTLY IF EXISTS runs_run_labels_gin_idx;"
+    + ";\nDROP INDEX CONCURRENTLY IF EXISTS runs_run_labels_gin_idx;"
 )
 
 
@@ -30,7 +31,7 @@ def labels_status(apps, schema_editor):
         log.warning(
             "btree_gin is not available (%s): a label and a status together are found through "
             "the labels' index alone; have an administrator run CREATE EXTENSION btree_gin in "
-            "this database, then run: %s", exc, BY_HAND,
+            "this database, then run these, each on its own:\n%s", exc, BY_HAND,
         )
         return
     schema_editor.execute(LABELS_STATUS)
