@@ -97,3 +97,47 @@ def test_a_status_count_and_a_label_and_status_pair_are_index_ranges(aged):
     with connection.cursor() as cursor:
         indexes = connection.introspection.get_constraints(cursor, "runs_run")
     assert "runs_run_labels_gin_idx" not in indexes  # the pair's index serves a label alone
+
+
+@pytest.fixture
+def due_and_halted(transactional_db):
+    """20,000 runs: 5,000 due (pending, no worker serves them), 2,000 halted by their own
+    hold, the rest finished; vacuumed and analysed."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    past = timezone.now() - timedelta(hours=1)
+
+    def shaped(i: int) -> dict:
+        if i < 5_000:
+            return {"status": "pending", "wake_at": past}
+        if i < 7_000:
+            return {"status": "halted", "halted_at": past, "halted_by": "ops"}
+        return {"status": "completed"}
+
+    Run.objects.bulk_create(
+        [Run(workflow="w", version="1", key=f"d-{i}", **shaped(i)) for i in range(20_000)],
+        batch_size=2_000,
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("VACUUM ANALYZE runs_run")
+
+
+@pytest.mark.postgres
+def test_the_held_runs_sweep_of_an_idle_poll_reads_only_runs_a_hold_can_cover(due_and_halted):
+    """With runs' own holds in force, the sweep asks for the due runs that are halted or
+    children: a partial index of exactly those, not the due runs ANDed with the halted ones."""
+    from django.test.utils import CaptureQueriesContext
+    from django.utils import timezone
+
+    from runs.engine import unheld
+
+    with CaptureQueriesContext(connection) as asked:
+        unheld.park_held(timezone.now())
+    sweep = next(q["sql"] for q in asked if "LIMIT 50" in q["sql"])
+    with connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN {sweep}")
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "runs_run_due_holdable_idx" in plan, plan
+    assert "runs_run_wake_idx" not in plan, plan
