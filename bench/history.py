@@ -33,8 +33,7 @@ CHUNK = 50_000
 TENANTS = 200
 WORKERS = 50
 
-_CHUNK_SQL = """
-WITH r AS (
+_RUNS_SQL = """
     INSERT INTO runs_run (id, workflow, version, input, status, key, lease_epoch, attempt,
         max_attempts, recoveries, event_seq, tokens_in, tokens_out, cost_micros,
         reserved_micros, reserved_tokens, budget_warned, halted_at, halted_by, halt_reason,
@@ -68,6 +67,12 @@ WITH r AS (
             END AS status
         FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) g
     ) x
+"""
+
+_CHUNK_SQL = (
+    "WITH r AS ("
+    + _RUNS_SQL
+    + """
     RETURNING id, workflow, status, labels, created_at, finished_at, tokens_in, tokens_out,
         cost_micros, substr(key, 3)::bigint AS g
 ), steps AS (
@@ -119,10 +124,13 @@ ON CONFLICT (day, workflow, md5(labels::text)) DO UPDATE SET
     tokens = runs_spendday.tokens + excluded.tokens,
     runs = runs_spendday.runs + excluded.runs
 """
+)
 
 
-def fill(connection, runs: int, events: int, approver_id: int) -> None:
-    """Fill up to `runs` runs, resuming after the last whole chunk a previous fill left."""
+def fill(connection, runs: int, events: int, approver_id: int, lean: bool = False) -> None:
+    """Fill up to `runs` runs, resuming after the last whole chunk a previous fill left.
+    `lean`: the runs alone (no steps, events, approvals or spend), for what reads only runs
+    (the claim and the idle poll) at sizes this host fills in minutes."""
     from runs import partitions
 
     with connection.cursor() as cursor:
@@ -147,7 +155,7 @@ def fill(connection, runs: int, events: int, approver_id: int) -> None:
         partitions.ensure(since=anchor - timedelta(days=SPAN_DAYS + 1))
         worker = _workers(cursor, anchor)
         started = time.monotonic()
-        sql = _CHUNK_SQL.format(tenants=TENANTS, span=SPAN_DAYS)
+        sql = (_RUNS_SQL if lean else _CHUNK_SQL).format(tenants=TENANTS, span=SPAN_DAYS)
         while done < runs:
             hi = min(done + CHUNK, runs)
             with connection.cursor() as chunk:

@@ -153,11 +153,11 @@ from runs.models import (  # noqa: E402
 )
 
 
-def fill() -> None:
+def fill(lean: bool = False) -> None:
     """The production-shaped history (bench/history.py), resumed if an earlier fill stopped."""
     approver, _ = get_user_model().objects.get_or_create(username="bench-approver")
     started = time.monotonic()
-    history.fill(connection, RUNS, EVENTS_PER_RUN, approver.pk)
+    history.fill(connection, RUNS, EVENTS_PER_RUN, approver.pk, lean=lean)
     print(f"history ready ({time.monotonic() - started:.0f} s)")
     for tenant in range(5):  # label budgets, as the budgets page lists them
         Policy.objects.get_or_create(
@@ -938,11 +938,21 @@ def main() -> None:
         "--server-only", action="store_true", help="only the fill and the server times"
     )
     parser.add_argument("--only", default="", help="time only the pages whose label has this")
+    parser.add_argument(
+        "--lean",
+        action="store_true",
+        help="fill the runs alone (no steps, events, approvals) and time only the worker's "
+        "idle poll and claim: 5,000,000 runs in minutes",
+    )
     parser.add_argument("--events", type=int, default=50, help="events per configuration")
     parser.add_argument("--list-runs", type=int, default=30, help="new runs per configuration")
     args = parser.parse_args()
     call_command("migrate", verbosity=0)
     user, _ = get_user_model().objects.get_or_create(username="bench", is_superuser=True)
+    if args.lean:
+        fill(lean=True)
+        idle_poll()
+        return
     if not args.latency_only:
         fill()
         server_times(user, args.only)
