@@ -5,15 +5,16 @@
     .venv/bin/python bench/ui.py --runs 1000000 --server-only   (issue 35's million runs)
 
 1. Server times. Fills its own database (`stepguard_bench_ui`, or `stepguard_bench_ui_<N>` for
-   `--runs N`) once with generate_series (100,000 runs, 1,000,000 events by default), then
-   times the runs list (first page, filtered pages, key and short-id search, a workflow and
-   status that match nothing, a deep keyset page), a run page, the inbox, the audit page, the
-   API's runs list and /metrics through Django's test client, and prints medians and p95.
-   Each run carries a tenant label (50 values) and one priced step, for the label filters,
-   `/api/spend` per tenant over the last 7 days and the budgets page with 5 label budgets.
-   Target: under 200 ms median. Then the run page of a 5,000-step run (10,000 events)
-   against a 10-step run's, the baseline measured in the same invocation: median server time,
-   bytes, and their ratios. Both runs are written once with bulk_create (`bench.long`).
+   `--runs N`; DATABASE_URL overrides) once with a production-shaped history (bench/history.py:
+   statuses follow age, 200 tenants, priced steps, approvals, workers; set-based, resumable),
+   then times every page, search and filter combination (each matching nothing and matching
+   much), the inbox, the flow, workers and policy pages, the API lists and /metrics through
+   Django's test client: medians, p95 and the rows the request's SELECTs read (their plans).
+   Then /metrics with worker-kept totals and recomputed, the idle worker poll and a claim
+   (`--lean`: only those two, on a fill of the runs alone, for 5,000,000 runs). Then the run
+   page of a 5,000-step run (10,000 events) against a 10-step run's, the baseline measured in
+   the same invocation: median server time, bytes, and their ratios. Both runs are written
+   once with bulk_create (`bench.long`).
 
 2. Event-to-browser latency of the run page's websocket. For each configuration a real daphne
    process serves the project on 127.0.0.1 (a port the OS picks), the run page is fetched over
