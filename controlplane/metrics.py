@@ -6,8 +6,10 @@ gauges of what is stored now (prune makes them drop): graph them with `delta()`/
 `rate()`. What alerts watch (runs not finished, runnable runs and their age, approvals, halts,
 workers, the replica) is read on every scrape through indexes, counted up to CAP runs. The
 totals over everything stored (finished runs, steps by outcome and duration, spend,
-deliveries) read whole tables, so they come from a summary computed at most once per
-STEPGUARD_METRICS_SUMMARY_SECONDS (60 s) and shared through Django's cache. Scrape every 15 to 60 s.
+deliveries) read whole tables, so no scrape reads them: one worker keeps them every
+STEPGUARD_METRICS_SUMMARY_SECONDS (60 s) in Django's shared cache (runs/summary.py; the
+embedded engine, whose cache is per process, computes them at most once a period). Scrape every
+15 to 60 s.
 
 Readable with an API key (`Authorization: Bearer sg_...`) or a logged-in session of a person
 who may read runs (`runs.view_run`, as on every read-only page; 403 without it), or from an
@@ -20,29 +22,18 @@ import ipaddress
 from datetime import timedelta
 
 from django.conf import settings
-from django.core.cache import cache
 from django.db.models import (
-    Case,
-    CharField,
     Count,
-    DurationField,
-    ExpressionWrapper,
-    F,
     Min,
-    Q,
-    Sum,
-    Value,
-    When,
 )
-from django.db.models.fields.json import KT
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 
 from controlplane import security
 from controlplane.health import LIVE_LEASES
-from runs import queries, replica
+from runs import queries, replica, summary
 from runs.apikeys import check_key
 from runs.approvals.models import ApprovalRequest, ApprovalStatus
 from runs.engine.worker import WAKEABLE
@@ -52,24 +43,17 @@ from runs.models import (
     ApiKeyScope,
     Event,
     EventType,
-    NotificationDelivery,
     Policy,
-    Recovery,
     Run,
     RunStatus,
-    Step,
-    StepStatus,
     Worker,
 )
 
-#: Step durations are those of the steps that finished in this window before the scrape.
-WINDOW = timedelta(hours=1)
-SUMMARY_KEY = "stepguard:metrics-summary"
+SUMMARY_KEY = summary.KEY
 #: The statuses of runs not finished, named (an IN the status index serves, not a NOT IN).
 LIVE_STATUSES = [s for s in RunStatus.values if s not in TERMINAL_STATUSES]
 #: What a scrape counts one by one before it takes the summary's figure.
 CAP = queries.EXACT_UP_TO
-BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
 def _age(since, now) -> float:
@@ -81,36 +65,26 @@ class DatabaseCollector:
 
     def collect(self):
         now = timezone.now()
-        summary = self._summary(now)
-        yield from self._runs(now, summary)
-        yield from summary["families"]
+        totals = self._summary(now)
+        yield from self._runs(now, totals)
+        yield from totals["families"]
         yield from self._workers(now)
         yield from self._approvals_and_halts(now)
         yield from self._replica()
 
     def _summary(self, now) -> dict:
-        """The totals over everything stored, which read whole tables (at a million runs, the
-        three counts took 278 ms per scrape): computed at most once per
-        STEPGUARD_METRICS_SUMMARY_SECONDS and shared through Django's cache, so any number of
-        scrapers and web processes cost one computation per period. `runs` (every workflow
-        and status) and `runnable` back the per-scrape counts past their cap; `families` are
-        yielded as they are."""
-        ttl = settings.STEPGUARD_METRICS_SUMMARY_SECONDS
-        cached = cache.get(SUMMARY_KEY) if ttl > 0 else None
-        if cached is None:
-            by_status = Run.objects.values_list("workflow", "status").annotate(n=Count("id"))
-            runnable = Run.objects.filter(
-                Q(status__in=WAKEABLE, wake_at__lte=now)
-                | Q(status=RunStatus.RUNNING, lease_until__lt=now)
-            ).count()
-            cached = {
-                "runs": list(by_status.order_by()),
-                "runnable": runnable,
-                "families": [*self._steps(now), *self._spend(), *self._notifications()],
-            }
-            if ttl > 0:
-                cache.set(SUMMARY_KEY, cached, ttl)
-        return cached
+        """The totals over everything stored (runs/summary.py): read from Django's cache, where
+        a worker keeps them when the cache is shared (Redis), so a scrape never reads the
+        steps table; computed here, at most once a period, when the cache is this process's
+        own (the embedded engine). `runs` (every workflow and status) and `runnable` back the
+        per-scrape counts past their cap; `families` are yielded as they are."""
+        found = summary.read(now)
+        age = GaugeMetricFamily(
+            "stepguard_metrics_summary_age_seconds",
+            "How old the totals over everything stored are (-1: no worker has made them yet).",
+            value=-1 if found["at"] is None else _age(found["at"], now),
+        )
+        return {**found, "families": [*found["families"], age]}
 
     def _replica(self):
         if not replica.configured():
@@ -134,7 +108,7 @@ class DatabaseCollector:
         runs = GaugeMetricFamily(
             "stepguard_runs",
             "Runs stored, by workflow and status (finished ones, and any status with more "
-            "than 10,000 runs, as of the summary).",
+            "than 1,000 runs, as of the summary).",
             labels=["workflow", "status"],
         )
         capped = queries.capped_counts(Run.objects.all(), LIVE_STATUSES, CAP)
@@ -174,42 +148,6 @@ class DatabaseCollector:
             value=lost,
         )
 
-    def _steps(self, now):
-        outcomes = Step.objects.aggregate(
-            completed=Count("id", filter=Q(status=StepStatus.COMPLETED)),
-            failed=Count("id", filter=Q(status=StepStatus.FAILED)),
-            retried=Sum(F("attempt") - 1, filter=Q(attempt__gt=1)),
-            resent=Count("id", filter=Q(recovered=Recovery.RESENT)),
-            reconciled=Count("id", filter=Q(recovered=Recovery.RECONCILED)),
-        )
-        steps = GaugeMetricFamily(
-            "stepguard_steps",
-            "Steps stored, by outcome (retried: extra attempts; resent, reconciled: steps "
-            "found in flight after a crash).",
-            labels=["outcome"],
-        )
-        for outcome, n in outcomes.items():
-            steps.add_metric([outcome], n or 0)
-        yield steps
-
-        took = ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())
-        recent = Step.objects.filter(
-            status=StepStatus.COMPLETED, finished_at__gte=now - WINDOW
-        ).annotate(took=took)
-        counts = {f"le{i}": Count("id", filter=Q(took__lte=timedelta(seconds=b)))
-                  for i, b in enumerate(BUCKETS)}  # fmt: skip
-        rows = recent.values("kind").annotate(n=Count("id"), total=Sum("took"), **counts)
-        hist = GaugeHistogramMetricFamily(
-            "stepguard_step_duration_seconds",
-            f"Durations of the steps completed in the last {WINDOW}, by kind.",
-            labels=["kind"],
-        )
-        for row in rows.order_by():
-            buckets = [(str(b), row[f"le{i}"]) for i, b in enumerate(BUCKETS)]
-            total = row["total"].total_seconds() if row["total"] else 0.0
-            hist.add_metric([row["kind"]], [*buckets, ("+Inf", row["n"])], total)
-        yield hist
-
     def _workers(self, now):
         beat = timedelta(seconds=LIVE_LEASES * settings.STEPGUARD_LEASE_SECONDS)
         running = Worker.objects.filter(stopped_at__isnull=True)
@@ -224,30 +162,6 @@ class DatabaseCollector:
         for worker_id, host, at in recent.values_list("id", "host", "heartbeat_at"):
             beats.add_metric([str(worker_id), host], at.timestamp())
         yield beats
-
-    def _spend(self):
-        llm = When(kind="llm", then=KT("input__0__model"))
-        model = Case(llm, default=Value(""), output_field=CharField())
-        rows = (
-            Step.objects.filter(Q(cost_micros__gt=0) | Q(tokens_in__gt=0) | Q(tokens_out__gt=0))
-            .annotate(model=model)
-            .values("run__workflow", "model")
-            .annotate(usd=Sum("cost_micros"), tin=Sum("tokens_in"), tout=Sum("tokens_out"))
-            .order_by()
-        )
-        usd = GaugeMetricFamily("stepguard_spend_usd",
-                                "USD spent by the steps stored, by workflow and model.",
-                                labels=["workflow", "model"])  # fmt: skip
-        tokens = GaugeMetricFamily("stepguard_tokens",
-                                   "Tokens used by the steps stored, by workflow and model.",
-                                   labels=["workflow", "model", "direction"])  # fmt: skip
-        for row in rows:
-            labels = [row["run__workflow"], row["model"] or ""]
-            usd.add_metric(labels, (row["usd"] or 0) / 1_000_000)
-            tokens.add_metric([*labels, "in"], row["tin"] or 0)
-            tokens.add_metric([*labels, "out"], row["tout"] or 0)
-        yield usd
-        yield tokens
 
     def _approvals_and_halts(self, now):
         pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).aggregate(
@@ -267,29 +181,6 @@ class DatabaseCollector:
         halts.add_metric(["workflow"], policies.exclude(scope=GLOBAL).count())
         halts.add_metric(["run"], Run.objects.filter(halted_at__isnull=False).count())
         yield halts
-
-    def _notifications(self):
-        deliveries = GaugeMetricFamily(
-            "stepguard_notification_deliveries",
-            "Notification deliveries stored, by channel kind and result "
-            "(delivered, failed after its retries, or under way).",
-            labels=["kind", "result"],
-        )
-        result = Case(
-            When(run__status=RunStatus.COMPLETED, then=Value("delivered")),
-            When(run__status__in=[RunStatus.FAILED, RunStatus.CANCELLED], then=Value("failed")),
-            default=Value("pending"),
-            output_field=CharField(),
-        )
-        rows = (
-            NotificationDelivery.objects.annotate(result=result)
-            .values("channel__kind", "result")
-            .annotate(n=Count("id"))
-            .order_by()
-        )
-        for row in rows:
-            deliveries.add_metric([row["channel__kind"], row["result"]], row["n"])
-        yield deliveries
 
 
 registry = CollectorRegistry(auto_describe=False)

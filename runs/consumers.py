@@ -340,10 +340,10 @@ TOPICS = ("events", "approvals", "killswitch", "holds", "workers")
 def site_state(workers: bool) -> tuple:
     """What the site-wide pages show that can change: the newest event anywhere, the pending
     approvals, the kill switch, the workflow holds and (for the workers page) the heartbeats."""
-    from runs.approvals.models import ApprovalRequest, ApprovalStatus
+    from runs.context_processors import pending_badge
 
     last = Event.objects.order_by("-pk").values_list("pk", flat=True).first()
-    pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).count()
+    pending = pending_badge()  # as the badge says it: past its cap, a decision is a new event
     held = dict(Policy.objects.filter(halted_at__isnull=False).values_list("scope", "halted_at"))
     beat = None
     if workers:

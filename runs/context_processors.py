@@ -6,6 +6,17 @@ from django.urls import NoReverseMatch, reverse
 from runs.approvals.models import ApprovalRequest, ApprovalStatus
 from runs.models import GLOBAL, Policy
 
+#: The badge counts pending requests up to this many ("999+" past it): a count of every one
+#: read 20,000 index entries on every page of a history with that many waiting.
+BADGE_UP_TO = 999
+
+
+def pending_badge() -> int | str:
+    """How many approval requests are pending, as the layout's badge says it."""
+    pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING)
+    n = pending.order_by().values("pk")[: BADGE_UP_TO + 1].count()
+    return f"{BADGE_UP_TO}+" if n > BADGE_UP_TO else n
+
 
 def admin_url() -> str:
     """The admin's index, or "" in a project that mounts no admin."""
@@ -21,7 +32,7 @@ def nav(request) -> dict:
     kill = Policy.objects.filter(scope=GLOBAL, halted_at__isnull=False).first()
     return {
         "nav": {
-            "pending": ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).count(),
+            "pending": pending_badge(),
             "killswitch": kill is not None,
             "killswitch_by": kill.halted_by if kill else "",
             "killswitch_reason": kill.halt_reason if kill else "",

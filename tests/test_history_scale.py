@@ -136,9 +136,11 @@ def test_a_role_that_may_not_create_pg_trgm_migrates_and_the_warning_says_how_to
 
         migrated = manage("migrate", "--no-input")
         assert migrated.returncode == 0, migrated.stdout + migrated.stderr
-        warning = re.search(r"pg_trgm is not available .*?run this .*?: (CREATE INDEX .*;)",
+        warning = re.search(r"pg_trgm is not available .*?run this .*?: (CREATE INDEX .*?;)",
                             migrated.stderr, re.S)  # fmt: skip
         assert warning, migrated.stderr
+        # btree_gin likewise (the label and status index): said, and migrate went on.
+        assert "btree_gin is not available" in migrated.stderr
         index = "SELECT count(*) FROM pg_indexes WHERE indexname = 'runs_run_key_trgm_idx'"
         assert cluster.psql(index, dbname="narrow") == "0"
         assert cluster.psql("SELECT count(*) FROM runs_run", dbname="narrow") == "0"
@@ -169,3 +171,35 @@ def test_the_workflow_names_the_policy_pages_list_are_every_workflow_with_runs(d
         run = start_run("ledger", {"steps": 1}, key=f"k-{i}")
         Run.objects.filter(pk=run.pk).update(workflow=name)
     assert sorted(queries.workflow_names()) == sorted(set(names))
+
+
+def test_with_a_shared_cache_a_scrape_never_reads_the_steps_a_worker_keeps_the_totals(
+    client, few_runs, settings, monkeypatch
+):
+    """Issue 51: the totals over everything stored come from one worker per period, through
+    Django's cache (Redis in production; the test's own cache stands in, shared in-process)."""
+    from django.test.utils import CaptureQueriesContext
+
+    from runs import summary
+    from runs.engine.chores import ChoreContext
+
+    settings.STEPGUARD_METRICS_ALLOW = ["127.0.0.1"]
+    settings.STEPGUARD_METRICS_SUMMARY_SECONDS = 60
+    monkeypatch.setattr(summary, "cache_shared", lambda: True)
+    cache.delete(summary.KEY)
+    completed = ("stepguard_runs", (("status", "completed"), ("workflow", "ledger")))
+    with CaptureQueriesContext(connection) as asked:
+        before = scrape(client)
+    assert not [q for q in asked if "runs_step" in q["sql"]]
+    assert before[("stepguard_metrics_summary_age_seconds", ())] == -1  # no worker yet
+    assert completed not in before  # finished runs are the summary's
+
+    summary.keep(ChoreContext(worker="w-1", workflows=frozenset()))
+    # The period's turn is taken: the second worker computes nothing.
+    summary.keep(ChoreContext(worker="w-2", workflows=frozenset()))
+    with CaptureQueriesContext(connection) as asked:
+        after = scrape(client)
+    assert not [q for q in asked if "runs_step" in q["sql"]]
+    assert after[completed] == 5
+    assert 0 <= after[("stepguard_metrics_summary_age_seconds", ())] < 60
+    assert ("stepguard_steps", (("outcome", "completed"),)) in after

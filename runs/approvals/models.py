@@ -95,6 +95,12 @@ class ApprovalRequest(models.Model):
             models.Index(
                 fields=["created_at"], condition=Q(status="pending"), name="approvals_pending_idx"
             ),
+            # The inbox's pages of pending requests, in id order (`after=<id>`): an index range
+            # of the pending ones, where the primary key's walked every decided request first
+            # (100,601 rows read, 462 ms, at 100,000 approvals on a loaded host).
+            models.Index(
+                fields=["id"], condition=Q(status="pending"), name="approvals_pending_id_idx"
+            ),
             # The inbox's recent decisions, newest first (sorting every decided request took
             # 78 ms at 100,000, linear in the history).
             models.Index(

@@ -8,7 +8,7 @@ import time
 from django.conf import settings
 from django.core.management.base import CommandError
 
-from runs import logcontext, notifications, partitions, retention, schedules
+from runs import logcontext, notifications, partitions, retention, schedules, summary
 from runs.engine import registry, unheld
 from runs.engine.worker import Chore, WorkerProcess
 from runs.management.base import StepguardCommand
@@ -25,6 +25,7 @@ def chores() -> list[Chore]:
         schedules.chore(),
         notifications.chore(),
         partitions.chore(),
+        summary.chore(),
         retention.chore(),
         unheld.chore(),
     ]
