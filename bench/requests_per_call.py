@@ -242,7 +242,7 @@ def main() -> int:
         bench_steps.delete_bench_rows()
         # Workers SIGKILLed by an earlier pass never said they stopped.
         Worker.objects.filter(stopped_at__isnull=True).update(stopped_at=timezone.now())
-        for kills in (0, args.kills):
+        for kills in dict.fromkeys((0, args.kills)):
             rows = []
             for what, workflow, input in chosen:
                 progress(f"round {round_}: {what}, {kills} kills")

@@ -22,10 +22,12 @@ ROOTS: dict[str, tuple[tuple[str, str], ...]] = {
     "responses": (
         ("openai.types.responses", "ResponseStreamEvent"),
         ("openai.types.responses", "Response"),
+        ("openai.types.responses", "ParsedResponse"),  # what a stream accumulates
     ),
     "chat": (
         ("openai.types.chat", "ChatCompletionChunk"),
         ("openai.types.chat", "ChatCompletion"),
+        ("openai.types.chat", "ParsedChatCompletion"),
     ),
     "anthropic": (
         ("anthropic.types", "RawMessageStreamEvent"),
