@@ -26,6 +26,7 @@ import argparse
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,16 @@ from django.utils import timezone  # noqa: E402
 from bench import steps as bench_steps  # noqa: E402  (sets up Django on the bench database)
 from bench.steps import prepare_database, progress, table  # noqa: E402
 from examples.model_server import serve  # noqa: E402
-from runs.models import TERMINAL_STATUSES, Run, RunStatus, Step, StepStatus, Worker  # noqa: E402
+from runs.models import (  # noqa: E402
+    TERMINAL_STATUSES,
+    Event,
+    EventType,
+    Run,
+    RunStatus,
+    Step,
+    StepStatus,
+    Worker,
+)
 from runs.sdk import start_run  # noqa: E402
 
 MODULES = [
@@ -64,14 +74,24 @@ def shapes(effects: str) -> list[tuple[str, str, dict]]:
     return [
         ("ctx.llm, module-level AsyncOpenAI, sync workflow", "shared-client", {"turns": 5}),
         ("ctx.llm, module-level AsyncOpenAI, async workflow", "shared-client-async", {"turns": 5}),
+        ("ctx.llm, module-level AsyncOpenAI, stream=True", "shared-client-streamed-async",
+         {"turns": 5}),
         ("OpenAI Agents SDK, Runner.run", "oa-agent",
          {"script": "lookup, weather", "effects": effects}),
+        ("OpenAI Agents SDK, Runner.run_streamed", "oa-agent-streamed",
+         {"script": "lookup, weather", "effects": effects}),
         ("Pydantic AI, agent.run", "pa-planner", {"instructions": dinner, "effects": effects}),
+        ("Pydantic AI, agent.run_stream", "pa-stream",
+         {"instructions": dinner, "effects": effects}),
         ("Pydantic AI, agent.run_sync", "pa-planner-sync",
          {"instructions": dinner, "effects": effects}),
         ("LangGraph, module-level ChatOpenAI.invoke", "lg-chatbot", {"provider": "openai"}),
         ("LangGraph, module-level ChatOpenAI.ainvoke", "lg-chatbot-async",
          {"provider": "openai"}),
+        ("LangGraph, ChatOpenAI.invoke, stream_mode=messages", "lg-chatbot-streamed",
+         {"provider": "openai", "turns": 3}),
+        ("LangGraph, ChatOpenAI.ainvoke, astream_events", "lg-chatbot-streamed-async",
+         {"provider": "openai", "turns": 3, "how": "events"}),
     ]  # fmt: skip
 
 
@@ -155,6 +175,7 @@ def one_shape(workflow: str, input: dict, runs: int, kills: int, model, log: Pat
         recorded_micros += micros
         possibly += maybe
     failed = Run.objects.filter(pk__in=ids).exclude(status=RunStatus.COMPLETED).count()
+    windows = record_windows(ids, steps, model.answered_at)
     return {
         "runs": runs,
         "kills": made,
@@ -165,13 +186,44 @@ def one_shape(workflow: str, input: dict, runs: int, kills: int, model, log: Pat
         "failed": failed,
         "billed": billed,
         "covered": recorded_micros + possibly,
+        "windows": windows,
     }
+
+
+def record_windows(ids: list, steps, answered_at: dict[str, float]) -> list[float]:
+    """Seconds from the provider's last byte of each recorded call's answer (its latest, for a
+    call re-sent) to its `step.completed` event: a kill in between pays the answer again. A
+    LangGraph node's calls are keyed `<the step's key>:<n>`: from the last of them."""
+    last: dict[str, float] = {}
+    for key, at in list(answered_at.items()):
+        owner = key.rsplit(":", 1)[0] if key.count(":") > 1 else key
+        for k in {key, owner}:
+            last[k] = max(last.get(k, 0.0), at)
+    completed = {
+        (run_id, key): at.timestamp()
+        for run_id, key, at in Event.objects.filter(
+            run_id__in=ids, type=EventType.STEP_COMPLETED
+        ).values_list("run_id", "step_key", "created_at")
+    }
+    windows = []
+    for run_id, key, idem in steps.values_list("run_id", "key", "idempotency_key"):
+        if idem in last and (run_id, key) in completed:
+            windows.append(max(completed[run_id, key] - last[idem], 0.0))
+    return windows
+
+
+def window_cells(windows: list[float]) -> list[str]:
+    if not windows:
+        return ["-", "-"]
+    return [f"{statistics.median(windows) * 1000:.0f} ms", f"{max(windows) * 1000:.0f} ms"]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=6, help="runs of each shape at once")
     parser.add_argument("--kills", type=int, default=20, help="SIGKILLs per shape, second pass")
+    parser.add_argument("--only", default="", help="only the shapes whose name has this text")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of both passes")
     args = parser.parse_args()
     error = prepare_database()
     if error:
@@ -185,13 +237,14 @@ def main() -> int:
     log = Path(effects) / "workers.log"
     bench_steps.BENCH_WORKFLOWS += tuple(w for _, w, _ in shapes(effects))
     ok = True
-    for round_ in (1, 2):
+    chosen = [shape for shape in shapes(effects) if args.only.lower() in shape[0].lower()]
+    for round_ in range(1, args.rounds + 1):
         bench_steps.delete_bench_rows()
         # Workers SIGKILLed by an earlier pass never said they stopped.
         Worker.objects.filter(stopped_at__isnull=True).update(stopped_at=timezone.now())
-        for kills in (0, args.kills):
+        for kills in dict.fromkeys((0, args.kills)):
             rows = []
-            for what, workflow, input in shapes(effects):
+            for what, workflow, input in chosen:
                 progress(f"round {round_}: {what}, {kills} kills")
                 r = one_shape(workflow, input, args.runs, kills, model, log)
                 ratio = r["requests"] / r["recorded"] if r["recorded"] else float("nan")
@@ -201,12 +254,14 @@ def main() -> int:
                 rows.append([
                     what, r["kills"], r["recorded"], r["requests"], f"{ratio:.2f}", r["resent"],
                     r["unkeyed"], r["failed"], f"{r['billed']}/{r['covered']}",
+                    *window_cells(r["windows"]),
                 ])  # fmt: skip
             print(f"\nround {round_}, {'no kills' if not kills else f'{kills} SIGKILLs a shape'}")
             print(table(
                 ["shape", "kills", "recorded calls", "requests", "per call", "re-sent",
-                 "without key", "runs failed", "billed/recorded+possibly (micro-USD)"],
-                rows, right={1, 2, 3, 4, 5, 6, 7},
+                 "without key", "runs failed", "billed/recorded+possibly (micro-USD)",
+                 "record window median", "max"],
+                rows, right={1, 2, 3, 4, 5, 6, 7, 9, 10},
             ))  # fmt: skip
     server.shutdown()
     print(f"\nlogs: {log}")

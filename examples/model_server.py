@@ -126,6 +126,9 @@ class DemoModel:
         self.total = 0
         self.bodies: list[dict] = []
         self.arrivals: list[float] = []  # time.time() of each call, for rate-limit tests
+        #: time.time() just after the last byte of each key's latest answer was written: where
+        #: the record window (bench/requests_per_call.py) starts.
+        self.answered_at: dict[str, float] = {}
         self._failures: list[tuple[int, dict[str, str], dict]] = []
         self._cached: set[str] = set()
         self._lock = threading.Lock()
@@ -463,6 +466,11 @@ def serve(port: int = 0) -> tuple[ThreadingHTTPServer, DemoModel]:
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+            self._answered()
+
+        def _answered(self) -> None:
+            if key := self.headers.get("Idempotency-Key"):
+                model.answered_at[key] = time.time()
 
         def do_GET(self):
             if self.path.rstrip("/").endswith("/stats"):
@@ -512,6 +520,8 @@ def serve(port: int = 0) -> tuple[ThreadingHTTPServer, DemoModel]:
                 self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
                 self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+            self._answered()
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     threading.Thread(target=server.serve_forever, name="demo-model", daemon=True).start()

@@ -441,6 +441,7 @@ def long_conversation(ctx: RunContext, input: dict):
 @workflow("llm-cut-off")
 def llm_cut_off(ctx: RunContext, input: dict):
     """A model call whose process dies after the provider answered, before it was recorded."""
+    from runs.engine.llm import CAP_FIELD
     from tests import workflows
 
     client = openai_client()
@@ -453,6 +454,9 @@ def llm_cut_off(ctx: RunContext, input: dict):
         return answer
 
     messages = [{"role": "user", "content": "summarise durable execution"}]
+    if (input or {}).get("uncapped"):  # no max_tokens: the budget caps the answer
+        setattr(call, CAP_FIELD, "max_completion_tokens")
+        return ctx.llm("ask", call, model="gpt-4o-mini", messages=messages)
     return ctx.llm("ask", call, model="gpt-4o-mini", max_tokens=100, messages=messages)
 
 

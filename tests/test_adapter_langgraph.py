@@ -204,6 +204,19 @@ def test_a_node_that_cannot_be_a_step_fails_the_run_naming_the_node(drive, case,
     assert step(run, "tag").attempt == 1  # not retried: the same code fails the same way
 
 
+def test_an_async_node_calling_a_chat_model_completes_in_a_real_worker(spawn_worker, demo_model):
+    """Its answer cap reads the budgets, on the step's thread: from the event loop a worker
+    (which does not allow async-unsafe ORM calls, as the tests' process does) failed every
+    `ainvoke` run with SynchronousOnlyOperation."""
+    spawn_worker("--import", "tests.adapter_langgraph_workflows")
+    run = start_run("lg-chatbot-async", {"provider": "openai"})
+    run = wait_until(
+        lambda: (r := Run.objects.get(pk=run.pk)).is_terminal and r, timeout=60, what="the run"
+    )
+    assert run.status == RunStatus.COMPLETED, run.error
+    assert demo_model.total == 1
+
+
 def test_a_worker_killed_mid_graph_resumes_it_without_repeating_a_finished_node(
     spawn_worker, demo_model
 ):

@@ -9,6 +9,7 @@ from decimal import Decimal
 import pytest
 
 from runs.engine.llm import price_of, usage_of
+from runs.engine.prices import output_limit
 from tests import adapter_openai_agents_workflows as oa  # noqa: F401 (its workflows)
 from tests import adapter_pydantic_ai_workflows as pa
 
@@ -121,3 +122,29 @@ def test_an_unpriced_model_is_flagged_or_refused_by_the_adapters_as_by_ctx_llm(
     run.refresh_from_db()
     assert run.error["cause"]["code"] == "unpriced_model", run.error
     assert demo_model.total == sent  # the refused call was never sent
+
+
+@pytest.mark.parametrize(
+    ("model", "limit"),
+    [
+        ("gpt-4o-mini", 16_384),
+        ("gpt-4o-2024-08-06", 16_384),
+        ("openai/gpt-4.1", 32_768),
+        ("o3", 100_000),
+        ("gpt-5-mini-2025-08-07", 128_000),
+        ("claude-sonnet-4-5-20250929", 64_000),
+        ("us.anthropic.claude-sonnet-4-5-20250929-v1:0", 64_000),
+        ("claude-opus-4-1", 32_000),
+        ("claude-3-5-haiku-latest", 8_192),
+        ("gpt-4o-nonesuch", None),  # no limit known, no context window in the catalogue
+        ("stepguard-demo", None),
+    ],
+)
+def test_a_models_output_limit_bounds_what_one_answer_can_cost(model, limit):
+    assert output_limit(model) == limit
+
+
+def test_a_model_not_in_the_table_is_bounded_by_its_context_window():
+    """The catalogue gives context windows only: an answer cannot be longer."""
+    assert output_limit("claude-opus-4-6") == 1_000_000
+    assert output_limit("gpt-5-pro") == 400_000

@@ -72,6 +72,31 @@ def test_possibly_spent_counts_against_the_budget(drive, demo_model, expire_leas
     assert demo_model.total == 3  # the second run's re-send was not made
 
 
+def test_a_call_without_max_tokens_cut_off_in_flight_is_booked_for_no_more_than_it_could_cost(
+    drive, demo_model, expire_lease
+):
+    """Issue 49 §6: with $10 of budget left and no `max_tokens`, the budget capped the answer at
+    16,666,658 tokens (a request a real provider refuses), and a call cut off in flight was
+    booked as possibly spent for the whole $10, for an answer of 12 micro-USD. The model's
+    output limit caps both now (gpt-4o-mini: 16,384 tokens, about 1 cent)."""
+    run = start_run("llm-cut-off", {"uncapped": True}, budget_usd=Decimal("10"))
+    workflows.crash_at.add("answered")
+    with pytest.raises(workflows.Crash):
+        drive()
+    expire_lease(run.id)
+    assert drive() == ["completed"]
+    step = only_llm_step(run)
+    assert step.recovered == "resent" and demo_model.total == 2
+    assert demo_model.bodies[-1]["max_completion_tokens"] == 16_384  # gpt-4o-mini's own limit
+    price = price_of("gpt-4o-mini")
+    prompt = step.possibly_spent_tokens - 16_384
+    assert 0 < prompt < 100
+    assert abs(step.possibly_spent_micros - cost("gpt-4o-mini", prompt, 16_384) * 10**6) <= 1
+    assert step.possibly_spent_micros < 16_500 * price.output  # about 1 cent, not $10
+    run.refresh_from_db()
+    assert run.cost_micros <= 2 * step.cost_micros <= run.cost_micros + run.possibly_spent_micros
+
+
 def test_every_answered_attempt_is_recorded_even_when_its_parse_fails(drive, demo_model):
     """The SDK's structured-output parse fails after each answer: 3 step attempts, 3 answers
     paid (9 before issue 47, in 3 run attempts). Before, the run recorded 0 tokens and $0."""

@@ -744,6 +744,19 @@ async def shared_client_async(ctx, input):
     return answers
 
 
+@workflow("shared-client-streamed-async")
+async def shared_client_streamed_async(ctx, input):
+    """shared-client-async, each answer streamed (`stream=True`) to a chat UI."""
+    pieces: list[str] = []
+    for i in range(input["turns"]):
+        await ctx.llm(
+            f"ask-{i}", shared_client().chat.completions.create, model="gpt-4o",
+            messages=[{"role": "user", "content": f"question {i}"}], stream=True,
+            on_delta=pieces.append,
+        )  # fmt: skip
+    return len(pieces)
+
+
 @workflow("debounced-payer", debounce=60, debounce_key=lambda input: input["account"])
 def debounced_payer(ctx: RunContext, input: dict):
     """Pays what the last start in its quiet period asked, once a person approves."""

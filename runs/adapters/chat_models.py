@@ -265,6 +265,17 @@ def _prepared(
     return {**kwargs, "extra_headers": headers} | ({"max_tokens": cap} if cap else {}), estimate
 
 
+async def _aprepared(
+    meter: Meter, model: BaseChatModel, messages: list, kwargs: dict
+) -> tuple[dict, Amount]:
+    """`_prepared` from the event loop, which may not touch the database (the budget's answer
+    cap reads the shared daily budgets): on the step's thread, which waits for this call."""
+    running = CURRENT_STEP.get()
+    if running is None or running.thread is None:
+        return _prepared(meter, model, messages, kwargs)
+    return await running.thread.run(functools.partial(_prepared, meter, model, messages, kwargs))
+
+
 def _streamed(model: BaseChatModel, kwargs: dict) -> dict:
     """Ask for the usage of a streamed answer (ChatOpenAI leaves it out by default), whatever
     the call or the model's constructor said: an answer without it would be recorded free."""
@@ -333,7 +344,7 @@ def _metered_agenerate(agenerate: Callable) -> Callable:
         if meter is None:
             return await agenerate(self, messages, stop, run_manager, **kwargs)
         try:
-            kwargs, estimate = _prepared(meter, self, messages, _including_usage(kwargs))
+            kwargs, estimate = await _aprepared(meter, self, messages, _including_usage(kwargs))
             await _areserve(estimate, meter, _model_name(self))
         except ControlFlow as signal:  # a budget's refusal, a lost lease...
             raise _Carried(signal) from None
@@ -414,7 +425,7 @@ def _metered_astream(astream: Callable) -> Callable:
                 yield chunk
             return
         messages = self._convert_input(input).to_messages()
-        kwargs, estimate = _prepared(meter, self, messages, _streamed(self, kwargs))
+        kwargs, estimate = await _aprepared(meter, self, messages, _streamed(self, kwargs))
         await _areserve(estimate, meter, _model_name(self))
         chunks = astream(_quiet(self), input, config, stop=stop, **kwargs)
         last = None

@@ -91,6 +91,7 @@ from openai.types.responses import (
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import to_jsonable_python
 
+from runs.engine import sdk_types
 from runs.engine.bridge import AsyncRunContext
 from runs.engine.context import RunContext
 from runs.engine.llm import CAP_FIELD
@@ -445,6 +446,7 @@ class DurableModel(Model):
     ) -> ModelResponse:  # fmt: skip
         async def call(*, extra_headers: dict | None = None, **_request: Any) -> dict:
             settings = _capped(_with_headers(model_settings, extra_headers), _request)
+            await sdk_types.abuild_for(self.inner)  # before sending: see runs/engine/sdk_types
             with provider_managed_retries_disabled(True):
                 response = await self.inner.get_response(
                     system_instructions, input, settings, tools, output_schema, handoffs,
@@ -488,6 +490,7 @@ class DurableModel(Model):
             settings = _capped(_with_headers(model_settings, extra_headers), _request)
             if settings.include_usage is None:  # chat completions stream usage only if asked
                 settings = settings.resolve({"include_usage": True})
+            await sdk_types.abuild_for(self.inner)
             final = None
             with provider_managed_retries_disabled(True):
                 async for event in self.inner.stream_response(

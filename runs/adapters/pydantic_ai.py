@@ -69,6 +69,7 @@ from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset
 from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
 
+from runs.engine import sdk_types
 from runs.engine.bridge import AsyncRunContext, run_async
 from runs.engine.context import engine_of
 from runs.engine.llm import CAP_FIELD
@@ -273,6 +274,7 @@ class _Steps(AbstractCapability[Any]):
                 sent["extra_headers"] = {**settings.get("extra_headers", {}), **headers}
             if "max_retries" not in ignored:
                 sent.setdefault("max_retries", 0)  # the step retries, recorded and checked
+            await sdk_types.abuild_for(_unwrapped(model))  # before sending: runs/engine/sdk_types
             if stream:
                 async with model.request_stream(messages, sent, parameters, run_context) as live:
                     async for _event in live:

@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db.models.fields.json import KT
 
 from runs import tracing
-from runs.engine import agent, deltas, streaming
+from runs.engine import agent, deltas, sdk_types, streaming
 from runs.engine import llm as llm_engine
 from runs.engine.budget import Metered, Usage, scopes_for
 from runs.engine.execution import Execution
@@ -112,6 +112,7 @@ class ModelCalls:
         idem = self.steps.idempotency_key
         self.steps.answered_now.pop(idem, None)
         self.refuse_unpriced(model)  # before paying; flagged after, by the answer
+        sdk_types.build_for(call)  # the answer's types, before it is on its way
         kwargs = request
         if accepts(call, "extra_headers"):  # the SDKs' create() methods do
             headers = {"Idempotency-Key": self.steps.idempotency_key}

@@ -15,7 +15,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 
 from runs.engine.budget import Usage, shared_left
-from runs.engine.prices import DEFAULT_PRICES, Price, price_of  # noqa: F401 (re-exported)
+from runs.engine.prices import DEFAULT_PRICES, Price, output_limit, price_of  # noqa: F401
 from runs.engine.streaming import Relay, event_piece
 from runs.errors import ModelRequestRejected, OutputNotSerializable, StepMisuse
 
@@ -194,6 +194,8 @@ def estimate(model: str, request: dict) -> Usage:
     tokens_out = next(
         (request[k] for k in MAX_TOKENS_FIELDS if isinstance(request.get(k), int)), 1024
     )
+    if (limit := output_limit(model)) is not None:
+        tokens_out = min(tokens_out, limit)  # a larger max_tokens cannot be answered
     return Usage(tokens_in, tokens_out, cost(model, tokens_in, tokens_out))
 
 
@@ -227,8 +229,9 @@ def answer_cap(model: str, request: dict, run) -> int | None:
     hold reserved) and its shared daily ones (workflow, labels, global: spent and held
     today). So a client's default `max_tokens` (64,000 for some models: $0.32 priced in full)
     never refuses a call that fits, and a call cut off in flight is booked as possibly spent
-    for no more than it could have cost. At least 1: a prompt that does not fit pauses the
-    run at its reservation instead."""
+    for no more than it could have cost: never more than the model's own output limit
+    (`prices.output_limit`), however much the budget has left. At least 1: a prompt that does
+    not fit pauses the run at its reservation instead."""
     prompt = estimate(model, {**request, "max_tokens": 0})
     tokens_left, micros_left = [], []
     if run.budget_tokens is not None:
@@ -245,6 +248,8 @@ def answer_cap(model: str, request: dict, run) -> int | None:
     if micros_left and price is not None and price.output > 0:
         left = min(micros_left) - prompt.micros
         caps.append(int(Decimal(left) / price.output))  # micro-USD / (USD per 1M tokens)
+    if caps and (limit := output_limit(model)) is not None:
+        caps.append(limit)  # a $10 budget left is not what one answer can cost (issue 49 §6)
     return max(1, min(caps)) if caps else None
 
 

@@ -150,3 +150,62 @@ def _as_price(prices: Any) -> Price | None:
         given if write is None else write,
         source=catalogue_version(),
     )
+
+
+#: The most tokens a model answers in one call, by its name without gateway prefix or snapshot
+#: date (a full match): the catalogue gives context windows only. For a model not listed, its
+#: context window (from the catalogue) bounds the answer instead.
+OUTPUT_LIMITS: tuple[tuple[re.Pattern, int], ...] = tuple(
+    (re.compile(pattern), limit)
+    for pattern, limit in (
+        (r"(chatgpt-4o|gpt-4o)(-mini)?(-(search|audio)-preview)?", 16_384),
+        (r"gpt-4\.1(-mini|-nano)?", 32_768),
+        (r"gpt-4-turbo(-preview)?|gpt-3\.5-turbo(-\d+)?", 4_096),
+        (r"gpt-4(-\d{4})?", 8_192),
+        (r"o1-mini", 65_536),
+        (r"o1(-pro|-preview)?|o3(-mini|-pro|-deep-research)?|o4-mini(-deep-research)?", 100_000),
+        (r"gpt-5(\.\d+)?(-mini|-nano|-chat|-codex)?", 128_000),
+        (r"claude-3-(opus|sonnet|haiku)", 4_096),
+        (r"claude-3-5-(sonnet|haiku)", 8_192),
+        (r"claude-3-7-sonnet|claude-sonnet-4(-0|-5)?|claude-haiku-4-5|claude-opus-4-5", 64_000),
+        (r"claude-opus-4(-0|-1)?", 32_000),
+        (r"gemini-2\.5-(pro|flash|flash-lite)", 65_536),
+        (r"gemini-(1\.5|2\.0)-(pro|flash|flash-lite)", 8_192),
+    )
+)
+
+#: A snapshot's date, or Vertex's `@date`, after a model's name.
+_DATED = re.compile(r"(-\d{4}-\d{2}-\d{2}|-\d{8}|@\d{8}|-latest|-preview-\d{2}-\d{2})$")
+
+
+def output_limit(model: str | None) -> int | None:
+    """The most tokens `model` may answer in one call (OUTPUT_LIMITS, else its context window
+    in the catalogue), or None if neither knows it: what a call with no `max_tokens` could
+    cost at most, so a budget's answer cap (and what a crash books as possibly spent) is
+    never more than the model could answer."""
+    if not model:
+        return None
+    name = model.lower().rsplit("/", 1)[-1]
+    if bedrock := _BEDROCK.match(name):
+        name = bedrock.group(2)
+    bare = _DATED.sub("", name)
+    for pattern, limit in OUTPUT_LIMITS:
+        if pattern.fullmatch(bare) or pattern.fullmatch(name):
+            return limit
+    return _context_window(model.lower())
+
+
+@functools.lru_cache(maxsize=1024)
+def _context_window(model: str) -> int | None:
+    from genai_prices import data_snapshot
+
+    snapshot = data_snapshot.get_snapshot()
+    for ref in dict.fromkeys((model, model.rsplit("/", 1)[-1])):
+        for provider in (None, *_FALLBACK_PROVIDERS):
+            try:
+                _, info = snapshot.find_provider_model(ref, None, provider, None)
+            except LookupError:
+                continue
+            if info.context_window:
+                return info.context_window
+    return None
