@@ -1090,7 +1090,9 @@ class StreamPiece(models.Model):
     (runs/engine/streaming.py). Display data, not a checkpoint: pruned with its run."""
 
     id = models.BigAutoField(primary_key=True)
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+", db_index=False)
+    run = models.ForeignKey(
+        Run, on_delete=models.CASCADE, related_name="stream_pieces", db_index=False
+    )
     seq = models.PositiveIntegerField(help_text="the step's position in the run")
     attempt = models.PositiveIntegerField(help_text="the step attempt that streamed it")
     offset = models.PositiveIntegerField(help_text="where in the step's stream the text goes")

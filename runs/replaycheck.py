@@ -26,6 +26,7 @@ from runs.engine import registry
 from runs.engine.dry import RUN_FIELDS, STEP_FIELDS, Verdict, replay
 from runs.errors import InvalidInput, UnknownWorkflow
 from runs.models import TERMINAL_STATUSES, Run, Step
+from runs.operations import in_utc
 
 #: Who may run the check from the API or the dashboard: it replays up to thousands of histories
 #: on the web process, a cost the operators (who deploy) may impose, a viewer not.
@@ -187,7 +188,7 @@ def select(
         found = found.filter(workflow=workflow)
     if runs is not None:
         return list(found.order_by("-created_at", "-id")[:runs])[::-1]
-    since = since or timezone.now() - DEFAULT_WINDOW
+    since = in_utc(since, "since") if since else timezone.now() - DEFAULT_WINDOW
     live = ~Q(status__in=TERMINAL_STATUSES)
     return list(found.filter(live | Q(finished_at__gte=since)).order_by("created_at", "id"))
 

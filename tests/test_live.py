@@ -173,6 +173,9 @@ def test_a_streamed_answer_reaches_the_live_page_piece_by_piece(drive, demo_mode
     shape = {"protocol": "chat", "async_client": False, "helper": False}
     run = start_run("llm-stream", shape)
     comm = communicator(run, cast["vera"], after=0, query="&last=-1")
+    # The answer pauses after its first pieces until the page has shown them: piece by piece
+    # however slow this machine is, not one frame with everything.
+    demo_model.stall_streams(3)
 
     def worker():
         try:
@@ -209,6 +212,7 @@ def test_a_streamed_answer_reaches_the_live_page_piece_by_piece(drive, demo_mode
                 pieces.append(found.group(2))
                 drawn = found.group(1) == "innerHTML"
                 shown[0] = found.group(2) if drawn else shown[0] + found.group(2)
+                demo_model.release()
         await comm.disconnect()
         return await outcome, pieces, shown[0]
 

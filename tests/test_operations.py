@@ -31,6 +31,7 @@ from runs.models import (
     Signal,
     SpendRun,
     Step,
+    StreamPiece,
     Worker,
 )
 from runs.operations import fork_run, halt
@@ -63,6 +64,9 @@ def rows_of(run) -> dict:
         "shapers": RunShaper.objects.filter(run=run).count(),  # who started it (four eyes)
         "spend_days": SpendRun.objects.filter(run=run).count(),  # days it spent (the rows
         # of what was spent, SpendDay, stay: they are not the run's)
+        "annotations": run.annotations.count(),
+        "published": run.published.count(),  # ctx.set_event's values
+        "stream_pieces": run.stream_pieces.count(),  # what its streamed calls showed
     }
 
 
@@ -92,8 +96,10 @@ def test_prune_deletes_runs_ended_before_the_limit_with_all_their_rows_and_audit
     drive()
     age(*finished)
     Run.objects.filter(pk=waiting.pk).update(created_at=timezone.now() - 30 * DAY)
+    StreamPiece.objects.create(run=finished[0], seq=0, attempt=1, offset=0, text="hello")
     expected = {k: sum(rows_of(r)[k] for r in finished) for k in rows_of(finished[0])}
     assert expected["signals"] == 1 and expected["approvals"] == 1
+    assert expected["stream_pieces"] == 1
 
     result = retention.prune(finished_before=timezone.now() - 7 * DAY)
 

@@ -69,6 +69,12 @@ def test_bad_input_to_the_api_check_is_refused_by_name(cast, client, body, says)
     assert says in answer.json()["error"]["message"]
 
 
+def test_a_since_at_any_offset_is_read_in_utc(cast, client):
+    """Schemathesis found it: an offset PostgreSQL cannot store (-20:36) was a 500."""
+    answer = api(client, cast["otto"], "post", "/replaycheck", {"since": "4809-01-18T03:27-20:36"})
+    assert answer.status_code == 200, answer.content
+
+
 def test_versions_in_flight_say_who_serves_each_and_when_it_drains(cast, client):
     now = timezone.now()
     for status in ("waiting", "waiting", "running"):

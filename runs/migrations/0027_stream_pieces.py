@@ -20,7 +20,7 @@ class Migration(migrations.Migration):
                 ('offset', models.PositiveIntegerField(help_text="where in the step's stream the text goes")),
                 ('kind', models.CharField(default='text', help_text='text or tool_call', max_length=20)),
                 ('text', models.TextField(blank=True)),
-                ('run', models.ForeignKey(db_index=False, on_delete=django.db.models.deletion.CASCADE, related_name='+', to='runs.run')),
+                ('run', models.ForeignKey(db_index=False, on_delete=django.db.models.deletion.CASCADE, related_name='stream_pieces', to='runs.run')),
             ],
             options={
                 'indexes': [models.Index(fields=['run', 'id'], name='runs_streampiece_run_id')],
