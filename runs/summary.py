@@ -30,14 +30,12 @@ from django.db.models import (
     When,
 )
 from django.db.models.fields.json import KT
-from django.utils import timezone
 from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
 
 from runs.engine.chores import Chore as WorkerChore
-from runs.engine.chores import ChoreContext
+from runs.engine.chores import ChoreContext, my_turn
 from runs.engine.worker import WAKEABLE
 from runs.models import (
-    Chore,
     NotificationDelivery,
     Recovery,
     Run,
@@ -90,22 +88,13 @@ def read(now: datetime) -> dict:
     return found
 
 
-def take_turn(worker: str, now: datetime) -> bool:
-    """True for the one worker that keeps this period's totals (a conditional UPDATE moves
-    the due time a period on: of many workers exactly one sees a row count of 1)."""
-    period = timedelta(seconds=settings.STEPGUARD_METRICS_SUMMARY_SECONDS)
-    Chore.objects.get_or_create(name=CHORE, defaults={"due_at": now})
-    due = Chore.objects.filter(name=CHORE, due_at__lte=now)
-    return bool(due.update(due_at=now + period, claimed_by=worker, claimed_at=now))
-
-
 def keep(context: ChoreContext) -> None:
     """One look of a worker's summary chore: compute and share the totals if it is our turn.
     They stay in the cache for three periods, so a late turn leaves no gap."""
     try:
-        now = timezone.now()
-        if take_turn(context.worker, now):
-            cache.set(KEY, compute(now), 3 * settings.STEPGUARD_METRICS_SUMMARY_SECONDS)
+        period = settings.STEPGUARD_METRICS_SUMMARY_SECONDS
+        if (now := my_turn(CHORE, context.worker, period)) is not None:
+            cache.set(KEY, compute(now), 3 * period)
     except Exception:
         log.exception("metrics summary: not kept; next look in a period")
         close_old_connections()
