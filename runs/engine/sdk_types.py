@@ -17,6 +17,9 @@ import threading
 import typing
 from typing import Any
 
+if typing.TYPE_CHECKING:
+    from pydantic import BaseModel
+
 #: The root types each protocol's answers (whole and streamed) are parsed into.
 ROOTS: dict[str, tuple[tuple[str, str], ...]] = {
     "responses": (
@@ -87,12 +90,12 @@ def build_for(thing: Any) -> None:
         _built.add(protocol)
 
 
-def _models(root: Any) -> list[type]:
+def _models(root: Any) -> list[type[BaseModel]]:
     """Every pydantic model class `root` reaches through its fields' annotations."""
     from pydantic import BaseModel
 
     seen: set[int] = set()
-    found: list[type] = []
+    found: list[type[BaseModel]] = []
     todo = [root]
     while todo:
         tp = todo.pop()
