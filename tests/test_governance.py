@@ -105,7 +105,15 @@ def test_an_approved_step_does_not_start_after_a_later_halt(drive, cast):
     wait_until(lambda: drive() == [] and effects("charge") == 0, what="the wake time")
     assert status(run) == RunStatus.HALTED
     unhalt(run, cast["otto"], "cleared")
-    wait_until(lambda: drive() == ["completed"], what="the run to finish")
+    seen: list = []
+    wait_until(
+        lambda: seen.append(drive()) or seen[-1] == ["completed"],
+        what=lambda: (  # one clean CI timed out here: say what the run and the claims were
+            f"the run to finish: {status(run)}, "
+            f"claims gave {seen[-5:]}, events "
+            f"{list(Event.objects.filter(run=run).values_list('type', flat=True))[-6:]}"
+        ),
+    )
     assert effects("charge") == 1
 
 
