@@ -3,11 +3,9 @@ import json
 import re
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.core.management.base import CommandError
 from django.utils import timezone
 
-from runs.engine import registry
 from runs.errors import StepguardError
 from runs.management.base import StepguardCommand
 from runs.replaycheck import check
@@ -43,14 +41,7 @@ class Command(StepguardCommand):
     )
 
     def add_arguments(self, parser):
-        parser.add_argument(
-            "--import",
-            dest="modules",
-            action="append",
-            default=[],
-            metavar="MODULE",
-            help="workflow module to import (repeatable; STEPGUARD_WORKFLOW_MODULES adds more)",
-        )
+        self.add_import_option(parser)
         parser.add_argument("--workflow", metavar="NAME", help="check only this workflow")
         which = parser.add_mutually_exclusive_group()
         which.add_argument(
@@ -68,7 +59,7 @@ class Command(StepguardCommand):
 
     def handle(self, *args, modules, workflow, runs, since, as_json: bool, **options):
         try:
-            registry.import_modules([*settings.STEPGUARD_WORKFLOW_MODULES, *modules])
+            self.import_workflows(modules)
             report = check(workflow=workflow, runs=runs, since=since)
         except (ImportError, StepguardError) as exc:
             raise CommandError(str(exc)) from None

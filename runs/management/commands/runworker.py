@@ -36,14 +36,7 @@ class Command(StepguardCommand):
     help = "Run a worker: claim runnable runs, execute their steps, heartbeat their leases."
 
     def add_arguments(self, parser):
-        parser.add_argument(
-            "--import",
-            dest="modules",
-            action="append",
-            default=[],
-            metavar="MODULE",
-            help="workflow module to import (repeatable; STEPGUARD_WORKFLOW_MODULES adds more)",
-        )
+        self.add_import_option(parser)
         parser.add_argument("--concurrency", type=int, default=4, help="runs executed at once")
         parser.add_argument("--lease-seconds", type=float, default=None)
         parser.add_argument("--poll-interval", type=float, default=None)
@@ -66,7 +59,7 @@ class Command(StepguardCommand):
         if lease_seconds is not None and lease_seconds < 1:
             raise CommandError("--lease-seconds must be at least 1")
         try:
-            registry.import_modules([*settings.STEPGUARD_WORKFLOW_MODULES, *modules])
+            self.import_workflows(modules)
             worker = WorkerProcess(
                 concurrency=concurrency,
                 lease_seconds=lease_seconds,

@@ -6,7 +6,6 @@ from django.core.management.base import CommandError
 from django.utils import timezone
 
 from runs import operations
-from runs.engine import registry
 from runs.errors import StepguardError
 from runs.management.base import StepguardCommand
 from runs.models import Catchup, Overlap, Schedule
@@ -30,8 +29,7 @@ class Command(StepguardCommand):
         add.add_argument("--overlap", choices=Overlap.values, default=Overlap.SKIP,
                          help="a tick while the last run is open (default skip)")  # fmt: skip
         add.add_argument("--paused", action="store_true")
-        add.add_argument("--import", dest="modules", action="append", default=[],
-                         help="a module that registers the workflow")  # fmt: skip
+        self.add_import_option(add)
         sub.add_parser("list", help="every schedule with its next fire time")
         for action in ("pause", "resume", "remove"):
             one = sub.add_parser(action)
@@ -43,12 +41,11 @@ class Command(StepguardCommand):
     def handle(self, *args, action, **options):
         try:
             getattr(self, f"_{action}")(options)
-        except StepguardError as exc:
+        except (ImportError, StepguardError) as exc:
             raise CommandError(str(exc)) from None
 
     def _add(self, options):
-        registry.load_configured()
-        registry.import_modules(options["modules"])
+        self.import_workflows(options["modules"])
         try:
             data = json.loads(options["input"])
         except json.JSONDecodeError as exc:

@@ -1,9 +1,7 @@
 import json
 
-from django.conf import settings
 from django.core.management.base import CommandError
 
-from runs.engine import registry
 from runs.labels import parse as parse_labels
 from runs.management.base import StepguardCommand
 from runs.sdk import StepguardError, start_run
@@ -21,7 +19,7 @@ class Command(StepguardCommand):
             help="who the run is for (tenant=acme); repeat for more",
         )  # fmt: skip
         parser.add_argument("--workflow-version", dest="wf_version", default=None)
-        parser.add_argument("--import", dest="modules", action="append", default=[])
+        self.add_import_option(parser)
 
     def handle(self, *args, name, input, key, wf_version, modules, labels, **options):
         try:
@@ -29,7 +27,7 @@ class Command(StepguardCommand):
         except json.JSONDecodeError as exc:
             raise CommandError(f"--input is not valid JSON: {exc}") from None
         try:
-            registry.import_modules([*settings.STEPGUARD_WORKFLOW_MODULES, *modules])
+            self.import_workflows(modules)
             run = start_run(name, data, key=key, version=wf_version, labels=parse_labels(labels))
         except (ImportError, StepguardError, ValueError) as exc:
             raise CommandError(str(exc)) from None
