@@ -39,7 +39,7 @@ class Command(BaseCommand):
             argv += ["--access-log", access_log]
         # Not daphne's own --proxy-headers: it believes the left-most X-Forwarded-For entry,
         # which the client writes, from anyone. The application reads the header itself, from
-        # the proxies in STEPGUARD_TRUSTED_PROXIES only (controlplane/proxy.py).
+        # the proxies in STEPGUARD_TRUSTED_PROXIES only (stand-alone: controlplane/proxy.py).
         if proxy_headers and not settings.STEPGUARD_TRUSTED_PROXIES:
             raise CommandError(
                 "--proxy-headers needs STEPGUARD_TRUSTED_PROXIES: the addresses or networks of "
@@ -57,4 +57,7 @@ class Command(BaseCommand):
                 "(docs/deploy.md)."
             )
         self.stdout.flush()
-        CommandLineInterface().run([*argv, "controlplane.asgi:application"])
+        # The project's application (controlplane.asgi in stand-alone Stepguard), as daphne
+        # names it: module:attribute.
+        module, _, name = settings.ASGI_APPLICATION.rpartition(".")
+        CommandLineInterface().run([*argv, f"{module}:{name}"])
