@@ -46,6 +46,9 @@ class Command(BaseCommand):
                 "the proxies in front (e.g. 127.0.0.1 or 10.0.0.0/8), whose X-Forwarded-For "
                 "is believed; anyone else's is the client's own writing"
             )
+        application = getattr(settings, "ASGI_APPLICATION", None)
+        if not application:
+            raise CommandError("serve needs ASGI_APPLICATION: the project's ASGI application")
         self.check()
         self.stdout.write(f"Serving http://{host}:{port}/ (daphne)")
         if settings.SECURE_SSL_REDIRECT:
@@ -59,5 +62,5 @@ class Command(BaseCommand):
         self.stdout.flush()
         # The project's application (controlplane.asgi in stand-alone Stepguard), as daphne
         # names it: module:attribute.
-        module, _, name = settings.ASGI_APPLICATION.rpartition(".")
+        module, _, name = application.rpartition(".")
         CommandLineInterface().run([*argv, f"{module}:{name}"])
