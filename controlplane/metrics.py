@@ -31,12 +31,11 @@ from django.utils import timezone
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from controlplane import security
-from controlplane.health import LIVE_LEASES
-from runs import queries, replica, summary
+from runs import queries, replica, security, summary
 from runs.apikeys import check_key
 from runs.approvals.models import ApprovalRequest, ApprovalStatus
 from runs.engine.worker import WAKEABLE
+from runs.health import LIVE_LEASES
 from runs.models import (
     GLOBAL,
     TERMINAL_STATUSES,

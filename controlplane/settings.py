@@ -12,7 +12,7 @@ import dj_database_url
 import django
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.env import env_bool, env_float, env_int, env_list, env_networks
+from runs.env import env_bool, env_float, env_int, env_list, env_networks
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 # The embedded database, the development key and logs: under the directory Stepguard is run
@@ -68,10 +68,10 @@ MIDDLEWARE = [
     # (check --deploy's security.W001 looks for Django's by name: silenced below.)
     "controlplane.security.SecurityMiddleware",
     # Outside all that read the database: a request that fails on a lost or timed-out
-    # connection, wherever inside, answers 503 rather than 500 (controlplane/dbdown.py).
-    "controlplane.dbdown.DatabaseUnavailable",
+    # connection, wherever inside, answers 503 rather than 500 (runs/dbdown.py).
+    "runs.dbdown.DatabaseUnavailable",
     "controlplane.api.BodyLimitMiddleware",
-    "controlplane.security.RefuseNul",
+    "runs.security.RefuseNul",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -79,7 +79,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
-    "controlplane.security.SessionTimeouts",
+    "runs.security.SessionTimeouts",
     "controlplane.security.PermissionsPolicy",
     "django.middleware.csp.ContentSecurityPolicyMiddleware"
     if DJANGO_6
@@ -109,7 +109,7 @@ else:
 
 # Login throttling (django-axes): a username from one address is locked out after
 # AXES_FAILURE_LIMIT failures for AXES_COOLOFF_TIME; a bad API key counts per address and
-# the key it claims (controlplane.security._key_credentials).
+# the key it claims (runs.security._key_credentials).
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
@@ -118,7 +118,7 @@ AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env_int("AXES_COOLOFF_MINUTES", 15, minimum=1))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
-AXES_LOCKOUT_CALLABLE = "controlplane.security.locked_out"
+AXES_LOCKOUT_CALLABLE = "runs.security.locked_out"
 AXES_VERBOSE = False
 # The client's address is REMOTE_ADDR, always. Behind reverse proxies, the ASGI application
 # sets it from X-Forwarded-For, believed only from the proxies in STEPGUARD_TRUSTED_PROXIES

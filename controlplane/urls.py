@@ -3,8 +3,8 @@ from django.contrib.auth import views as auth_views
 from django.contrib.auth.views import LoginView
 from django.urls import include, path
 
-from controlplane.health import health
 from controlplane.metrics import metrics
+from runs.health import health
 
 urlpatterns = [
     path("", include("runs.urls")),

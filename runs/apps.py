@@ -14,8 +14,8 @@ class RunsConfig(AppConfig):
         conf.apply_defaults(settings)  # a project embedding Stepguard sets only what it changes
         _partials_everywhere(settings)
 
-        from controlplane import security  # noqa: F401  (login stamps, lockout audit events)
-        from runs import notifications  # noqa: F401  (registers the built-in stepguard.notify)
+        # The built-in stepguard.notify; the login stamps and the lockout audit events.
+        from runs import notifications, security  # noqa: F401
         from runs.logcontext import log_event
 
         post_save.connect(log_event, sender="runs.Event", dispatch_uid="stepguard-log-event")

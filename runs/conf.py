@@ -8,7 +8,7 @@ names of their own, LOG_FORMAT and REDIS_URL, get host defaults too (`host_defau
 
 import os
 
-from controlplane.env import (
+from runs.env import (
     env_allow,
     env_bool,
     env_float,
@@ -99,7 +99,7 @@ STEPGUARD_METRICS_SUMMARY_SECONDS = env_float("STEPGUARD_METRICS_SUMMARY_SECONDS
 # The reverse proxies whose X-Forwarded-For is believed (controlplane/proxy.py, `serve`).
 STEPGUARD_TRUSTED_PROXIES = env_networks("STEPGUARD_TRUSTED_PROXIES")
 # Sessions end after this long without a request, or this long after login (in stand-alone
-# Stepguard: its middleware controlplane.security.SessionTimeouts).
+# Stepguard: its middleware runs.security.SessionTimeouts).
 STEPGUARD_SESSION_IDLE_SECONDS = env_int("STEPGUARD_SESSION_IDLE_SECONDS", 8 * 3600, minimum=60)
 STEPGUARD_SESSION_MAX_SECONDS = env_int("STEPGUARD_SESSION_MAX_SECONDS", 14 * 86400, minimum=60)
 

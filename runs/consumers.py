@@ -27,7 +27,6 @@ from django.template.loader import render_to_string
 from django.utils.crypto import constant_time_compare
 from django.utils.html import escape
 
-from controlplane.security import session_expired
 from runs.engine.streaming import shown_text
 from runs.engine.wakeup import LIVE_GROUP, EventsListener
 from runs.models import (
@@ -42,6 +41,7 @@ from runs.models import (
     Worker,
 )
 from runs.queries import step_filter, step_matches
+from runs.security import session_expired, sessions_end
 from runs.views import timeline_rows
 
 log = logging.getLogger("stepguard.live")
@@ -61,10 +61,6 @@ def _number(raw: str | None, default: int) -> int:
         return default
 
 
-#: The middleware that ends sessions on pages; a host project embedding Stepguard may not use it.
-TIMEOUTS = "controlplane.security.SessionTimeouts"
-
-
 def still_allowed(session_key: str | None, user_id) -> bool:
     """The session is still there and still this user's, active and allowed to view runs.
 
@@ -79,7 +75,7 @@ def still_allowed(session_key: str | None, user_id) -> bool:
     data = import_module(settings.SESSION_ENGINE).SessionStore(session_key=session_key).load()
     if str(data.get(SESSION_KEY)) != str(user_id):
         return False
-    if TIMEOUTS in settings.MIDDLEWARE and session_expired(data):
+    if sessions_end() and session_expired(data):
         return False
     user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
     if user is None:

@@ -21,8 +21,7 @@ from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer, django_auth
 
-from controlplane import dbdown, security
-from controlplane.health import health as health_view
+from runs import dbdown, security
 from runs.api import create_run, signal_run
 from runs.api import router as runs_router
 from runs.api_annotations import router as annotations_router
@@ -30,6 +29,7 @@ from runs.api_versions import router as versions_router
 from runs.apikeys import check_key, match_key
 from runs.approvals.api import router as approvals_router
 from runs.errors import Conflict, Forbidden, NotFound, StepguardError, UnknownWorkflow
+from runs.health import health as health_view
 from runs.models import ApiKey, ApiKeyScope
 from runs.stream_api import router as stream_router
 
@@ -204,7 +204,7 @@ def throttled(request, exc):
 @api.exception_handler(DatabaseError)
 def database_error(request, exc: DatabaseError):
     """The database down, restarting or not answering within DB_CONNECT_TIMEOUT: a 503 to
-    retry, not a bug (controlplane/dbdown.py); any other database error is one."""
+    retry, not a bug (runs/dbdown.py); any other database error is one."""
     if not dbdown.is_disconnect(exc):
         return unexpected(request, exc)
     response = error(503, "database_unavailable", dbdown.MESSAGE)

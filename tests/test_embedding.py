@@ -4,6 +4,7 @@ the API and the websockets under the path the host mounts it at, the login page 
 the live feeds without a channel layer, and every setting defaulted inside the app."""
 
 import importlib
+import io
 import re
 from types import SimpleNamespace
 
@@ -148,3 +149,19 @@ def test_a_hosts_redis_layer_given_as_a_host_dict_is_the_doorbell_too():
     host = SimpleNamespace(DATABASES={"default": {}}, CHANNEL_LAYERS={"default": layer})
     conf.apply_defaults(host)
     assert host.REDIS_URL == "redis://cache:6379/3"
+
+
+def test_serve_runs_the_hosts_asgi_application_and_says_when_there_is_none(host, monkeypatch):
+    """`serve` is the app's command: daphne gets the project's ASGI_APPLICATION (the host's in
+    a host project), not stand-alone Stepguard's controlplane.asgi."""
+    from daphne.cli import CommandLineInterface
+    from django.core.management import CommandError, call_command
+
+    served = []
+    monkeypatch.setattr(CommandLineInterface, "run", lambda self, argv: served.append(argv[-1]))
+    host.ASGI_APPLICATION = "mysite.asgi.application"
+    call_command("serve", "--port", "0", stdout=io.StringIO())
+    assert served == ["mysite.asgi:application"]
+    del host.ASGI_APPLICATION
+    with pytest.raises(CommandError, match="serve needs ASGI_APPLICATION"):
+        call_command("serve", "--port", "0", stdout=io.StringIO())

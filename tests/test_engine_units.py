@@ -554,6 +554,29 @@ def test_the_approvals_app_is_part_of_the_runs_package_and_nothing_imports_the_o
     assert not found, found
 
 
+def test_the_runs_app_imports_nothing_from_the_project_package():
+    """runs is a reusable app (docs/install.md): a host project has no `controlplane`. What the
+    app needs (its settings' parsers, its security middleware, health, the database-down
+    answer) lives in the app, and the project imports it from there, never the reverse. Lazy
+    and type-checking imports count."""
+    root = ENGINE.parent.parent
+    found = []
+    for path in sorted((root / "runs").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [
+                f"{path.relative_to(root)}:{node.lineno} {name}"
+                for name in names
+                if name == "controlplane" or name.startswith("controlplane.")
+            ]
+    assert not found, found
+
+
 def test_a_re_sent_stream_is_shown_once_and_cut_back_where_it_differs():
     """Issue 49 §4: what the readers were shown is not written again; where a re-sent answer
     parts from it, the first piece cuts back to that offset; a shorter one cuts the rest."""

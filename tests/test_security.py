@@ -21,7 +21,6 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import Group
 from django.test import Client, override_settings
 
-from controlplane.security import LOGIN_AT, SEEN_AT
 from controlplane.wsorigin import SameOrigin
 from runs import consumers
 from runs.apikeys import create_key
@@ -29,6 +28,7 @@ from runs.approvals.models import ApprovalRequest
 from runs.engine.budget import to_micros
 from runs.models import ApiKey, Event, Policy, Run, Step
 from runs.sdk import start_run
+from runs.security import LOGIN_AT, SEEN_AT
 from tests.conftest import run_coroutine
 from tests.test_api import Api, error
 from tests.test_live import communicator, run_async

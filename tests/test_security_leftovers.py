@@ -9,10 +9,10 @@ from channels.db import database_sync_to_async
 from django.db import connections
 from django.test import Client
 
-from controlplane.security import LOGIN_AT, SEEN_AT
 from runs import consumers
 from runs.apikeys import create_key
 from runs.sdk import start_run
+from runs.security import LOGIN_AT, SEEN_AT
 from tests.conftest import run_coroutine
 from tests.test_api import Api, error
 from tests.test_live import communicator
@@ -98,8 +98,21 @@ def test_an_open_feed_closes_when_the_session_times_out(field, cast, monkeypatch
     assert run_coroutine(go()) == 4401  # as after a logout: the page does not reconnect
 
 
+TIMEOUTS = "runs.security.SessionTimeouts"
+
+
 @pytest.mark.django_db(transaction=True)
-def test_a_feed_is_refused_on_a_timed_out_session(cast, settings):
+@pytest.mark.parametrize(
+    "timeouts, refused",
+    [(TIMEOUTS, True), ("controlplane.security.SessionTimeouts", True), (None, False)],
+    ids=["app", "old path", "left out"],
+)
+def test_a_feed_is_refused_on_a_timed_out_session(timeouts, refused, cast, settings):
+    """Where pages end sessions, under the path the settings name the middleware by (the app's,
+    or the project's it moved from), so does the feed; a host that leaves it out ends neither."""
+    settings.MIDDLEWARE = [
+        timeouts if m == TIMEOUTS else m for m in settings.MIDDLEWARE if timeouts or m != TIMEOUTS
+    ]
     run = start_run("ledger", {"steps": 1})
 
     async def go():
@@ -113,7 +126,7 @@ def test_a_feed_is_refused_on_a_timed_out_session(cast, settings):
         finally:
             await database_sync_to_async(connections.close_all)()
 
-    assert run_coroutine(go()) is False
+    assert run_coroutine(go()) is not refused
 
 
 # -- every path under the API's mount answers the API's JSON -----------------------------------

@@ -1,4 +1,4 @@
-"""Step starts: the row, the event and the budget hold of one start of a step, worked out
+"""Step starts: the row, the event and the budget reservation of one start of a step, worked out
 before its write, so that a first start, a re-send after a crash and a resumed wait differ
 only in these values and share one write (Steps._start)."""
 
@@ -139,11 +139,11 @@ def possibly_spent(
 
 
 @dataclass(frozen=True, slots=True)
-class Hold:
-    """What a starting step holds against the budgets while it runs: its estimate, less what
-    an earlier attempt (re-sent after a crash) still holds. A hold made on an earlier day, or
-    against other shared budgets, moves to today's ledgers: the old day's spend is no reason
-    to refuse the step today."""
+class StartReservation:
+    """What a starting step reserves against the budgets while it runs: its estimate, less
+    what an earlier attempt (re-sent after a crash) still holds. A reservation made on an
+    earlier day, or against other shared budgets, moves to today's ledgers: the old day's
+    spend is no reason to refuse the step today. (Not a hold: holds are halts, engine.holds.)"""
 
     old: Reservation  # what the step's row held before this start
     delta: Amount  # reserved from now on, beyond what it held
@@ -174,7 +174,7 @@ class Hold:
         )
 
     def columns(self) -> dict[str, Any]:
-        """The row's record of the hold, which a re-send after a crash starts from."""
+        """The row's record of the reservation, which a re-send after a crash starts from."""
         if not self.reserved:
             return {}
         return {

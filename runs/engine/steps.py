@@ -27,7 +27,7 @@ from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import describe_input, to_json
 from runs.engine.step_deadline import call_by, seconds_of
 from runs.engine.step_starts import (
-    Hold,
+    StartReservation,
     StepCall,
     StepOptions,
     may_have_run,
@@ -199,7 +199,7 @@ class Steps:
         possibly = possibly_spent(record, o.kind, self.ex.undo.running, fields, payload)
         who = self.ex.who
         shared = [] if self.ex.undo.running else scopes_for(who.workflow, who.labels)
-        hold = Hold.of(record, o.estimate, shared, timezone.now().date())
+        hold = StartReservation.of(record, o.estimate, shared, timezone.now().date())
         fields |= hold.columns()
         ending = rate.ended_on_error() if rate is not None else nullcontext()
         with ending, tracing.step(self.ex.trace, key, o.kind, attempt, o.model):
@@ -246,7 +246,7 @@ class Steps:
 
     def _start(
         self, record: Step | None, seq: int, key: str, idem: str, fields: dict, payload: dict,
-        hold: Hold, possibly: Amount, options: StepOptions,
+        hold: StartReservation, possibly: Amount, options: StepOptions,
     ) -> Any:  # fmt: skip
         """Write a step's start (a first start, a re-send, a resumed wait) and return its row's
         id. The fence checks the halt, the cancel and the run's budget in the same statement

@@ -27,7 +27,7 @@ from runs.engine.claims import WAKEABLE, Claims, runnable_filter, suspect
 from runs.engine.deadline import exempt, watchdog
 from runs.engine.fences import Lease
 from runs.engine.heart import Heart
-from runs.engine.lifecycle import execute, release
+from runs.engine.lifecycle import Outcome, execute, release
 from runs.engine.outage import is_disconnect, reconnect, wait_for_database
 from runs.engine.store import completion_writer
 from runs.engine.unheld import HELD_SCOPES
@@ -271,23 +271,24 @@ class WorkerProcess:
     def _execute(self, run: Run, lease: Lease) -> None:
         try:
             close_old_connections()
+            why = ""  # after DISCONNECTED: why the worker stopped carrying on
             for _ in range(MAX_CARRY_ON + 1):
                 try:
-                    outcome: str = execute(run, lease)
+                    outcome = execute(run, lease)
                 except Exception as exc:
                     if not is_disconnect(exc):
                         raise
-                    outcome = "disconnected"  # in a final write: the same as in a step
-                if outcome != "disconnected":
+                    outcome = Outcome.DISCONNECTED  # in a final write: the same as in a step
+                if outcome is not Outcome.DISCONNECTED:
                     break
                 current = self._carry_on(run, lease)
                 if current is None:
-                    outcome = "disconnected; no longer ours, or stopping"
+                    why = "; no longer ours, or stopping"
                     break
                 run = current
             else:
-                outcome = f"disconnected {MAX_CARRY_ON + 1} times; left to lease recovery"
-            log.info("run %s (%s@%s): %s", run.id, run.workflow, run.version, outcome)
+                why = f" {MAX_CARRY_ON + 1} times; left to lease recovery"
+            log.info("run %s (%s@%s): %s%s", run.id, run.workflow, run.version, outcome, why)
         except Exception:
             log.exception("run %s: unexpected error in the executor", run.id)
         finally:

@@ -39,13 +39,16 @@ class Command(BaseCommand):
             argv += ["--access-log", access_log]
         # Not daphne's own --proxy-headers: it believes the left-most X-Forwarded-For entry,
         # which the client writes, from anyone. The application reads the header itself, from
-        # the proxies in STEPGUARD_TRUSTED_PROXIES only (controlplane/proxy.py).
+        # the proxies in STEPGUARD_TRUSTED_PROXIES only (stand-alone: controlplane/proxy.py).
         if proxy_headers and not settings.STEPGUARD_TRUSTED_PROXIES:
             raise CommandError(
                 "--proxy-headers needs STEPGUARD_TRUSTED_PROXIES: the addresses or networks of "
                 "the proxies in front (e.g. 127.0.0.1 or 10.0.0.0/8), whose X-Forwarded-For "
                 "is believed; anyone else's is the client's own writing"
             )
+        application = getattr(settings, "ASGI_APPLICATION", None)
+        if not application:
+            raise CommandError("serve needs ASGI_APPLICATION: the project's ASGI application")
         self.check()
         self.stdout.write(f"Serving http://{host}:{port}/ (daphne)")
         if settings.SECURE_SSL_REDIRECT:
@@ -57,4 +60,7 @@ class Command(BaseCommand):
                 "(docs/deploy.md)."
             )
         self.stdout.flush()
-        CommandLineInterface().run([*argv, "controlplane.asgi:application"])
+        # The project's application (controlplane.asgi in stand-alone Stepguard), as daphne
+        # names it: module:attribute.
+        module, _, name = application.rpartition(".")
+        CommandLineInterface().run([*argv, f"{module}:{name}"])
