@@ -4,7 +4,7 @@
 runs.rest mounts `router` (the resources below, in this order) at the API's root, beside the
 routers of annotations, versions and the SSE stream (this package's modules of those names)
 and of approvals (runs/approvals/api.py). A new resource is a module with its own `router`
-(common.Router), added below with one line.
+(common.Router), added below with one line. It re-exports what other modules import from it.
 """
 
 from runs.api import (
@@ -30,10 +30,11 @@ from runs.api.common import (
     ReasonIn,
     Router,
     RunOut,
+    person_only,
     run_or_404,
     viewer,
 )
-from runs.api.runs import create_run
+from runs.api.runs import Filters, create_run
 from runs.api.signals import signal_run
 
 router = Router()
@@ -55,10 +56,12 @@ __all__ = [
     "ERRORS_422",
     "TEXT",
     "USD",
+    "Filters",
     "In",
     "ReasonIn",
     "RunOut",
     "create_run",
+    "person_only",
     "router",
     "run_or_404",
     "signal_run",
