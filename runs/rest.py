@@ -24,14 +24,14 @@ from ninja.security import HttpBearer, django_auth
 from runs import dbdown, security
 from runs.api import create_run, signal_run
 from runs.api import router as runs_router
-from runs.api_annotations import router as annotations_router
-from runs.api_versions import router as versions_router
+from runs.api.annotations import router as annotations_router
+from runs.api.stream import router as stream_router
+from runs.api.versions import router as versions_router
 from runs.apikeys import check_key, match_key
 from runs.approvals.api import router as approvals_router
 from runs.errors import Conflict, Forbidden, NotFound, StepguardError, UnknownWorkflow
 from runs.health import health as health_view
 from runs.models import ApiKey, ApiKeyScope
-from runs.stream_api import router as stream_router
 
 log = logging.getLogger("stepguard.api")
 

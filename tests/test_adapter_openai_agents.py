@@ -1,4 +1,4 @@
-"""The OpenAI Agents SDK adapter (runs/adapters/openai_agents.py): agents written for the SDK,
+"""The OpenAI Agents SDK adapter (runs/adapters/openai_agents/): agents written for the SDK,
 run by it against the demo model on 127.0.0.1, each model call and tool call a step."""
 
 import asyncio
@@ -360,7 +360,7 @@ def test_usage_without_cache_write_tokens_is_recorded_and_valid_for_the_sdk():
     from openai.types.responses import ResponseUsage
     from openai.types.responses.response_usage import InputTokensDetails
 
-    from runs.adapters.openai_agents import _recorded
+    from runs.adapters.openai_agents.records import _recorded
 
     details = InputTokensDetails.model_construct(cached_tokens=3, cache_write_tokens=None)
     usage = Usage(requests=1, input_tokens=10, output_tokens=5, total_tokens=15)

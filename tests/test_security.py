@@ -446,7 +446,7 @@ def test_an_unexpected_api_error_answers_the_documented_shape_without_a_tracebac
     def broken(run_id):
         raise RuntimeError("a bug with a secret in its message")
 
-    monkeypatch.setattr("runs.api.run_or_404", broken)
+    monkeypatch.setattr("runs.api.runs.run_or_404", broken)
     response = api(root)("get", f"/runs/{start_run('ledger', {'steps': 0}).pk}")
     assert response.status_code == 500
     assert response.json() == {
@@ -542,7 +542,7 @@ def test_policies_only_for_workflows_that_exist(root):
 def test_no_log_line_carries_an_authorization_header(root, caplog, monkeypatch):
     secret = create_key(root)[1]
     client = Api(Client(), secret)
-    monkeypatch.setattr("runs.api.run_or_404", lambda run_id: 1 / 0)
+    monkeypatch.setattr("runs.api.runs.run_or_404", lambda run_id: 1 / 0)
     with caplog.at_level(logging.DEBUG):
         client("get", "/runs/00000000-0000-0000-0000-000000000000")  # a 500
         client("get", "/runs", limit=0)  # a 422

@@ -6,15 +6,15 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from ninja import Field, Router, Schema
+from ninja import Field, Schema
 
-from runs.api import ERRORS_422, TEXT, In, viewer
+from runs.api.common import ERRORS_422, TEXT, In, Router, viewer
 from runs.engine import registry
 from runs.errors import Forbidden
 from runs.replaycheck import CHECK_PERMISSION, check
 from runs.versions import in_flight
 
-router = Router(tags=["versions"])
+router = Router(tags=["versions"], ids="runs_api_versions")
 
 
 class ReplayCheckIn(In):

@@ -8,12 +8,12 @@ from datetime import datetime
 from typing import Annotated, Any
 from uuid import UUID
 
-from ninja import Field, Query, Router, Schema, Status
+from ninja import Field, Query, Schema, Status
 
 from runs import annotations
-from runs.api import ERRORS_422, TEXT, In, run_or_404, viewer
+from runs.api.common import ERRORS_422, TEXT, In, Router, run_or_404, viewer
 
-router = Router(tags=["annotations"])
+router = Router(tags=["annotations"], ids="runs_api_annotations")
 
 
 class AnnotationIn(In):

@@ -18,13 +18,13 @@ from uuid import UUID
 
 from channels.db import database_sync_to_async
 from django.http import HttpRequest, StreamingHttpResponse
-from ninja import Query, Router
+from ninja import Query
 
-from runs.api import ERRORS_422, run_or_404, viewer
+from runs.api.common import ERRORS_422, Router, run_or_404, viewer
 from runs.errors import InvalidInput
 from runs.models import TERMINAL_STATUSES, ApiKey, Run, StreamPiece
 
-router = Router(tags=["runs"])
+router = Router(tags=["runs"], ids="runs_stream_api")  # its ids from runs/stream_api.py
 
 #: Seconds between looks at the table while the run is live (its pieces are stored 10 times a
 #: second at most, runs/engine/wakeup.py), and between the questions whether the client may

@@ -1,55 +1,12 @@
-"""The OpenAI Agents SDK (`openai-agents` 0.24) on Stepguard: an agent's model calls and tool
-calls become checkpointed steps, under the run's budgets, approvals and halts, by wrapping the
-agent where it is run:
-
-    from runs.adapters.openai_agents import durable
-
-    @workflow("support")
-    async def support(ctx, input):
-        agent = Agent(name="support", instructions=..., model=..., tools=[lookup, refund])
-        result = await Runner.run(durable(agent, ctx), input["question"])
-        return result.final_output
-
-- Each model turn is an `llm` step `model:<agent name>`: estimated against the budgets before it
-  starts, sent with the step's `Idempotency-Key` header and without the SDK's own retries (the
-  step retries, recorded), priced from its usage, recorded as JSON and rebuilt into the SDK's
-  `ModelResponse` on replay (and live: both read the same record).
-- Each function tool call is a `tool` step `tool:<tool name>`. A tool's own error handling is
-  kept: an error the SDK reports to the model is the step's recorded output (give the tool
-  `failure_error_function=None` to have the step's RetryPolicy retry it instead).
-- A tool with `needs_approval` (True or a policy on its arguments) waits for a person instead of
-  interrupting the run: the approvals a turn needs (`approve:<tool name>`) are asked together,
-  before any of the turn's tools starts, in one durable wait; a refusal goes back to the model as
-  the tool's output, and an approved tool starts only if its approval still stands.
-- An agent's MCP servers (`mcp_servers`) are listed once per run, in a step each
-  (`mcp:<server name>:tools`), so a resumed run offers the tools it was offered first; each of
-  their calls is a `tool:<tool name>` step like a function tool's (approvals from the server's
-  `require_approval` included), sent with the step's idempotency key in the request's `_meta`
-  (`stepguard.dev/idempotency-key`). Connect the servers in the workflow, as the SDK says
-  (`async with MCPServerStdio(...)`).
-- Handoffs lead to durable copies of their agents. Hosted tools (web search, file search...) run
-  inside the model call; tools that run on this machine outside a function (computer, shell,
-  apply_patch, custom tools) are refused, as is an agent used as a tool unless that agent is
-  durable itself (`durable(sub, ctx).as_tool(...)`).
-- `Runner.run_streamed` streams each live model call's events and replays a recorded one as its
-  final `response.completed` event only. `Runner.run_sync` works in a sync workflow.
-"""
+"""`durable()`: an agent's copy whose model calls and tool calls are steps, its handoffs,
+its MCP servers, and the approvals of a model turn's tool calls."""
 
 from __future__ import annotations
-
-import importlib.util
-
-if importlib.util.find_spec("agents") is None:
-    raise ImportError(
-        "runs.adapters.openai_agents needs its framework, an extra of Stepguard: "
-        "pip install 'stepguard[openai-agents]'"
-    )
 
 import asyncio
 import copy
 import inspect
-import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -61,52 +18,36 @@ from agents import (
     FunctionTool,
     Handoff,
     LocalShellTool,
-    Model,
     ModelProvider,
     ModelResponse,
-    MultiProvider,
     ShellTool,
 )
 from agents.mcp import MCPServer
 
-# Private to the SDK, pinned by the `openai-agents>=0.24,<0.25` extra: the switch that turns the
-# provider client's own retries off, and the tool invocation that applies a tool's timeout and
-# says whether its output is an error the SDK wrote.
-from agents.models._retry_runtime import provider_managed_retries_disabled
+# Private to the SDK, pinned by the `openai-agents>=0.24,<0.25` extra: the tool invocation that
+# applies a tool's timeout and says whether its output is an error the SDK wrote.
 from agents.tool import (
     _DEFAULT_FAILURE_HANDLED_ATTR,
     DEFAULT_APPROVAL_REJECTION_MESSAGE,
     _invoke_function_tool_with_metadata,
 )
-from agents.usage import deserialize_usage
 from django.db import connection
 from mcp.types import CallToolResult
 from mcp.types import Tool as MCPTool
-from openai.types.responses import (
-    Response,
-    ResponseCompletedEvent,
-    ResponseOutputItem,
-    ResponseUsage,
-)
-from pydantic import TypeAdapter, ValidationError
-from pydantic_core import to_jsonable_python
 
-from runs.engine import sdk_types
+from runs.adapters.openai_agents.model import DurableModel
+from runs.adapters.openai_agents.records import _arguments, _jsonable, _key
 from runs.engine.bridge import AsyncRunContext
 from runs.engine.context import RunContext
-from runs.engine.llm import CAP_FIELD
 from runs.models import StepKind
 from runs.sdk import ApprovalRevoked, Ask, StepguardError, StepMisuse
-
-__all__ = ["durable"]
 
 #: runs.adapters.mcp's `_meta` key, not imported: that module needs mcp 2, the SDK mcp 1 or 2.
 IDEMPOTENCY_META_KEY = "stepguard.dev/idempotency-key"
 
+
 #: Tools that act on this machine outside a function the adapter can make a step of.
 LOCAL_TOOLS = (ComputerTool, CustomTool, ShellTool, ApplyPatchTool, LocalShellTool)
-
-_OUTPUT_ITEM: TypeAdapter = TypeAdapter(ResponseOutputItem)
 
 
 def durable(
@@ -126,10 +67,6 @@ def durable(
     wait; an expired one is reported to the model as a refusal.
     """
     return _Adapter(ctx, model_provider, approval_timeout).agent(agent)
-
-
-def _key(kind: str, name: str) -> str:
-    return f"{kind}:{name.replace('#', '_')}"[:200]  # '#' marks a key's repeats
 
 
 class _Adapter:
@@ -413,229 +350,3 @@ async def _needs_approval(tool: FunctionTool, context, args: Any, call_id: str) 
         return True  # arguments the policy cannot read: a person looks, as in the SDK
     answer = policy(context, args, call_id)
     return bool(await answer if inspect.isawaitable(answer) else answer)
-
-
-class DurableModel(Model):
-    """The agent's model, each call a step of the run (see the module's docstring)."""
-
-    def __init__(self, adapter: _Adapter, agent: Agent) -> None:
-        self._adapter, self._key = adapter, _key("model", agent.name)
-        self._model = agent.model if isinstance(agent.model, Model) else None
-        self._name = agent.model if isinstance(agent.model, str) else None
-        self._gated = {
-            t.name: t
-            for t in agent.tools
-            if isinstance(t, FunctionTool) and t.needs_approval is not False
-        }
-
-    @property
-    def inner(self) -> Model:
-        if self._model is None:  # at the first call: on the event loop its client will use
-            provider = self._adapter.provider or MultiProvider()
-            self._model = provider.get_model(self._name)
-        return self._model
-
-    @property
-    def model_name(self) -> str:
-        name = getattr(self.inner, "model", None)
-        return name if isinstance(name, str) else self._name or ""
-
-    async def get_response(
-        self, system_instructions, input, model_settings, tools, output_schema, handoffs,
-        tracing, **options: Any,
-    ) -> ModelResponse:  # fmt: skip
-        async def call(*, extra_headers: dict | None = None, **_request: Any) -> dict:
-            settings = _capped(_with_headers(model_settings, extra_headers), _request)
-            await sdk_types.abuild_for(self.inner)  # before sending: see runs/engine/sdk_types
-            with provider_managed_retries_disabled(True):
-                response = await self.inner.get_response(
-                    system_instructions, input, settings, tools, output_schema, handoffs,
-                    tracing, **options,
-                )  # fmt: skip
-            return _recorded(response.output, response.usage, self.model_name,
-                             response.response_id, response.request_id)  # fmt: skip
-
-        request = _request(self.model_name, system_instructions, input, model_settings, tools,
-                           handoffs)  # fmt: skip
-        data = await self._adapter.call("llm", self._key, self._model_call(call), **request)
-        return self._answered(data)
-
-    def _model_call(self, call: Callable) -> Callable:
-        """`call` as the step's function, declaring where its answer is capped: under a
-        budget, `ctx.llm` caps it to what the budget has left (and estimates from the cap)."""
-        portable = self._adapter.portable(call)
-        setattr(portable, CAP_FIELD, "max_output_tokens")
-        return portable
-
-    def _answered(self, data: dict) -> ModelResponse:
-        """The recorded response as the SDK's; its function calls are the turn's."""
-        response = ModelResponse(
-            output=[_item(item) for item in data["output"]],
-            usage=deserialize_usage(data["usage"]),
-            response_id=data.get("response_id"),
-            request_id=data.get("request_id"),
-        )
-        self._adapter.turn(response, self._gated)
-        return response
-
-    async def stream_response(
-        self, system_instructions, input, model_settings, tools, output_schema, handoffs,
-        tracing, **options: Any,
-    ) -> AsyncIterator[Any]:  # fmt: skip
-        """A live call's events as they arrive, but its `response.completed` event rebuilt from
-        the record, as a replayed call's only event is: both runs read the same response."""
-        events: asyncio.Queue = asyncio.Queue()
-
-        async def call(*, extra_headers: dict | None = None, **_request: Any) -> dict:
-            settings = _capped(_with_headers(model_settings, extra_headers), _request)
-            if settings.include_usage is None:  # chat completions stream usage only if asked
-                settings = settings.resolve({"include_usage": True})
-            await sdk_types.abuild_for(self.inner)
-            final = None
-            with provider_managed_retries_disabled(True):
-                async for event in self.inner.stream_response(
-                    system_instructions, input, settings, tools, output_schema, handoffs,
-                    tracing, **options,
-                ):  # fmt: skip
-                    if isinstance(event, ResponseCompletedEvent):
-                        final = event.response
-                    else:
-                        events.put_nowait(event)
-            if final is None:
-                raise RuntimeError(f"{self.model_name} streamed no response.completed event")
-            return _recorded(final.output, final.usage, self.model_name, final.id, None)
-
-        request = _request(self.model_name, system_instructions, input, model_settings, tools,
-                           handoffs)  # fmt: skip
-        step = asyncio.ensure_future(
-            self._adapter.call("llm", self._key, self._model_call(call), **request)
-        )
-        while True:
-            getter = asyncio.ensure_future(events.get())
-            await asyncio.wait({getter, step}, return_when=asyncio.FIRST_COMPLETED)
-            if not getter.done():
-                getter.cancel()
-                break
-            yield getter.result()
-        data = step.result()
-        response = self._answered(data)
-        usage = {k: v for k, v in data["usage"].items() if k != "requests"}
-        yield ResponseCompletedEvent.model_construct(
-            type="response.completed",
-            sequence_number=0,
-            response=Response.model_construct(
-                id=data.get("response_id") or "",
-                object="response",
-                created_at=0,
-                model=self.model_name,
-                status="completed",
-                output=response.output,
-                parallel_tool_calls=False,
-                tool_choice="auto",
-                tools=[],
-                usage=ResponseUsage.model_validate(usage),
-            ),
-        )
-
-    async def close(self) -> None:
-        if self._model is not None:
-            await self._model.close()
-
-    async def _cleanup_on_run_end(self, owner: object) -> None:
-        if self._model is not None:
-            await self._model._cleanup_on_run_end(owner)
-
-
-def _with_headers(settings, headers: dict | None):
-    """The settings with the step's Idempotency-Key header over the agent's own headers."""
-    return settings.resolve(
-        {"extra_headers": {**(settings.extra_headers or {}), **(headers or {})}}
-    )
-
-
-def _capped(settings, request: dict):
-    """The settings with the answer cap the step's request carries (set by the budget)."""
-    cap = request.get("max_output_tokens")
-    if not isinstance(cap, int) or settings.max_tokens:
-        return settings
-    return settings.resolve({"max_tokens": cap})
-
-
-def _request(model: str, instructions, input, settings, tools, handoffs) -> dict:
-    """The request as the step records it and the budgets estimate it: the responses API's
-    fields (the SDK speaks them to every model)."""
-    specs = [_spec(t) for t in tools] + [
-        {"type": "function", "name": h.tool_name, "description": h.tool_description,
-         "parameters": h.input_json_schema}
-        for h in handoffs
-    ]  # fmt: skip
-    request: dict[str, Any] = {"model": model, "input": input, "tools": specs}
-    if instructions:
-        request["instructions"] = instructions
-    if settings.max_tokens:
-        request["max_output_tokens"] = settings.max_tokens
-    return request
-
-
-def _spec(tool: Any) -> dict:
-    if isinstance(tool, FunctionTool):
-        return {"type": "function", "name": tool.name, "description": tool.description,
-                "parameters": tool.params_json_schema}  # fmt: skip
-    return {"type": getattr(tool, "type", type(tool).__name__), "name": getattr(tool, "name", "")}
-
-
-def _recorded(output: list, usage: Any, model: str, response_id, request_id) -> dict:
-    """A model response as the step stores it: its output items as the API's JSON, and its
-    usage in the responses API's shape, which Stepguard prices."""
-    # Every count the responses API's usage requires, 0 unless the provider said otherwise:
-    # a provider that omits one (cache writes, often) must not fail the run when the usage is
-    # validated again for the SDK (run_streamed's final event).
-    details = {"input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}}
-    details["output_tokens_details"] = {"reasoning_tokens": 0}
-    for name in details:
-        if (value := getattr(usage, name, None)) is not None:
-            details[name] |= value.model_dump(mode="json", exclude_none=True)
-    return {
-        "model": model,
-        "output": [_dump(item) for item in output],
-        "usage": {
-            "requests": getattr(usage, "requests", 1) or 1,
-            **{
-                k: getattr(usage, k, 0) or 0
-                for k in ("input_tokens", "output_tokens", "total_tokens")
-            },
-            **details,
-        },
-        "response_id": response_id,
-        "request_id": request_id,
-    }
-
-
-def _dump(item: Any) -> Any:
-    if hasattr(item, "model_dump"):
-        return item.model_dump(mode="json", by_alias=True, exclude_unset=True)
-    return item
-
-
-def _item(data: Any) -> Any:
-    """A recorded output item as the SDK's own type again (a dict if it is none it knows)."""
-    try:
-        return _OUTPUT_ITEM.validate_python(data)
-    except ValidationError:
-        return data
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text or "{}")
-    except ValueError:
-        return text
-
-
-def _jsonable(value: Any) -> Any:
-    """A tool's output as JSON (pydantic models, dataclasses, the SDK's ToolOutputText...);
-    what JSON cannot hold becomes its str(), which is what the SDK sends the model."""
-    try:
-        return to_jsonable_python(value)
-    except Exception:  # pydantic raises serialization errors of its own
-        return str(value)
