@@ -493,6 +493,25 @@ def test_within_an_execution_fenced_writes_are_made_by_checkpoints_alone():
     assert fencers == {"checkpoints.py", "store.py", "lifecycle.py"}
 
 
+#: The concerns of an execution: what workflow code calls into, and what it is made of.
+CONCERNS = (
+    "steps.py", "waits.py", "step_starts.py", "step_deadline.py", "recorded.py", "history.py",
+    "compensation.py", "agent.py", "llm.py", "flow.py", "context.py", "dry.py",
+)  # fmt: skip
+
+
+def test_the_concerns_of_an_execution_leave_the_write_protocol_to_checkpoints():
+    """Issue 52 §1: a wait or a step writes through a unit of work of Checkpoints
+    (`parking`, `transaction_step`), which takes the fence, orders the writes and reserves
+    the events' seqs: a new wait kind cannot get the order or the count wrong, because it
+    neither opens the transaction (`atomic(`) nor sees a seq (`event_seq`)."""
+    found = []
+    for name in CONCERNS:
+        text = (ENGINE / name).read_text()  # a concern renamed: say so here
+        found += [f"{name}: {word}" for word in ("atomic(", "event_seq") if word in text]
+    assert not found, found
+
+
 def _engine_imports(module: Path) -> set[str]:
     """The engine modules `module` imports anywhere: at the top, in a function, or for type
     checking only (each of those dodges a cycle rather than removing it)."""

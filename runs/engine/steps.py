@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from runs import tracing
 from runs.approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
+from runs.approvals.services import request_approval
 from runs.engine import rates
 from runs.engine.budget import Amount, Metered, Reservation, Usage, scopes_for, to_usd
 from runs.engine.execution import Execution
@@ -34,7 +35,7 @@ from runs.engine.step_starts import (
     possibly_spent,
     start_row,
 )
-from runs.engine.store import atomic, flush
+from runs.engine.store import flush
 from runs.errors import (
     ApprovalRevoked,
     Cancelled,
@@ -302,22 +303,10 @@ class Steps:
         while True:
             tries += 1
             try:
-                with atomic(self.ex.lease):
-                    event_seq = self.checkpoints.begin_transaction()
+                with self.checkpoints.transaction_step(record, seq, key) as completed:
                     value = self._invoke(key, idem, seq, fn, args, kwargs)
                     output = to_json(value, what=f"the output of step {key!r}")
-                    now = timezone.now()
-                    fields = {
-                        "status": StepStatus.COMPLETED,
-                        "output": output,
-                        "error": None,
-                        "attempt": tries,
-                        "run_attempt": self.ex.who.attempt,
-                        "started_at": now,
-                        "finished_at": now,
-                    }
-                    input_ = describe_input(args, kwargs)
-                    self.checkpoints.record_transaction(event_seq, record, seq, key, fields, input_)
+                    completed(output, tries, describe_input(args, kwargs))
                 return output
             except ControlFlow:
                 raise
@@ -459,21 +448,17 @@ class Steps:
         if until is None:
             return
         resource = rate.resource
-        with atomic(self.ex.lease):
-            event_seq, _ = self.checkpoints.enter_wait()
+        with self.checkpoints.parking() as w:
             error = {**((record.error or {}) if record else {}), "tries": tries}
             error["throttled"] = resource
             if record is None:
-                self.checkpoints.new_step(
-                    seq, key, kind, StepStatus.WAITING, input=fields["input"], attempt=0,
-                    wake_at=until, error=error,
-                )  # fmt: skip
+                w.new_step(
+                    seq, key, kind, input=fields["input"], attempt=0, wake_at=until, error=error
+                )
             else:
-                self.checkpoints.park_step(record.pk, until, error)
-            self.checkpoints.event(
-                event_seq, EventType.STEP_THROTTLED, key, resource=resource, until=until.isoformat()
-            )
-            self.checkpoints.suspend(until)
+                w.park(record.pk, until, error)
+            w.event(EventType.STEP_THROTTLED, key, resource=resource, until=until.isoformat())
+            w.suspend(until)
         raise Suspended(f"step {key!r} waits for {resource}'s rate limit until {until}")
 
     def _retry_later(self, step_pk, key, until, delay=0.0, payload=None, tries=0) -> NoReturn:
@@ -481,17 +466,12 @@ class Steps:
         Retry-After of a minute costs no thread for a minute. The step is `waiting` until
         then, keeping what it holds against the budgets; the run resumes there and tries it
         again with the same idempotency key, counting on from `tries`."""
-        with atomic(self.ex.lease):
-            event_seq, now = self.checkpoints.enter_wait()
+        with self.checkpoints.parking() as w:
             if until is None:
-                until = now + timedelta(seconds=delay)
-                self.checkpoints.park_step(
-                    step_pk, until, {**(payload or {}).get("error", {}), "tries": tries}
-                )
-            self.checkpoints.event(
-                event_seq, EventType.STEP_RETRYING, key, **(payload or {}), until=until.isoformat()
-            )
-            self.checkpoints.suspend(until)
+                until = w.now + timedelta(seconds=delay)
+                w.park(step_pk, until, {**(payload or {}).get("error", {}), "tries": tries})
+            w.event(EventType.STEP_RETRYING, key, **(payload or {}), until=until.isoformat())
+            w.suspend(until)
         raise Suspended(f"step {key!r} tries again at {until.isoformat()}")
 
     def _reconcile(self, record: Step, reconcile: Callable[[str], Any], idem: str) -> Any:
@@ -543,13 +523,10 @@ class Steps:
             self.checkpoints.record_failure(
                 record.pk, None, record.key, idem, None, record.attempt, failure, held
             )
-        with atomic(self.ex.lease):
-            event_seq, _ = self.checkpoints.enter_wait()
+        with self.checkpoints.parking() as w:
             if request is None:
-                request = ApprovalRequest.objects.create(
-                    run_id=self.ex.lease.run_id,
-                    step_key=label,
-                    kind=ApprovalKind.AMBIGUOUS,
+                request = request_approval(
+                    self.ex.lease.run_id, label, kind=ApprovalKind.AMBIGUOUS,
                     action=f"resolve step {record.key}"[:200],
                     summary=(
                         "The worker running this step died mid-call: the side effect may or may "
@@ -561,14 +538,12 @@ class Steps:
                         "input": record.input,
                         "attempt": record.attempt,
                     },
-                )
-                self.checkpoints.event(
-                    event_seq, EventType.APPROVAL_REQUESTED, record.key,
+                )  # fmt: skip
+                w.event(
+                    EventType.APPROVAL_REQUESTED, record.key,
                     approval_id=request.pk, kind=ApprovalKind.AMBIGUOUS,
                 )  # fmt: skip
             else:
-                self.checkpoints.event(
-                    event_seq, EventType.APPROVAL_WAITING, record.key, approval_id=request.pk
-                )
-            self.checkpoints.suspend(None)
+                w.event(EventType.APPROVAL_WAITING, record.key, approval_id=request.pk)
+            w.suspend(None)
         raise Suspended(f"waiting for a person to resolve step {record.key!r}")
