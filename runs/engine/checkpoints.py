@@ -35,8 +35,8 @@ from runs.engine.budget import (
 from runs.engine.budget_room import resume_fitting
 from runs.engine.compensation import Compensations
 from runs.engine.fences import Completion, Fence, Lease, Spend
-from runs.engine.records import INTERRUPTED, Decision, Identity, brief, error_record
-from runs.engine.retry import RetryPolicy, retryable
+from runs.engine.outcomes import Completed, Failed, Position
+from runs.engine.records import INTERRUPTED, Decision, Identity, brief
 from runs.engine.store import append_event, atomic, complete_later, fence, fenced_write
 from runs.errors import REPLAYED, ApprovalRevoked, Cancelled, StepFailed, StepguardError
 from runs.models import EventType, Run, RunStatus, Step, StepKind, StepStatus
@@ -66,14 +66,14 @@ class Checkpoints:
         # Halts and budgets stop both.
         return Fence(starting=True, compensating=self._undo.running)
 
-    def _new_step(self, seq: int, key: str, kind: str, status: str, **fields) -> Step:
+    def _new_step(self, at: Position, kind: str, status: str, **fields) -> Step:
         return Step.objects.create(
             run_id=self._lease.run_id,
-            seq=seq,
-            key=key,
+            seq=at.seq,
+            key=at.key,
             kind=kind,
             status=status,
-            idempotency_key=f"{self.who.run_id}:{key}",
+            idempotency_key=at.idempotency_key,
             run_attempt=self.who.attempt,
             started_at=timezone.now(),
             **fields,
@@ -133,7 +133,7 @@ class Checkpoints:
 
     @contextmanager
     def transaction_step(
-        self, record: Step | None, seq: int, key: str
+        self, record: Step | None, at: Position
     ) -> Iterator[Callable[[Any, int, Any], None]]:
         """A transaction step's unit of work: its fence, then the function's own writes, then
         its completion (what the block calls: `completed(output, tries, input)`), all in one
@@ -151,13 +151,10 @@ class Checkpoints:
                     "started_at": now, "finished_at": now,
                 }  # fmt: skip
                 if record is None:
-                    Step.objects.create(
-                        run_id=self._lease.run_id, seq=seq, key=key, kind=StepKind.TRANSACTION,
-                        input=input_, idempotency_key=f"{self.who.run_id}:{key}", **fields,
-                    )  # fmt: skip
+                    self._new_step(at, StepKind.TRANSACTION, input=input_, **fields)
                 else:
                     Step.objects.filter(pk=record.pk).update(**fields)
-                self._event(event_seq, EventType.STEP_COMPLETED, key, attempt=tries)
+                self._event(event_seq, EventType.STEP_COMPLETED, at.key, attempt=tries)
 
             yield completed
 
@@ -206,14 +203,22 @@ class Checkpoints:
         return step_pk
 
     def finish_step(
-        self, step_pk, key, payload, fields, usage: Usage | None, held, *, defer=False,
-        earlier: Usage | None = None,
+        self, step_pk: Any, key: str, outcome: Completed, *, usage: Usage | None = None,
+        held: Reservation | None = None, defer: bool = False, earlier: Usage | None = None,
     ) -> None:  # fmt: skip
-        """Finish a step: its row, its event and, if it spent or held anything, the budgets.
+        """Finish a started step with its outcome: its row, its event and, if it spent or
+        held anything (`usage`, `held`), the budgets.
 
         With `defer`, a completion that touches no budget rides with the run's next write
         (`complete_later`) unless STEPGUARD_EAGER_COMPLETIONS asks for it now.
         """
+        fields, payload = outcome.columns(), outcome.payload()
+        self._finish(step_pk, key, payload, fields, usage, held or Reservation(), defer, earlier)
+
+    def _finish(
+        self, step_pk, key, payload, fields, usage: Usage | None, held, defer=False,
+        earlier: Usage | None = None,
+    ) -> None:  # fmt: skip
         fields["finished_at"] = timezone.now()
         event = (
             EventType.STEP_COMPLETED
@@ -283,44 +288,41 @@ class Checkpoints:
                         first + offset, EventType.BUDGET_WARNING, key, budget=label, threshold=ratio
                     )
 
-    def record_failure(
-        self,
-        step_pk: Any,
-        seq: int | None,
-        key: str,
-        idem: str | None,
-        kind: str | None,
-        attempt: int,
-        exc: BaseException,
-        held: Reservation | None = None,
-        policy: RetryPolicy | None = None,
+    def fail_step(
+        self, step_pk: Any, key: str, failed: Failed, *, held: Reservation | None = None
     ) -> NoReturn:
-        """Record a step's final failure and raise it. With no `step_pk` the step has no row
-        yet (a transaction step, a refused re-send): one is inserted at `seq` as `kind`.
-        `retryable` records whether the step's `policy` retries this error at all: False is
-        an answer (a retry, of the step or of the run, gets the same one), True an outage
-        the policy gave up on after `attempts`."""
-        final = not (policy.retries(exc) if policy is not None else retryable(exc))
-        error = {**error_record(exc), "retryable": not final, "attempts": attempt}
-        fields = {
-            "status": StepStatus.FAILED,
-            "error": error,
-            "attempt": attempt,
+        """Record a started step's final failure, giving back what it held, and raise it."""
+        self._finish(
+            step_pk, key, failed.payload(self.who.worker_id), self._failed_columns(failed),
+            None, held or Reservation(),
+        )  # fmt: skip
+        self._raise(key, failed)
+
+    def fail_unstarted(self, at: Position, kind: str, failed: Failed) -> NoReturn:
+        """Record the final failure of a step with no row yet (a transaction step, a start
+        refused by a revoked approval) on a new row at `at`, and raise it."""
+        now = timezone.now()
+        insert = {"seq": at.seq, "key": at.key, "kind": kind}
+        insert |= {"idempotency_key": at.idempotency_key, "started_at": now, "finished_at": now}
+        fenced_write(
+            self._lease, (EventType.STEP_FAILED, at.key, failed.payload(self.who.worker_id)),
+            insert_step={**insert, **self._failed_columns(failed)},
+        )  # fmt: skip
+        self._raise(at.key, failed)
+
+    def _failed_columns(self, failed: Failed) -> dict[str, Any]:
+        return {
+            "status": StepStatus.FAILED, "error": failed.record, "attempt": failed.attempt,
             "run_attempt": self.who.attempt,
-        }
-        payload = {"attempt": attempt, "error": brief(exc), "worker": self.who.worker_id}
-        if step_pk is not None:
-            self.finish_step(step_pk, key, payload, fields, None, held or Reservation())
-        else:
-            now = timezone.now()
-            insert: dict[str, Any] = {"seq": seq, "key": key, "kind": kind, "idempotency_key": idem}
-            insert |= {"started_at": now, "finished_at": now}
-            fenced_write(
-                self._lease, (EventType.STEP_FAILED, key, payload), insert_step={**insert, **fields}
-            )
+        }  # fmt: skip
+
+    @staticmethod
+    def _raise(key: str, failed: Failed) -> NoReturn:
+        exc = failed.error
         if isinstance(exc, StepguardError) and exc.code in REPLAYED:
             raise exc
-        raise StepFailed(key, error, retryable=error["retryable"]) from exc
+        record = failed.record
+        raise StepFailed(key, record, retryable=record["retryable"]) from exc
 
     def note_retry(self, key: str, tries: int, exc: Exception, delay: float) -> None:
         """A transaction step's failed try, recorded before its wait (it has no step row)."""
@@ -375,7 +377,8 @@ class Checkpoints:
             if cancelled:
                 raise Cancelled("cancel requested")
             now = timezone.now()
-            self._new_step(seq, key, StepKind.CALL, StepStatus.COMPLETED, finished_at=now)
+            at = Position(self.who.run_id, seq, key)
+            self._new_step(at, StepKind.CALL, StepStatus.COMPLETED, finished_at=now)
             self._event(event_seq, EventType.STEP_COMPLETED, key, patch=change_id)
 
     def check_approval(self, decision: Decision | int | None) -> None:
@@ -419,9 +422,9 @@ class Parking:
         #: `(wake_at,)` once the wait gives the run up.
         self.wake: tuple[datetime | None] | None = None
 
-    def new_step(self, seq: int, key: str, kind: str, **fields) -> Step:
+    def new_step(self, at: Position, kind: str, **fields) -> Step:
         """The wait's own row, `waiting`."""
-        return self._checkpoints._new_step(seq, key, kind, StepStatus.WAITING, **fields)
+        return self._checkpoints._new_step(at, kind, StepStatus.WAITING, **fields)
 
     def reopen(self, step_pk: Any, **fields) -> None:
         """A step a fork copied, turned back into a wait of the fork's own (a decision that

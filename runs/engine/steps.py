@@ -23,6 +23,7 @@ from runs.engine import rates
 from runs.engine.budget import Amount, Metered, Reservation, Usage, scopes_for, to_usd
 from runs.engine.execution import Execution
 from runs.engine.llm import retry_after
+from runs.engine.outcomes import Completed, Failed, Position
 from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, StepThread, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import describe_input, to_json
@@ -138,8 +139,9 @@ class Steps:
         seconds = seconds_of(timeout, f"step {key!r}")
         key, seq, record = self.ex.position(key, internal=internal)
         options = StepOptions(
-            retry, reconcile, on_ambiguous, compensate, approval, estimate, kind, described, model,
-            resource, seconds,
+            retry=retry, reconcile=reconcile, on_ambiguous=on_ambiguous, compensate=compensate,
+            approval=approval, estimate=estimate, kind=kind, described=described, model=model,
+            resource=resource, timeout=seconds,
         )  # fmt: skip
         in_doubt = (
             record is not None
@@ -177,10 +179,11 @@ class Steps:
             # this run undoes only what it did itself.
             undo = None if record.inherited else o.compensate
             return self.ex.undo.remember(key, undo, record.output)
-        idem = f"{self.ex.who.run_id}:{key}"
+        at = Position(self.ex.who.run_id, seq, key)
+        idem = at.idempotency_key
         tries = 0  # the tries of this retry sequence so far: a durable retry delay goes on with it
         if record is not None:
-            found = self._recover(record, seq, key, idem, o)
+            found = self._recover(record, at, o)
             if found is not NOT_FOUND:
                 return self.ex.undo.remember(key, o.compensate, found)
             if record.status == StepStatus.WAITING:
@@ -190,9 +193,7 @@ class Steps:
         input = o.described
         if input is None and record is None:
             input = describe_input(args, kwargs)
-        attempt, fields, payload = start_row(
-            record, seq, key, o.kind, idem, input, self.ex.who.attempt, self.ex.who.worker_id
-        )
+        attempt, fields, payload = start_row(record, at, o.kind, input, self.ex.who)
         rate = None
         if o.resource and not self.ex.undo.running:
             tokens = o.estimate.tokens_in + o.estimate.tokens_out if o.estimate else 0
@@ -205,8 +206,8 @@ class Steps:
         ending = rate.ended_on_error() if rate is not None else nullcontext()
         with ending, tracing.step(self.ex.trace, key, o.kind, attempt, o.model):
             if rate is not None:
-                self._take_rate(rate, record, seq, key, o.kind, fields, tries)
-            step_pk = self._start(record, seq, key, idem, fields, payload, hold, possibly, o)
+                self._take_rate(rate, record, at, o.kind, fields, tries)
+            step_pk = self._start(record, at, fields, payload, hold, possibly, o)
             call = StepCall(
                 step_pk, seq, key, idem, fn, args, kwargs,
                 policy=o.retry or DEFAULT_RETRY,
@@ -221,7 +222,7 @@ class Steps:
             output = self._call(call, attempt, tries)
         return self.ex.undo.remember(key, o.compensate, output)
 
-    def _recover(self, record: Step, seq: int, key: str, idem: str, options: StepOptions) -> Any:
+    def _recover(self, record: Step, at: Position, options: StepOptions) -> Any:
         """A step an earlier execution left unfinished: the outcome its ambiguous-outcome policy
         found (reconcile or a person), or NOT_FOUND when it is to start again."""
         if record.tokens_in or record.tokens_out or record.cost_micros:
@@ -230,7 +231,7 @@ class Steps:
             self._answered[record.pk] = Usage(record.tokens_in, record.tokens_out, spent)
         if not may_have_run(record) or not options.durable:
             return NOT_FOUND
-        reconcile = options.reconcile
+        reconcile, idem = options.reconcile, at.idempotency_key
         found = (
             self._reconcile(record, reconcile, idem)
             if reconcile is not None
@@ -239,15 +240,13 @@ class Steps:
         if found is NOT_FOUND and self.ex.undo.running:
             # A cancel resolving it: it never happened, nothing to undo.
             gone = Cancelled("the run was cancelled before this step happened")
-            held = Reservation.of(record)
-            self.checkpoints.record_failure(
-                record.pk, seq, key, idem, options.kind, record.attempt, gone, held
-            )
+            failed = Failed(gone, record.attempt)
+            self.checkpoints.fail_step(record.pk, at.key, failed, held=Reservation.of(record))
         return found
 
     def _start(
-        self, record: Step | None, seq: int, key: str, idem: str, fields: dict, payload: dict,
-        hold: Hold, possibly: Amount, options: StepOptions,
+        self, record: Step | None, at: Position, fields: dict, payload: dict, hold: Hold,
+        possibly: Amount, options: StepOptions,
     ) -> Any:  # fmt: skip
         """Write a step's start (a first start, a re-send, a resumed wait) and return its row's
         id. The fence checks the halt, the cancel and the run's budget in the same statement
@@ -259,7 +258,7 @@ class Steps:
         shared = hold.shared or hold.moving
         try:
             return self.checkpoints.write_start(
-                (EventType.STEP_STARTED, key, payload),
+                (EventType.STEP_STARTED, at.key, payload),
                 replace(starting, durable=options.durable),
                 insert=fields if record is None else None,
                 update=None if record is None else (record.pk, fields),
@@ -267,8 +266,9 @@ class Steps:
                 take_shared=hold.take_shared if shared else None,
             )
         except ApprovalRevoked as exc:
-            pk = record.pk if record is not None else None
-            self.checkpoints.record_failure(pk, seq, key, idem, options.kind, 1, exc, hold.old)
+            if record is None:
+                self.checkpoints.fail_unstarted(at, options.kind, Failed(exc, 1))
+            self.checkpoints.fail_step(record.pk, at.key, Failed(exc, 1), held=hold.old)
 
     def _book_answered(self, step_pk: Any, usage: Usage | None) -> None:
         """An attempt that failed after the provider answered (the SDK's parse of structured
@@ -297,13 +297,14 @@ class Steps:
         if record is not None and record.status == StepStatus.COMPLETED:
             return record.output
         policy = retry or DEFAULT_RETRY
-        idem = f"{self.ex.who.run_id}:{key}"
+        at = Position(self.ex.who.run_id, seq, key)
+        idem = at.idempotency_key
         flush(self.ex.lease)  # the step before is recorded whatever this transaction does
         tries = 0
         while True:
             tries += 1
             try:
-                with self.checkpoints.transaction_step(record, seq, key) as completed:
+                with self.checkpoints.transaction_step(record, at) as completed:
                     value = self._invoke(key, idem, seq, fn, args, kwargs)
                     output = to_json(value, what=f"the output of step {key!r}")
                     completed(output, tries, describe_input(args, kwargs))
@@ -315,10 +316,10 @@ class Steps:
                     self.checkpoints.note_retry(key, tries, exc, delay)
                     self.ex.sleep(delay)
                     continue
-                step_pk = record.pk if record is not None else None
-                self.checkpoints.record_failure(
-                    step_pk, seq, key, idem, StepKind.TRANSACTION, tries, exc, policy=policy
-                )
+                failed = Failed(exc, tries, policy)
+                if record is None:
+                    self.checkpoints.fail_unstarted(at, StepKind.TRANSACTION, failed)
+                self.checkpoints.fail_step(record.pk, key, failed)
 
     def _invoke(
         self,
@@ -422,25 +423,21 @@ class Steps:
                             step_pk, key, payload, attempt, held, call.approval
                         )
                     except ApprovalRevoked as revoked:
-                        self.checkpoints.record_failure(
-                            step_pk, None, key, idem, None, attempt, revoked, held
-                        )
+                        revoked_ = Failed(revoked, attempt)
+                        self.checkpoints.fail_step(step_pk, key, revoked_, held=held)
                     continue
-                self.checkpoints.record_failure(
-                    step_pk, None, key, idem, None, attempt, exc, held, call.policy
-                )
+                failed = Failed(exc, attempt, call.policy)
+                self.checkpoints.fail_step(step_pk, key, failed, held=held)
             else:
                 self.answered_now.pop(idem, None)  # its usage is the step's own: Metered
-                fields = {"status": StepStatus.COMPLETED, "output": output}
-                if kind is not None:
-                    fields["kind"] = kind
                 self.checkpoints.finish_step(
-                    step_pk, key, {"attempt": attempt}, fields, usage, held, defer=call.defer,
+                    step_pk, key, Completed(output=output, attempt=attempt, kind=kind),
+                    usage=usage, held=held, defer=call.defer,
                     earlier=self._answered.pop(step_pk, None),
                 )  # fmt: skip
                 return output
 
-    def _take_rate(self, rate: rates.Grant, record, seq, key, kind, fields, tries) -> None:
+    def _take_rate(self, rate: rates.Grant, record, at: Position, kind, fields, tries) -> None:
         """Take a grant of `resource`'s rate limit for this call, or wait for one durably: the
         step is `waiting` until capacity returns (not yet started: no attempt is used up),
         and the run holds no worker meanwhile."""
@@ -452,14 +449,12 @@ class Steps:
             error = {**((record.error or {}) if record else {}), "tries": tries}
             error["throttled"] = resource
             if record is None:
-                w.new_step(
-                    seq, key, kind, input=fields["input"], attempt=0, wake_at=until, error=error
-                )
+                w.new_step(at, kind, input=fields["input"], attempt=0, wake_at=until, error=error)
             else:
                 w.park(record.pk, until, error)
-            w.event(EventType.STEP_THROTTLED, key, resource=resource, until=until.isoformat())
+            w.event(EventType.STEP_THROTTLED, at.key, resource=resource, until=until.isoformat())
             w.suspend(until)
-        raise Suspended(f"step {key!r} waits for {resource}'s rate limit until {until}")
+        raise Suspended(f"step {at.key!r} waits for {resource}'s rate limit until {until}")
 
     def _retry_later(self, step_pk, key, until, delay=0.0, payload=None, tries=0) -> NoReturn:
         """Wait for a step's next try as a timer, holding no worker thread: a provider's
@@ -481,14 +476,8 @@ class Steps:
         if found is NOT_FOUND:
             return NOT_FOUND
         output = to_json(found, what=f"the reconciled output of step {record.key!r}")
-        self.checkpoints.finish_step(
-            record.pk,
-            record.key,
-            {"attempt": record.attempt, "recovered": Recovery.RECONCILED},
-            {"status": StepStatus.COMPLETED, "output": output, "recovered": Recovery.RECONCILED},
-            None,
-            Reservation.of(record),
-        )
+        reconciled = Completed(output=output, attempt=record.attempt, recovered=Recovery.RECONCILED)
+        self.checkpoints.finish_step(record.pk, record.key, reconciled, held=Reservation.of(record))
         return output
 
     def _ask(self, record: Step, idem: str) -> Any:
@@ -505,24 +494,16 @@ class Steps:
                 return NOT_FOUND
             held = Reservation.of(record)
             if request.resolution == Resolution.HAPPENED:
-                self.checkpoints.finish_step(
-                    record.pk,
-                    record.key,
-                    {"recovered": Recovery.CONFIRMED, "approval_id": request.pk},
-                    {
-                        "status": StepStatus.COMPLETED,
-                        "output": request.resolution_output,
-                        "recovered": Recovery.CONFIRMED,
-                    },
-                    None,
-                    held,
-                )
+                confirmed = Completed(
+                    output=request.resolution_output, recovered=Recovery.CONFIRMED,
+                    approval_id=request.pk,
+                )  # fmt: skip
+                self.checkpoints.finish_step(record.pk, record.key, confirmed, held=held)
                 return request.resolution_output
             who = request.decided_by.get_username() if request.decided_by else "an operator"
             failure = OperatorFailed(f"{who} failed the run at ambiguous step {record.key!r}")
-            self.checkpoints.record_failure(
-                record.pk, None, record.key, idem, None, record.attempt, failure, held
-            )
+            failed = Failed(failure, record.attempt)
+            self.checkpoints.fail_step(record.pk, record.key, failed, held=held)
         with self.checkpoints.parking() as w:
             if request is None:
                 request = request_approval(

@@ -15,6 +15,7 @@ from runs.engine import registry
 from runs.engine.budget import default_run_budget
 from runs.engine.checkpoints import Parking
 from runs.engine.execution import Execution
+from runs.engine.outcomes import Position
 from runs.engine.records import Decision, as_timedelta
 from runs.engine.serialization import to_json
 from runs.engine.store import create_run
@@ -44,11 +45,14 @@ class Ask:
 
 @dataclass
 class Child:
-    key: str
-    seq: int
+    position: Position
     record: Step | None
     workflow: str
     input: Any
+
+    @property
+    def key(self) -> str:
+        return self.position.key
 
     @property
     def step(self) -> Step:
@@ -94,7 +98,7 @@ class Waits:
         with self.checkpoints.parking() as w:
             if record is None:
                 record = w.new_step(
-                    seq, key, StepKind.EVENT,
+                    self._at(seq, key), StepKind.EVENT,
                     input={"signal": name}, wake_at=None if delta is None else w.now + delta,
                 )  # fmt: skip
             signal = (
@@ -234,6 +238,9 @@ class Waits:
         data = to_json(ask.payload, what=f"the payload of approval {key!r}")
         return data, approved_digest(self.ex.who.workflow, key, ask.action, ask.summary, data)
 
+    def _at(self, seq: int, key: str) -> Position:
+        return Position(self.ex.who.run_id, seq, key)
+
     def _to_check(self, seq: int, record: Step) -> bool:
         """A decision a fork copied is checked until the fork has gone on from it."""
         return record.inherited and not self.ex.history.went_past(seq)
@@ -269,7 +276,7 @@ class Waits:
         expires = None if ask.timeout is None else w.now + as_timedelta(ask.timeout, "a timeout")
         asked = {"action": ask.action, "summary": ask.summary, "sha256": digest}
         if record is None:
-            w.new_step(seq, key, StepKind.APPROVAL, input=asked, wake_at=expires)
+            w.new_step(self._at(seq, key), StepKind.APPROVAL, input=asked, wake_at=expires)
         else:
             w.reopen(record.pk, input=asked, wake_at=expires)
         request = request_approval(
@@ -321,9 +328,9 @@ class Waits:
         entries = []
         for key, workflow, child_input in specs:  # every position first, as on replay
             key, seq, record = self.ex.position(key)
-            entries.append(Child(key, seq, record, workflow, child_input))
+            entries.append(Child(self._at(seq, key), record, workflow, child_input))
         for e in entries:
-            self.ex.admit(e.key, e.seq, e.record)
+            self.ex.admit(e.key, e.position.seq, e.record)
         if all(e.record is not None and e.record.status == StepStatus.COMPLETED for e in entries):
             return [e.step.output for e in entries]
         plans = {}
@@ -362,7 +369,7 @@ class Waits:
                 workflow=definition.name,
                 version=definition.version,
                 input=data,
-                key=f"{self.ex.who.run_id}:{e.key}",
+                key=e.position.idempotency_key,  # at most one child there
                 parent_id=self.ex.lease.run_id,
                 priority=definition.priority,
                 concurrency_key=definition.key_for(data),
@@ -370,7 +377,7 @@ class Waits:
                 **default_run_budget(definition.name),
             )
             e.record = w.new_step(
-                e.seq, e.key, StepKind.CHILD,
+                e.position, StepKind.CHILD,
                 input={"workflow": definition.ref, "run_id": str(child.id)},
             )  # fmt: skip
             w.event(EventType.CHILD_STARTED, e.key, child=str(child.id))
@@ -378,8 +385,9 @@ class Waits:
     def _record_ended_children(self, w: Parking, entries: list[Child]) -> bool:
         """Record each child that has ended on its step (completed or failed) inside the wait
         `w`; whether any is still running."""
-        run_id = self.ex.who.run_id
-        keys = {f"{run_id}:{e.key}": e for e in entries if e.step.status != StepStatus.COMPLETED}
+        keys = {
+            e.position.idempotency_key: e for e in entries if e.step.status != StepStatus.COMPLETED
+        }
         waiting = False
         for child in Run.objects.filter(key__in=keys).only(
             "id", "key", "status", "output", "error"
@@ -406,8 +414,9 @@ class Waits:
             if record is None:
                 when = deadline(w.now)
                 record = w.new_step(
-                    seq, key, StepKind.SLEEP, input={"until": when.isoformat()}, wake_at=when
-                )
+                    self._at(seq, key), StepKind.SLEEP, input={"until": when.isoformat()},
+                    wake_at=when,
+                )  # fmt: skip
             wake_at = record.wake_at
             assert wake_at is not None  # a sleep's row is written with its deadline
             if wake_at <= w.now:
