@@ -35,7 +35,10 @@ from runs.engine.fences import (
 )
 from runs.engine.history import History
 from runs.engine.host import Turnstile
+from runs.engine.outcomes import Completed, Failed, Position
 from runs.engine.recorded import Recorded
+from runs.engine.retry import RetryPolicy
+from runs.engine.step_starts import StepOptions
 from runs.engine.steps import Steps
 from runs.engine.waits import Waits
 from runs.errors import NonDeterminismError, StepFailed, StepMisuse
@@ -491,6 +494,60 @@ def test_within_an_execution_fenced_writes_are_made_by_checkpoints_alone():
         )
     }
     assert fencers == {"checkpoints.py", "store.py", "lifecycle.py"}
+
+
+#: The concerns of an execution: what workflow code calls into, and what it is made of.
+CONCERNS = (
+    "steps.py", "waits.py", "step_starts.py", "step_deadline.py", "recorded.py", "history.py",
+    "compensation.py", "agent.py", "llm.py", "flow.py", "context.py", "dry.py",
+)  # fmt: skip
+
+
+def test_the_concerns_of_an_execution_leave_the_write_protocol_to_checkpoints():
+    """Issue 52 §1: a wait or a step writes through a unit of work of Checkpoints
+    (`parking`, `transaction_step`), which takes the fence, orders the writes and reserves
+    the events' seqs: a new wait kind cannot get the order or the count wrong, because it
+    neither opens the transaction (`atomic(`) nor sees a seq (`event_seq`)."""
+    found = []
+    for name in CONCERNS:
+        text = (ENGINE / name).read_text()  # a concern renamed: say so here
+        found += [f"{name}: {word}" for word in ("atomic(", "event_seq") if word in text]
+    assert not found, found
+
+
+def test_a_position_and_an_outcome_are_values_checkpoints_turns_into_columns():
+    """Issue 52 §3: a position names its idempotency key in one place; a completion and a
+    failure say what goes on the row and in the event, and nothing else is built by hand."""
+    at = Position("r1", 3, "charge#2")
+    assert at.idempotency_key == "r1:charge#2"
+    with pytest.raises(FrozenInstanceError):
+        at.key = "other"  # type: ignore[misc]
+    confirmed = Completed(output={"id": 7}, recovered="confirmed", approval_id=9)
+    assert confirmed.columns() == {
+        "status": "completed",
+        "output": {"id": 7},
+        "recovered": "confirmed",
+    }
+    assert confirmed.payload() == {"recovered": "confirmed", "approval_id": 9}
+    assert Completed(output=1, attempt=2, kind="llm").columns()["kind"] == "llm"
+    answer = Failed(StepMisuse("no"), 1)  # not retryable: an answer, the same next time
+    assert (answer.record["retryable"], answer.record["attempts"]) == (False, 1)
+    outage = Failed(ConnectionError("down"), 5)
+    assert outage.record["retryable"] is True
+    assert (
+        Failed(ConnectionError("down"), 5, RetryPolicy(retry_on=(KeyError,))).record["retryable"]
+        is False
+    )
+
+
+def test_step_options_are_named_and_run_keys_are_formatted_by_the_position_alone():
+    """A new `ctx.step` option cannot be passed in the wrong place: StepOptions takes names
+    only. `<run id>:<key>` (a step's idempotency key, a child run's key) is Position's."""
+    with pytest.raises(TypeError):
+        StepOptions(None, None, "resend")  # type: ignore[misc]
+    assert StepOptions(on_ambiguous="ask").durable
+    formatting = [m.name for m in ENGINE.glob("*.py") if re.search(r"run_id\}:\{", m.read_text())]
+    assert formatting == ["outcomes.py"]
 
 
 def _engine_imports(module: Path) -> set[str]:

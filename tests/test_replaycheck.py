@@ -279,7 +279,7 @@ def test_the_dry_replays_checkpoints_refuse_every_writing_method():
         name for name, member in vars(Checkpoints).items()
         if inspect.isfunction(member) and not name.startswith("_") and name != "check_approval"
     ]  # fmt: skip
-    assert {"new_step", "write_start", "finish_step", "mark_patch", "suspend"} <= set(writes)
+    assert {"parking", "transaction_step", "write_start", "finish_step"} <= set(writes)
     refusing = RefusingCheckpoints.__new__(RefusingCheckpoints)
     for name in writes:
         with pytest.raises(HistoryEnds):

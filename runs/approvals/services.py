@@ -6,6 +6,7 @@ them in that order too, so a decision racing an expiry never deadlocks.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from django.conf import settings
@@ -39,6 +40,26 @@ def _already(request: ApprovalRequest) -> Conflict:
     who = request.decided_by.get_username() if request.decided_by else "nobody"
     when = f" at {request.decided_at:%Y-%m-%d %H:%M:%S}" if request.decided_at else ""
     return Conflict(f"approval #{request.pk} was already {request.status} by {who}{when}")
+
+
+def request_approval(
+    run_id,
+    step_key: str,
+    *,
+    action: str,
+    summary: str = "",
+    payload: Any = None,
+    kind: str = ApprovalKind.ACTION,
+    sha256: str = "",
+    expires_at: datetime | None = None,
+) -> ApprovalRequest:
+    """Ask a person: the one place an approval request is made, by a run's execution inside
+    the unit of work that parks the run (Checkpoints.parking), whose fence has locked the
+    run row first: the lock order every decision takes."""
+    return ApprovalRequest.objects.create(
+        run_id=run_id, step_key=step_key, kind=kind, action=action, summary=summary,
+        payload=payload, sha256=sha256, expires_at=expires_at,
+    )  # fmt: skip
 
 
 _SHAPED = {

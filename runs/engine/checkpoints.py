@@ -9,7 +9,8 @@ written outside an execution (claims, operator actions) go through `store.append
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import datetime
 from functools import cached_property
@@ -34,8 +35,8 @@ from runs.engine.budget import (
 from runs.engine.budget_room import resume_fitting
 from runs.engine.compensation import Compensations
 from runs.engine.fences import Completion, Fence, Lease, Spend
-from runs.engine.records import INTERRUPTED, Decision, Identity, brief, error_record
-from runs.engine.retry import RetryPolicy, retryable
+from runs.engine.outcomes import Completed, Failed, Position
+from runs.engine.records import INTERRUPTED, Decision, Identity, brief
 from runs.engine.store import append_event, atomic, complete_later, fence, fenced_write
 from runs.errors import REPLAYED, ApprovalRevoked, Cancelled, StepFailed, StepguardError
 from runs.models import EventType, Run, RunStatus, Step, StepKind, StepStatus
@@ -65,32 +66,24 @@ class Checkpoints:
         # Halts and budgets stop both.
         return Fence(starting=True, compensating=self._undo.running)
 
-    def new_step(self, seq: int, key: str, kind: str, status: str, **fields) -> Step:
+    def _new_step(self, at: Position, kind: str, status: str, **fields) -> Step:
         return Step.objects.create(
             run_id=self._lease.run_id,
-            seq=seq,
-            key=key,
+            seq=at.seq,
+            key=at.key,
             kind=kind,
             status=status,
-            idempotency_key=f"{self.who.run_id}:{key}",
+            idempotency_key=at.idempotency_key,
             run_attempt=self.who.attempt,
             started_at=timezone.now(),
             **fields,
         )
 
-    def reopen_step(self, step_pk: Any, now: datetime, **fields) -> None:
-        """A step a fork copied, turned back into a wait of the fork's own (a decision that
-        does not stand for it, asked again), inside the caller's transaction."""
-        Step.objects.filter(pk=step_pk).update(
-            status=StepStatus.WAITING, inherited=False, output=None, error=None,
-            run_attempt=self.who.attempt, started_at=now, finished_at=None, **fields,
-        )  # fmt: skip
-
-    def event(self, event_seq: int, type_: str, key: str = "", **payload: Any) -> None:
+    def _event(self, event_seq: int, type_: str, key: str = "", **payload: Any) -> None:
         """One event of this run, at the seq its fence reserved (inside that transaction)."""
         append_event(self._lease.run_id, event_seq, type_, key, **payload)
 
-    def end_step(self, step_pk: Any, now: datetime, *, output=None, error=None) -> None:
+    def _end_step(self, step_pk: Any, now: datetime, *, output=None, error=None) -> None:
         """A waiting step ends (inside the caller's transaction): completed with `output`, or
         failed with `error` (its record)."""
         if error is None:
@@ -101,13 +94,6 @@ class Checkpoints:
             Step.objects.filter(pk=step_pk).update(
                 status=StepStatus.FAILED, error=error, run_attempt=self.who.attempt, finished_at=now
             )
-
-    def park_step(self, step_pk: Any, until: datetime, error: dict) -> None:
-        """A started step waits until `until` for its next try (inside the caller's
-        transaction), keeping what it holds against the budgets."""
-        Step.objects.filter(pk=step_pk).update(
-            status=StepStatus.WAITING, wake_at=until, error=error
-        )
 
     def book_attempt(self, step_pk: Any, usage: Usage) -> None:
         """An attempt that failed after the provider answered was paid: its usage goes on the
@@ -145,26 +131,32 @@ class Checkpoints:
             )  # fmt: skip
         return Reservation(held, list(scopes), day)
 
-    def begin_transaction(self) -> int:
-        """The fence of a transaction step (inside its transaction); its event's seq. Like
-        any step, none starts once a shared daily budget is spent."""
-        event_seq = fence(self._lease, replace(self.start_fence, progress=True))
-        if shared := scopes_for(self.who.workflow, self.who.labels):
-            reserve_shared(shared, NOTHING, NOTHING, timezone.now().date())
-        return event_seq
+    @contextmanager
+    def transaction_step(
+        self, record: Step | None, at: Position
+    ) -> Iterator[Callable[[Any, int, Any], None]]:
+        """A transaction step's unit of work: its fence, then the function's own writes, then
+        its completion (what the block calls: `completed(output, tries, input)`), all in one
+        transaction. Like any step, none starts once a shared daily budget is spent."""
+        with atomic(self._lease):
+            event_seq = fence(self._lease, replace(self.start_fence, progress=True))
+            if shared := scopes_for(self.who.workflow, self.who.labels):
+                reserve_shared(shared, NOTHING, NOTHING, timezone.now().date())
 
-    def record_transaction(
-        self, event_seq: int, record: Step | None, seq: int, key: str, fields: dict, input_
-    ) -> None:
-        """A transaction step's completion, in the transaction its function wrote in."""
-        if record is None:
-            Step.objects.create(
-                run_id=self._lease.run_id, seq=seq, key=key, kind=StepKind.TRANSACTION,
-                input=input_, idempotency_key=f"{self.who.run_id}:{key}", **fields,
-            )  # fmt: skip
-        else:
-            Step.objects.filter(pk=record.pk).update(**fields)
-        self.event(event_seq, EventType.STEP_COMPLETED, key, attempt=fields["attempt"])
+            def completed(output: Any, tries: int, input_: Any) -> None:
+                now = timezone.now()
+                fields = {
+                    "status": StepStatus.COMPLETED, "output": output, "error": None,
+                    "attempt": tries, "run_attempt": self.who.attempt,
+                    "started_at": now, "finished_at": now,
+                }  # fmt: skip
+                if record is None:
+                    self._new_step(at, StepKind.TRANSACTION, input=input_, **fields)
+                else:
+                    Step.objects.filter(pk=record.pk).update(**fields)
+                self._event(event_seq, EventType.STEP_COMPLETED, at.key, attempt=tries)
+
+            yield completed
 
     def restart(self, step_pk, key, payload, attempt: int, held, approval) -> None:
         """An in-place retry's start: the next attempt on the step's row, checked as any start
@@ -207,18 +199,26 @@ class Checkpoints:
                 assert update is not None
                 step_pk = update[0]
                 Step.objects.filter(pk=step_pk).update(**update[1])
-            self.event(event_seq, type_, key, **payload)
+            self._event(event_seq, type_, key, **payload)
         return step_pk
 
     def finish_step(
-        self, step_pk, key, payload, fields, usage: Usage | None, held, *, defer=False,
-        earlier: Usage | None = None,
+        self, step_pk: Any, key: str, outcome: Completed, *, usage: Usage | None = None,
+        held: Reservation | None = None, defer: bool = False, earlier: Usage | None = None,
     ) -> None:  # fmt: skip
-        """Finish a step: its row, its event and, if it spent or held anything, the budgets.
+        """Finish a started step with its outcome: its row, its event and, if it spent or
+        held anything (`usage`, `held`), the budgets.
 
         With `defer`, a completion that touches no budget rides with the run's next write
         (`complete_later`) unless STEPGUARD_EAGER_COMPLETIONS asks for it now.
         """
+        fields, payload = outcome.columns(), outcome.payload()
+        self._finish(step_pk, key, payload, fields, usage, held or Reservation(), defer, earlier)
+
+    def _finish(
+        self, step_pk, key, payload, fields, usage: Usage | None, held, defer=False,
+        earlier: Usage | None = None,
+    ) -> None:  # fmt: skip
         fields["finished_at"] = timezone.now()
         event = (
             EventType.STEP_COMPLETED
@@ -284,102 +284,86 @@ class Checkpoints:
             if warnings:
                 first = fence(self._lease, Fence(events=len(warnings)))
                 for offset, label in enumerate(warnings):
-                    self.event(
+                    self._event(
                         first + offset, EventType.BUDGET_WARNING, key, budget=label, threshold=ratio
                     )
 
-    def record_failure(
-        self,
-        step_pk: Any,
-        seq: int | None,
-        key: str,
-        idem: str | None,
-        kind: str | None,
-        attempt: int,
-        exc: BaseException,
-        held: Reservation | None = None,
-        policy: RetryPolicy | None = None,
+    def fail_step(
+        self, step_pk: Any, key: str, failed: Failed, *, held: Reservation | None = None
     ) -> NoReturn:
-        """Record a step's final failure and raise it. With no `step_pk` the step has no row
-        yet (a transaction step, a refused re-send): one is inserted at `seq` as `kind`.
-        `retryable` records whether the step's `policy` retries this error at all: False is
-        an answer (a retry, of the step or of the run, gets the same one), True an outage
-        the policy gave up on after `attempts`."""
-        final = not (policy.retries(exc) if policy is not None else retryable(exc))
-        error = {**error_record(exc), "retryable": not final, "attempts": attempt}
-        fields = {
-            "status": StepStatus.FAILED,
-            "error": error,
-            "attempt": attempt,
+        """Record a started step's final failure, giving back what it held, and raise it."""
+        self._finish(
+            step_pk, key, failed.payload(self.who.worker_id), self._failed_columns(failed),
+            None, held or Reservation(),
+        )  # fmt: skip
+        self._raise(key, failed)
+
+    def fail_unstarted(self, at: Position, kind: str, failed: Failed) -> NoReturn:
+        """Record the final failure of a step with no row yet (a transaction step, a start
+        refused by a revoked approval) on a new row at `at`, and raise it."""
+        now = timezone.now()
+        insert = {"seq": at.seq, "key": at.key, "kind": kind}
+        insert |= {"idempotency_key": at.idempotency_key, "started_at": now, "finished_at": now}
+        fenced_write(
+            self._lease, (EventType.STEP_FAILED, at.key, failed.payload(self.who.worker_id)),
+            insert_step={**insert, **self._failed_columns(failed)},
+        )  # fmt: skip
+        self._raise(at.key, failed)
+
+    def _failed_columns(self, failed: Failed) -> dict[str, Any]:
+        return {
+            "status": StepStatus.FAILED, "error": failed.record, "attempt": failed.attempt,
             "run_attempt": self.who.attempt,
-        }
-        payload = {"attempt": attempt, "error": brief(exc), "worker": self.who.worker_id}
-        if step_pk is not None:
-            self.finish_step(step_pk, key, payload, fields, None, held or Reservation())
-        else:
-            now = timezone.now()
-            insert: dict[str, Any] = {"seq": seq, "key": key, "kind": kind, "idempotency_key": idem}
-            insert |= {"started_at": now, "finished_at": now}
-            fenced_write(
-                self._lease, (EventType.STEP_FAILED, key, payload), insert_step={**insert, **fields}
-            )
+        }  # fmt: skip
+
+    @staticmethod
+    def _raise(key: str, failed: Failed) -> NoReturn:
+        exc = failed.error
         if isinstance(exc, StepguardError) and exc.code in REPLAYED:
             raise exc
-        raise StepFailed(key, error, retryable=error["retryable"]) from exc
+        record = failed.record
+        raise StepFailed(key, record, retryable=record["retryable"]) from exc
 
     def note_retry(self, key: str, tries: int, exc: Exception, delay: float) -> None:
         """A transaction step's failed try, recorded before its wait (it has no step row)."""
         with atomic(self._lease):
             event_seq = fence(self._lease)
-            self.event(
+            self._event(
                 event_seq, EventType.STEP_RETRYING, key,
                 attempt=tries + 1, delay_s=round(delay, 3), error=brief(exc),
             )  # fmt: skip
 
-    def append_events(self, first_seq: int, events: list[tuple[str, str, dict]]) -> None:
-        """Write several events; the fence already reserved `first_seq` for the first one."""
-        seqs = [first_seq]
-        if len(events) > 1:
-            more = fence(self._lease, Fence(events=len(events) - 1))
-            seqs += range(more, more + len(events) - 1)
-        for seq, (type_, key, payload) in zip(seqs, events, strict=False):
-            self.event(seq, type_, key, **payload)
+    @contextmanager
+    def parking(self, *, events: int = 1, children: tuple[str, ...] = ()) -> Iterator[Parking]:
+        """A durable wait's unit of work: one transaction that fences first, in the lock order
+        a pause takes (docs/architecture.md), then writes the wait's rows as the block asks
+        (`Parking`), its events in the order queued, and gives the run up last, if the block
+        suspends it (the fence needs the lease that `suspend` clears).
 
-    def enter_wait(self, children: tuple[str, ...] = ()) -> tuple[int, datetime]:
-        """The fence of a durable wait, in the lock order a pause takes (docs/architecture.md):
-        a halt placed meanwhile is either seen by the fence, which refuses the wait, or waits
-        for it and finds the run waiting, which it parks. `children`: the workflows of child
-        runs the wait creates, whose policies cover them too (create_run locks them again)."""
-        chain = holds.chain_of(self._lease.run_id)
-        holds.lock_policies(chain, children)
-        event_seq = fence(self._lease, replace(self.start_fence, progress=True))
-        holds.lock_ancestors(chain)
-        return event_seq, timezone.now()
-
-    def close_wait(
-        self, record: Step, now: datetime, *, output=None, error: StepguardError | None = None
-    ) -> tuple[str, str, dict]:
-        """End a waiting step (inside the caller's transaction), completed with `output` or
-        failed with `error`; its event, for the caller to append."""
-        if error is None:
-            self.end_step(record.pk, now, output=output)
-            return EventType.STEP_COMPLETED, record.key, {}
-        self.end_step(record.pk, now, error={**error.as_record(), "retryable": error.retryable})
-        return EventType.STEP_FAILED, record.key, {"error": brief(error)}
-
-    def finish_wait(
-        self, record: Step, event_seq: int, now, *, output=None, error=None, **payload
-    ) -> None:
-        """Finish a waiting step and append its event (inside the caller's transaction)."""
-        type_, key, brief_ = self.close_wait(record, now, output=output, error=error)
-        self.event(event_seq, type_, key, **brief_, **payload)
-
-    def suspend(self, wake_at: datetime | None) -> None:
-        """Give the run up until `wake_at` (or until something wakes it), inside the caller's
-        transaction: the run row is already locked by the fence."""
-        Run.objects.filter(pk=self._lease.run_id).update(
-            status=RunStatus.WAITING, wake_at=wake_at, worker=None, lease_until=None
-        )
+        A halt placed meanwhile is either seen by the fence, which refuses the wait, or waits
+        for it and finds the run waiting, which it parks. `events`: how many the wait will
+        write, reserved by the fence (more are reserved again before they are written);
+        `children`: the workflows of child runs the wait creates, whose policies cover them
+        too (create_run locks them again)."""
+        with atomic(self._lease):
+            chain = holds.chain_of(self._lease.run_id)
+            holds.lock_policies(chain, children)
+            first = fence(self._lease, replace(self.start_fence, progress=True, events=events))
+            holds.lock_ancestors(chain)
+            parking = Parking(self, timezone.now())
+            yield parking
+            queued = parking.events
+            seqs = list(range(first, first + min(events, len(queued))))
+            if len(queued) > events:
+                more = fence(self._lease, Fence(events=len(queued) - events))
+                seqs += range(more, more + len(queued) - events)
+            for seq, (type_, key, payload) in zip(seqs, queued, strict=True):
+                self._event(seq, type_, key, **payload)
+            if parking.wake is not None:
+                (wake_at,) = parking.wake
+                Run.objects.filter(pk=self._lease.run_id).update(
+                    status=RunStatus.WAITING, wake_at=wake_at, worker=None, lease_until=None
+                )
 
     def note(self, type_: str, key: str, **payload: Any) -> None:
         """An event of the execution's own (a model with no price): one fenced write."""
@@ -392,8 +376,10 @@ class Checkpoints:
             event_seq = fence(self._lease, Fence(starting=True, compensating=True))
             if cancelled:
                 raise Cancelled("cancel requested")
-            self.new_step(seq, key, StepKind.CALL, StepStatus.COMPLETED, finished_at=timezone.now())
-            self.event(event_seq, EventType.STEP_COMPLETED, key, patch=change_id)
+            now = timezone.now()
+            at = Position(self.who.run_id, seq, key)
+            self._new_step(at, StepKind.CALL, StepStatus.COMPLETED, finished_at=now)
+            self._event(event_seq, EventType.STEP_COMPLETED, key, patch=change_id)
 
     def check_approval(self, decision: Decision | int | None) -> None:
         """A step started under `approval=` starts only if that approval still stands: checked
@@ -420,6 +406,66 @@ class Checkpoints:
             chain.append(origin)
             origin = Run.objects.filter(pk=origin).values_list("forked_from_id", flat=True)[0]
         return chain
+
+
+class Parking:
+    """What a durable wait writes, inside its unit of work (`Checkpoints.parking`): its step
+    rows at once (the block reads them back), its events queued in order, and whether it
+    gives the run up (`suspend`), done last. The seqs, the fence and the lease are not its
+    caller's business."""
+
+    def __init__(self, checkpoints: Checkpoints, now: datetime):
+        self._checkpoints = checkpoints
+        #: When the wait was entered, after the fence: its deadlines count from here.
+        self.now = now
+        self.events: list[tuple[str, str, dict]] = []
+        #: `(wake_at,)` once the wait gives the run up.
+        self.wake: tuple[datetime | None] | None = None
+
+    def new_step(self, at: Position, kind: str, **fields) -> Step:
+        """The wait's own row, `waiting`."""
+        return self._checkpoints._new_step(at, kind, StepStatus.WAITING, **fields)
+
+    def reopen(self, step_pk: Any, **fields) -> None:
+        """A step a fork copied, turned back into a wait of the fork's own (a decision that
+        does not stand for it, asked again)."""
+        Step.objects.filter(pk=step_pk).update(
+            status=StepStatus.WAITING, inherited=False, output=None, error=None,
+            run_attempt=self._checkpoints.who.attempt, started_at=self.now, finished_at=None,
+            **fields,
+        )  # fmt: skip
+
+    def park(self, step_pk: Any, until: datetime, error: dict) -> None:
+        """A started step waits until `until` for its next try, keeping what it holds against
+        the budgets."""
+        Step.objects.filter(pk=step_pk).update(
+            status=StepStatus.WAITING, wake_at=until, error=error
+        )
+
+    def event(self, type_: str, key: str = "", **payload: Any) -> None:
+        self.events.append((type_, key, payload))
+
+    def complete(
+        self, step: Step, output: Any = None, *, event: str = EventType.STEP_COMPLETED, **payload
+    ) -> None:
+        """The waiting step ends with `output`, and its event says so."""
+        self._checkpoints._end_step(step.pk, self.now, output=output)
+        self.event(event, step.key, **payload)
+
+    def fail(
+        self, step: Step, error: StepguardError, *, record: dict | None = None, **payload
+    ) -> None:
+        """The waiting step fails with `error`: on its row, `record` if given, else the error
+        and whether it is retryable."""
+        if record is None:
+            record = {**error.as_record(), "retryable": error.retryable}
+        self._checkpoints._end_step(step.pk, self.now, error=record)
+        self.event(EventType.STEP_FAILED, step.key, **payload, error=brief(error))
+
+    def suspend(self, wake_at: datetime | None) -> None:
+        """Give the run up until `wake_at` (or until something wakes it), once everything else
+        of the wait is written."""
+        self.wake = (wake_at,)
 
 
 # What ends a run writes the rows of the steps it leaves behind: inside the transaction that

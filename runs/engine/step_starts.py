@@ -21,7 +21,8 @@ from runs.engine.budget import (
     reserve_shared,
     to_usd,
 )
-from runs.engine.records import INTERRUPTED, Decision
+from runs.engine.outcomes import Position
+from runs.engine.records import INTERRUPTED, Decision, Identity
 from runs.engine.retry import RetryPolicy
 from runs.models import Recovery, Step, StepKind, StepStatus
 
@@ -54,7 +55,7 @@ class StepCall:
     timeout: float | None = None  # seconds an attempt may take (runs/engine/step_deadline.py)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepOptions:
     """How `ctx.step` (or a metered call built on it) asked for a step to run: one value from
     the step's position to its recovery, its start and its call, re-used as is when a cancel
@@ -80,30 +81,29 @@ class StepOptions:
 
 
 def start_row(
-    record: Step | None, seq: int, key: str, kind: str, idem: str, input: Any, run_attempt: int,
-    worker: str,
-) -> tuple[int, dict[str, Any], dict[str, Any]]:  # fmt: skip
+    record: Step | None, at: Position, kind: str, input: Any, who: Identity
+) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """The attempt, the row's columns and the `step.started` payload of a start: a new row for
     a step never started, the next attempt on the row an earlier execution left (a re-send of
     one that may have run says so)."""
     if record is None:
         fields: dict[str, Any] = {
-            "seq": seq,
-            "key": key,
+            "seq": at.seq,
+            "key": at.key,
             "kind": kind,
             "status": StepStatus.STARTED,
             "input": input,
-            "idempotency_key": idem,
-            "run_attempt": run_attempt,
+            "idempotency_key": at.idempotency_key,
+            "run_attempt": who.attempt,
             "started_at": timezone.now(),
         }
-        return 1, fields, {"attempt": 1, "worker": worker}
+        return 1, fields, {"attempt": 1, "worker": who.worker_id}
     attempt = record.attempt + 1
-    payload: dict[str, Any] = {"attempt": attempt, "worker": worker}
+    payload: dict[str, Any] = {"attempt": attempt, "worker": who.worker_id}
     fields = {
         "status": StepStatus.STARTED,
         "attempt": attempt,
-        "run_attempt": run_attempt,
+        "run_attempt": who.attempt,
         "error": None,
         "started_at": timezone.now(),  # its times are this attempt's (the events keep each)
         "finished_at": None,

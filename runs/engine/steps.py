@@ -18,10 +18,12 @@ from django.utils import timezone
 
 from runs import tracing
 from runs.approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
+from runs.approvals.services import request_approval
 from runs.engine import rates
 from runs.engine.budget import Amount, Metered, Reservation, Usage, scopes_for, to_usd
 from runs.engine.execution import Execution
 from runs.engine.llm import retry_after
+from runs.engine.outcomes import Completed, Failed, Position
 from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, StepThread, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import describe_input, to_json
@@ -34,7 +36,7 @@ from runs.engine.step_starts import (
     possibly_spent,
     start_row,
 )
-from runs.engine.store import atomic, flush
+from runs.engine.store import flush
 from runs.errors import (
     ApprovalRevoked,
     Cancelled,
@@ -137,8 +139,9 @@ class Steps:
         seconds = seconds_of(timeout, f"step {key!r}")
         key, seq, record = self.ex.position(key, internal=internal)
         options = StepOptions(
-            retry, reconcile, on_ambiguous, compensate, approval, estimate, kind, described, model,
-            resource, seconds,
+            retry=retry, reconcile=reconcile, on_ambiguous=on_ambiguous, compensate=compensate,
+            approval=approval, estimate=estimate, kind=kind, described=described, model=model,
+            resource=resource, timeout=seconds,
         )  # fmt: skip
         in_doubt = (
             record is not None
@@ -176,10 +179,11 @@ class Steps:
             # this run undoes only what it did itself.
             undo = None if record.inherited else o.compensate
             return self.ex.undo.remember(key, undo, record.output)
-        idem = f"{self.ex.who.run_id}:{key}"
+        at = Position(self.ex.who.run_id, seq, key)
+        idem = at.idempotency_key
         tries = 0  # the tries of this retry sequence so far: a durable retry delay goes on with it
         if record is not None:
-            found = self._recover(record, seq, key, idem, o)
+            found = self._recover(record, at, o)
             if found is not NOT_FOUND:
                 return self.ex.undo.remember(key, o.compensate, found)
             if record.status == StepStatus.WAITING:
@@ -189,9 +193,7 @@ class Steps:
         input = o.described
         if input is None and record is None:
             input = describe_input(args, kwargs)
-        attempt, fields, payload = start_row(
-            record, seq, key, o.kind, idem, input, self.ex.who.attempt, self.ex.who.worker_id
-        )
+        attempt, fields, payload = start_row(record, at, o.kind, input, self.ex.who)
         rate = None
         if o.resource and not self.ex.undo.running:
             tokens = o.estimate.tokens_in + o.estimate.tokens_out if o.estimate else 0
@@ -204,8 +206,8 @@ class Steps:
         ending = rate.ended_on_error() if rate is not None else nullcontext()
         with ending, tracing.step(self.ex.trace, key, o.kind, attempt, o.model):
             if rate is not None:
-                self._take_rate(rate, record, seq, key, o.kind, fields, tries)
-            step_pk = self._start(record, seq, key, idem, fields, payload, hold, possibly, o)
+                self._take_rate(rate, record, at, o.kind, fields, tries)
+            step_pk = self._start(record, at, fields, payload, hold, possibly, o)
             call = StepCall(
                 step_pk, seq, key, idem, fn, args, kwargs,
                 policy=o.retry or DEFAULT_RETRY,
@@ -220,7 +222,7 @@ class Steps:
             output = self._call(call, attempt, tries)
         return self.ex.undo.remember(key, o.compensate, output)
 
-    def _recover(self, record: Step, seq: int, key: str, idem: str, options: StepOptions) -> Any:
+    def _recover(self, record: Step, at: Position, options: StepOptions) -> Any:
         """A step an earlier execution left unfinished: the outcome its ambiguous-outcome policy
         found (reconcile or a person), or NOT_FOUND when it is to start again."""
         if record.tokens_in or record.tokens_out or record.cost_micros:
@@ -229,7 +231,7 @@ class Steps:
             self._answered[record.pk] = Usage(record.tokens_in, record.tokens_out, spent)
         if not may_have_run(record) or not options.durable:
             return NOT_FOUND
-        reconcile = options.reconcile
+        reconcile, idem = options.reconcile, at.idempotency_key
         found = (
             self._reconcile(record, reconcile, idem)
             if reconcile is not None
@@ -238,14 +240,12 @@ class Steps:
         if found is NOT_FOUND and self.ex.undo.running:
             # A cancel resolving it: it never happened, nothing to undo.
             gone = Cancelled("the run was cancelled before this step happened")
-            held = Reservation.of(record)
-            self.checkpoints.record_failure(
-                record.pk, seq, key, idem, options.kind, record.attempt, gone, held
-            )
+            failed = Failed(gone, record.attempt)
+            self.checkpoints.fail_step(record.pk, at.key, failed, held=Reservation.of(record))
         return found
 
     def _start(
-        self, record: Step | None, seq: int, key: str, idem: str, fields: dict, payload: dict,
+        self, record: Step | None, at: Position, fields: dict, payload: dict,
         hold: StartReservation, possibly: Amount, options: StepOptions,
     ) -> Any:  # fmt: skip
         """Write a step's start (a first start, a re-send, a resumed wait) and return its row's
@@ -258,7 +258,7 @@ class Steps:
         shared = hold.shared or hold.moving
         try:
             return self.checkpoints.write_start(
-                (EventType.STEP_STARTED, key, payload),
+                (EventType.STEP_STARTED, at.key, payload),
                 replace(starting, durable=options.durable),
                 insert=fields if record is None else None,
                 update=None if record is None else (record.pk, fields),
@@ -266,8 +266,9 @@ class Steps:
                 take_shared=hold.take_shared if shared else None,
             )
         except ApprovalRevoked as exc:
-            pk = record.pk if record is not None else None
-            self.checkpoints.record_failure(pk, seq, key, idem, options.kind, 1, exc, hold.old)
+            if record is None:
+                self.checkpoints.fail_unstarted(at, options.kind, Failed(exc, 1))
+            self.checkpoints.fail_step(record.pk, at.key, Failed(exc, 1), held=hold.old)
 
     def _book_answered(self, step_pk: Any, usage: Usage | None) -> None:
         """An attempt that failed after the provider answered (the SDK's parse of structured
@@ -296,28 +297,17 @@ class Steps:
         if record is not None and record.status == StepStatus.COMPLETED:
             return record.output
         policy = retry or DEFAULT_RETRY
-        idem = f"{self.ex.who.run_id}:{key}"
+        at = Position(self.ex.who.run_id, seq, key)
+        idem = at.idempotency_key
         flush(self.ex.lease)  # the step before is recorded whatever this transaction does
         tries = 0
         while True:
             tries += 1
             try:
-                with atomic(self.ex.lease):
-                    event_seq = self.checkpoints.begin_transaction()
+                with self.checkpoints.transaction_step(record, at) as completed:
                     value = self._invoke(key, idem, seq, fn, args, kwargs)
                     output = to_json(value, what=f"the output of step {key!r}")
-                    now = timezone.now()
-                    fields = {
-                        "status": StepStatus.COMPLETED,
-                        "output": output,
-                        "error": None,
-                        "attempt": tries,
-                        "run_attempt": self.ex.who.attempt,
-                        "started_at": now,
-                        "finished_at": now,
-                    }
-                    input_ = describe_input(args, kwargs)
-                    self.checkpoints.record_transaction(event_seq, record, seq, key, fields, input_)
+                    completed(output, tries, describe_input(args, kwargs))
                 return output
             except ControlFlow:
                 raise
@@ -326,10 +316,10 @@ class Steps:
                     self.checkpoints.note_retry(key, tries, exc, delay)
                     self.ex.sleep(delay)
                     continue
-                step_pk = record.pk if record is not None else None
-                self.checkpoints.record_failure(
-                    step_pk, seq, key, idem, StepKind.TRANSACTION, tries, exc, policy=policy
-                )
+                failed = Failed(exc, tries, policy)
+                if record is None:
+                    self.checkpoints.fail_unstarted(at, StepKind.TRANSACTION, failed)
+                self.checkpoints.fail_step(record.pk, key, failed)
 
     def _invoke(
         self,
@@ -433,25 +423,21 @@ class Steps:
                             step_pk, key, payload, attempt, held, call.approval
                         )
                     except ApprovalRevoked as revoked:
-                        self.checkpoints.record_failure(
-                            step_pk, None, key, idem, None, attempt, revoked, held
-                        )
+                        revoked_ = Failed(revoked, attempt)
+                        self.checkpoints.fail_step(step_pk, key, revoked_, held=held)
                     continue
-                self.checkpoints.record_failure(
-                    step_pk, None, key, idem, None, attempt, exc, held, call.policy
-                )
+                failed = Failed(exc, attempt, call.policy)
+                self.checkpoints.fail_step(step_pk, key, failed, held=held)
             else:
                 self.answered_now.pop(idem, None)  # its usage is the step's own: Metered
-                fields = {"status": StepStatus.COMPLETED, "output": output}
-                if kind is not None:
-                    fields["kind"] = kind
                 self.checkpoints.finish_step(
-                    step_pk, key, {"attempt": attempt}, fields, usage, held, defer=call.defer,
+                    step_pk, key, Completed(output=output, attempt=attempt, kind=kind),
+                    usage=usage, held=held, defer=call.defer,
                     earlier=self._answered.pop(step_pk, None),
                 )  # fmt: skip
                 return output
 
-    def _take_rate(self, rate: rates.Grant, record, seq, key, kind, fields, tries) -> None:
+    def _take_rate(self, rate: rates.Grant, record, at: Position, kind, fields, tries) -> None:
         """Take a grant of `resource`'s rate limit for this call, or wait for one durably: the
         step is `waiting` until capacity returns (not yet started: no attempt is used up),
         and the run holds no worker meanwhile."""
@@ -459,39 +445,28 @@ class Steps:
         if until is None:
             return
         resource = rate.resource
-        with atomic(self.ex.lease):
-            event_seq, _ = self.checkpoints.enter_wait()
+        with self.checkpoints.parking() as w:
             error = {**((record.error or {}) if record else {}), "tries": tries}
             error["throttled"] = resource
             if record is None:
-                self.checkpoints.new_step(
-                    seq, key, kind, StepStatus.WAITING, input=fields["input"], attempt=0,
-                    wake_at=until, error=error,
-                )  # fmt: skip
+                w.new_step(at, kind, input=fields["input"], attempt=0, wake_at=until, error=error)
             else:
-                self.checkpoints.park_step(record.pk, until, error)
-            self.checkpoints.event(
-                event_seq, EventType.STEP_THROTTLED, key, resource=resource, until=until.isoformat()
-            )
-            self.checkpoints.suspend(until)
-        raise Suspended(f"step {key!r} waits for {resource}'s rate limit until {until}")
+                w.park(record.pk, until, error)
+            w.event(EventType.STEP_THROTTLED, at.key, resource=resource, until=until.isoformat())
+            w.suspend(until)
+        raise Suspended(f"step {at.key!r} waits for {resource}'s rate limit until {until}")
 
     def _retry_later(self, step_pk, key, until, delay=0.0, payload=None, tries=0) -> NoReturn:
         """Wait for a step's next try as a timer, holding no worker thread: a provider's
         Retry-After of a minute costs no thread for a minute. The step is `waiting` until
         then, keeping what it holds against the budgets; the run resumes there and tries it
         again with the same idempotency key, counting on from `tries`."""
-        with atomic(self.ex.lease):
-            event_seq, now = self.checkpoints.enter_wait()
+        with self.checkpoints.parking() as w:
             if until is None:
-                until = now + timedelta(seconds=delay)
-                self.checkpoints.park_step(
-                    step_pk, until, {**(payload or {}).get("error", {}), "tries": tries}
-                )
-            self.checkpoints.event(
-                event_seq, EventType.STEP_RETRYING, key, **(payload or {}), until=until.isoformat()
-            )
-            self.checkpoints.suspend(until)
+                until = w.now + timedelta(seconds=delay)
+                w.park(step_pk, until, {**(payload or {}).get("error", {}), "tries": tries})
+            w.event(EventType.STEP_RETRYING, key, **(payload or {}), until=until.isoformat())
+            w.suspend(until)
         raise Suspended(f"step {key!r} tries again at {until.isoformat()}")
 
     def _reconcile(self, record: Step, reconcile: Callable[[str], Any], idem: str) -> Any:
@@ -501,14 +476,8 @@ class Steps:
         if found is NOT_FOUND:
             return NOT_FOUND
         output = to_json(found, what=f"the reconciled output of step {record.key!r}")
-        self.checkpoints.finish_step(
-            record.pk,
-            record.key,
-            {"attempt": record.attempt, "recovered": Recovery.RECONCILED},
-            {"status": StepStatus.COMPLETED, "output": output, "recovered": Recovery.RECONCILED},
-            None,
-            Reservation.of(record),
-        )
+        reconciled = Completed(output=output, attempt=record.attempt, recovered=Recovery.RECONCILED)
+        self.checkpoints.finish_step(record.pk, record.key, reconciled, held=Reservation.of(record))
         return output
 
     def _ask(self, record: Step, idem: str) -> Any:
@@ -525,31 +494,20 @@ class Steps:
                 return NOT_FOUND
             held = Reservation.of(record)
             if request.resolution == Resolution.HAPPENED:
-                self.checkpoints.finish_step(
-                    record.pk,
-                    record.key,
-                    {"recovered": Recovery.CONFIRMED, "approval_id": request.pk},
-                    {
-                        "status": StepStatus.COMPLETED,
-                        "output": request.resolution_output,
-                        "recovered": Recovery.CONFIRMED,
-                    },
-                    None,
-                    held,
-                )
+                confirmed = Completed(
+                    output=request.resolution_output, recovered=Recovery.CONFIRMED,
+                    approval_id=request.pk,
+                )  # fmt: skip
+                self.checkpoints.finish_step(record.pk, record.key, confirmed, held=held)
                 return request.resolution_output
             who = request.decided_by.get_username() if request.decided_by else "an operator"
             failure = OperatorFailed(f"{who} failed the run at ambiguous step {record.key!r}")
-            self.checkpoints.record_failure(
-                record.pk, None, record.key, idem, None, record.attempt, failure, held
-            )
-        with atomic(self.ex.lease):
-            event_seq, _ = self.checkpoints.enter_wait()
+            failed = Failed(failure, record.attempt)
+            self.checkpoints.fail_step(record.pk, record.key, failed, held=held)
+        with self.checkpoints.parking() as w:
             if request is None:
-                request = ApprovalRequest.objects.create(
-                    run_id=self.ex.lease.run_id,
-                    step_key=label,
-                    kind=ApprovalKind.AMBIGUOUS,
+                request = request_approval(
+                    self.ex.lease.run_id, label, kind=ApprovalKind.AMBIGUOUS,
                     action=f"resolve step {record.key}"[:200],
                     summary=(
                         "The worker running this step died mid-call: the side effect may or may "
@@ -561,14 +519,12 @@ class Steps:
                         "input": record.input,
                         "attempt": record.attempt,
                     },
-                )
-                self.checkpoints.event(
-                    event_seq, EventType.APPROVAL_REQUESTED, record.key,
+                )  # fmt: skip
+                w.event(
+                    EventType.APPROVAL_REQUESTED, record.key,
                     approval_id=request.pk, kind=ApprovalKind.AMBIGUOUS,
                 )  # fmt: skip
             else:
-                self.checkpoints.event(
-                    event_seq, EventType.APPROVAL_WAITING, record.key, approval_id=request.pk
-                )
-            self.checkpoints.suspend(None)
+                w.event(EventType.APPROVAL_WAITING, record.key, approval_id=request.pk)
+            w.suspend(None)
         raise Suspended(f"waiting for a person to resolve step {record.key!r}")

@@ -10,12 +10,15 @@ from typing import Any, cast
 from django.utils import timezone
 
 from runs.approvals.models import ApprovalRequest, ApprovalStatus, approved_digest
+from runs.approvals.services import request_approval
 from runs.engine import registry
 from runs.engine.budget import default_run_budget
+from runs.engine.checkpoints import Parking
 from runs.engine.execution import Execution
-from runs.engine.records import Decision, as_timedelta, brief
+from runs.engine.outcomes import Position
+from runs.engine.records import Decision, as_timedelta
 from runs.engine.serialization import to_json
-from runs.engine.store import atomic, create_run
+from runs.engine.store import create_run
 from runs.errors import (
     ApprovalExpired,
     ApprovalRejected,
@@ -42,11 +45,14 @@ class Ask:
 
 @dataclass
 class Child:
-    key: str
-    seq: int
+    position: Position
     record: Step | None
     workflow: str
     input: Any
+
+    @property
+    def key(self) -> str:
+        return self.position.key
 
     @property
     def step(self) -> Step:
@@ -89,12 +95,11 @@ class Waits:
         if record is not None and record.status == StepStatus.COMPLETED:
             return record.output
         timed_out = False
-        with atomic(self.ex.lease):
-            event_seq, now = self.checkpoints.enter_wait()
+        with self.checkpoints.parking() as w:
             if record is None:
-                record = self.checkpoints.new_step(
-                    seq, key, StepKind.EVENT, StepStatus.WAITING,
-                    input={"signal": name}, wake_at=None if delta is None else now + delta,
+                record = w.new_step(
+                    self._at(seq, key), StepKind.EVENT,
+                    input={"signal": name}, wake_at=None if delta is None else w.now + delta,
                 )  # fmt: skip
             signal = (
                 Signal.objects.filter(
@@ -104,23 +109,21 @@ class Waits:
                 .first()
             )
             if signal is not None:
-                Signal.objects.filter(pk=signal.pk).update(consumed_by=key, consumed_at=now)
-                self.checkpoints.finish_wait(
-                    record, event_seq, now, output=signal.payload, signal_id=signal.pk
-                )
+                Signal.objects.filter(pk=signal.pk).update(consumed_by=key, consumed_at=w.now)
+                w.complete(record, signal.payload, signal_id=signal.pk)
                 return signal.payload
-            if record.wake_at is not None and record.wake_at <= now:
+            if record.wake_at is not None and record.wake_at <= w.now:
                 error = WaitTimeout(
                     f"no signal {name!r} arrived before {record.wake_at:%Y-%m-%d %H:%M:%S}"
                 )
-                self.checkpoints.finish_wait(record, event_seq, now, error=error)
+                w.fail(record, error)
                 timed_out = True
             else:
-                self.checkpoints.event(
-                    event_seq, EventType.SIGNAL_WAITING, key, name=name,
+                w.event(
+                    EventType.SIGNAL_WAITING, key, name=name,
                     timeout_at=record.wake_at.isoformat() if record.wake_at else None,
                 )  # fmt: skip
-                self.checkpoints.suspend(record.wake_at)
+                w.suspend(record.wake_at)
         if timed_out:
             raise error
         raise Suspended(f"waiting for signal {name!r}")
@@ -152,28 +155,24 @@ class Waits:
             if decision is not None:
                 return decision
         error: StepguardError | None = None
-        with atomic(self.ex.lease):
-            event_seq, now = self.checkpoints.enter_wait()
+        with self.checkpoints.parking() as w:
             if record is None or again:
-                request, event = self._ask(ask, seq, key, data, digest, now, record, again)
-                self.checkpoints.event(event_seq, event[0], event[1], **event[2])
-                self.checkpoints.suspend(request.expires_at)
+                request = self._ask(w, ask, seq, key, data, digest, record, again)
+                w.suspend(request.expires_at)
             else:
                 request = ApprovalRequest.objects.select_related("decided_by").get(
                     run_id=self.ex.lease.run_id, step_key=key
                 )
-                outcome = self._approval_outcome(request, now)
+                outcome = self._approval_outcome(request, w.now)
                 if isinstance(outcome, Decision):
-                    self.checkpoints.finish_wait(record, event_seq, now, output=outcome.as_json())
+                    w.complete(record, outcome.as_json())
                     return outcome
                 if outcome is None:
-                    self.checkpoints.event(
-                        event_seq, EventType.APPROVAL_WAITING, key, approval_id=request.pk
-                    )
-                    self.checkpoints.suspend(request.expires_at)
+                    w.event(EventType.APPROVAL_WAITING, key, approval_id=request.pk)
+                    w.suspend(request.expires_at)
                 else:
                     error = outcome
-                    self.checkpoints.finish_wait(record, event_seq, now, error=error)
+                    w.fail(record, error)
         if error is not None:
             raise error
         raise Suspended(f"waiting for approval of {action!r}")
@@ -201,31 +200,30 @@ class Waits:
         if not open_:
             return cast("list[Decision | StepguardError]", outcomes)
         asked = {i: self._asked(asks[i], entries[i][0]) for i in open_}
-        with atomic(self.ex.lease):
-            event_seq, now = self.checkpoints.enter_wait()
-            events: list[tuple[str, str, dict]] = []
+        with self.checkpoints.parking(events=len(open_)) as w:  # one event each
             waits: list[datetime | None] = []
             for i in open_:
                 ask, (key, seq, record) = asks[i], entries[i]
                 if record is None or again.get(i):
-                    request, event = self._ask(ask, seq, key, *asked[i], now, record, again.get(i))
-                    events.append(event)
+                    request = self._ask(w, ask, seq, key, *asked[i], record, again.get(i))
                     waits.append(request.expires_at)
                     continue
                 request = ApprovalRequest.objects.select_related("decided_by").get(
                     run_id=self.ex.lease.run_id, step_key=key
                 )
-                outcome = self._approval_outcome(request, now)
+                outcome = self._approval_outcome(request, w.now)
                 if outcome is None:
-                    events.append((EventType.APPROVAL_WAITING, key, {"approval_id": request.pk}))
+                    w.event(EventType.APPROVAL_WAITING, key, approval_id=request.pk)
                     waits.append(request.expires_at)
                     continue
                 outcomes[i] = outcome
-                events.append(self._finish_approval(record, now, outcome))
-            self.checkpoints.append_events(event_seq, events)  # needs the lease: before suspend
+                if isinstance(outcome, Decision):
+                    w.complete(record, outcome.as_json())
+                else:
+                    w.fail(record, outcome)
             if waits:
-                deadlines = [w for w in waits if w is not None]
-                self.checkpoints.suspend(min(deadlines) if len(deadlines) == len(waits) else None)
+                deadlines = [d for d in waits if d is not None]
+                w.suspend(min(deadlines) if len(deadlines) == len(waits) else None)
         if waits:
             raise Suspended(f"waiting for {len(waits)} approvals")
         return cast("list[Decision | StepguardError]", outcomes)  # each one settled above
@@ -239,6 +237,9 @@ class Waits:
             as_timedelta(ask.timeout, "a timeout")  # refused before anything is written
         data = to_json(ask.payload, what=f"the payload of approval {key!r}")
         return data, approved_digest(self.ex.who.workflow, key, ask.action, ask.summary, data)
+
+    def _at(self, seq: int, key: str) -> Position:
+        return Position(self.ex.who.run_id, seq, key)
 
     def _to_check(self, seq: int, record: Step) -> bool:
         """A decision a fork copied is checked until the fork has gone on from it."""
@@ -266,22 +267,20 @@ class Waits:
         return Decision.from_json({**output, "sha256": request.sha256}), ""
 
     def _ask(
-        self, ask: Ask, seq: int, key: str, data: Any, digest: str, now: datetime,
+        self, w: Parking, ask: Ask, seq: int, key: str, data: Any, digest: str,
         record: Step | None, again: str | None,
-    ) -> tuple[ApprovalRequest, tuple[str, str, dict]]:  # fmt: skip
-        """Write a new approval request and its waiting step (inside the caller's
-        transaction): a new row, or the row of a copied decision that does not stand for
-        this fork (`again` says why), turned back into a wait. The request and its event."""
-        expires = None if ask.timeout is None else now + as_timedelta(ask.timeout, "a timeout")
+    ) -> ApprovalRequest:  # fmt: skip
+        """Ask for a new approval inside the wait `w`: its waiting step (a new row, or the row
+        of a copied decision that does not stand for this fork, `again` says why, turned back
+        into a wait), the request and its event."""
+        expires = None if ask.timeout is None else w.now + as_timedelta(ask.timeout, "a timeout")
         asked = {"action": ask.action, "summary": ask.summary, "sha256": digest}
         if record is None:
-            self.checkpoints.new_step(
-                seq, key, StepKind.APPROVAL, StepStatus.WAITING, input=asked, wake_at=expires
-            )
+            w.new_step(self._at(seq, key), StepKind.APPROVAL, input=asked, wake_at=expires)
         else:
-            self.checkpoints.reopen_step(record.pk, now, input=asked, wake_at=expires)
-        request = ApprovalRequest.objects.create(
-            run_id=self.ex.lease.run_id, step_key=key, action=ask.action, summary=ask.summary,
+            w.reopen(record.pk, input=asked, wake_at=expires)
+        request = request_approval(
+            self.ex.lease.run_id, key, action=ask.action, summary=ask.summary,
             payload=data, sha256=digest, expires_at=expires,
         )  # fmt: skip
         payload = {
@@ -290,14 +289,8 @@ class Waits:
         }  # fmt: skip
         if again:
             payload["asked_again"] = again
-        return request, (EventType.APPROVAL_REQUESTED, key, payload)
-
-    def _finish_approval(self, record: Step, now, outcome) -> tuple[str, str, dict]:
-        """Finish a waiting approval step with its decision or error (inside the caller's
-        transaction); returns its event for the caller to append."""
-        if isinstance(outcome, Decision):
-            return self.checkpoints.close_wait(record, now, output=outcome.as_json())
-        return self.checkpoints.close_wait(record, now, error=outcome)
+        w.event(EventType.APPROVAL_REQUESTED, key, **payload)
+        return request
 
     @staticmethod
     def _approval_outcome(request: ApprovalRequest, now: datetime):
@@ -335,9 +328,9 @@ class Waits:
         entries = []
         for key, workflow, child_input in specs:  # every position first, as on replay
             key, seq, record = self.ex.position(key)
-            entries.append(Child(key, seq, record, workflow, child_input))
+            entries.append(Child(self._at(seq, key), record, workflow, child_input))
         for e in entries:
-            self.ex.admit(e.key, e.seq, e.record)
+            self.ex.admit(e.key, e.position.seq, e.record)
         if all(e.record is not None and e.record.status == StepStatus.COMPLETED for e in entries):
             return [e.step.output for e in entries]
         plans = {}
@@ -346,10 +339,10 @@ class Waits:
                 definition = registry.get(e.workflow)
                 plans[e.key] = (definition, to_json(e.input, what=f"the input of child {e.key!r}"))
         failure: ChildFailed | None = None
-        with atomic(self.ex.lease):
-            event_seq, now = self.checkpoints.enter_wait(tuple(d.name for d, _ in plans.values()))
-            events = self._start_children(entries, plans)
-            waiting = self._record_ended_children(entries, now, events)
+        children = tuple(d.name for d, _ in plans.values())
+        with self.checkpoints.parking(events=max(1, len(plans)), children=children) as w:
+            self._start_children(w, entries, plans)
+            waiting = self._record_ended_children(w, entries)
             failed = [e for e in entries if e.step.status == StepStatus.FAILED]
             if failed:
                 failure = ChildFailed(
@@ -357,19 +350,17 @@ class Waits:
                 )
             elif waiting:
                 pending = sum(1 for e in entries if e.step.status == StepStatus.WAITING)
-                events.append((EventType.CHILDREN_WAITING, "", {"pending": pending}))
-            self.checkpoints.append_events(event_seq, events)  # needs the lease: before suspend
+                w.event(EventType.CHILDREN_WAITING, "", pending=pending)
             if waiting and not failed:
-                self.checkpoints.suspend(None)
+                w.suspend(None)
         if failure is not None:
             raise failure
         if waiting:
             raise Suspended("waiting for child runs")
         return [e.step.output for e in entries]
 
-    def _start_children(self, entries: list[Child], plans: dict) -> list[tuple[str, str, dict]]:
-        """Create the child runs not started yet, each with its waiting step; their events."""
-        events: list[tuple[str, str, dict]] = []
+    def _start_children(self, w: Parking, entries: list[Child], plans: dict) -> None:
+        """Create the child runs not started yet, each with its waiting step and its event."""
         for e in entries:
             if e.key not in plans:
                 continue
@@ -378,43 +369,39 @@ class Waits:
                 workflow=definition.name,
                 version=definition.version,
                 input=data,
-                key=f"{self.ex.who.run_id}:{e.key}",
+                key=e.position.idempotency_key,  # at most one child there
                 parent_id=self.ex.lease.run_id,
                 priority=definition.priority,
                 concurrency_key=definition.key_for(data),
                 labels=self.ex.who.labels,  # the tenant a parent works for, its children work for
                 **default_run_budget(definition.name),
             )
-            e.record = self.checkpoints.new_step(
-                e.seq, e.key, StepKind.CHILD, StepStatus.WAITING,
+            e.record = w.new_step(
+                e.position, StepKind.CHILD,
                 input={"workflow": definition.ref, "run_id": str(child.id)},
             )  # fmt: skip
-            events.append((EventType.CHILD_STARTED, e.key, {"child": str(child.id)}))
-        return events
+            w.event(EventType.CHILD_STARTED, e.key, child=str(child.id))
 
-    def _record_ended_children(self, entries: list[Child], now: datetime, events: list) -> bool:
-        """Record each child that has ended on its step (completed or failed), appending the
-        events; whether any is still running."""
-        run_id = self.ex.who.run_id
-        keys = {f"{run_id}:{e.key}": e for e in entries if e.step.status != StepStatus.COMPLETED}
+    def _record_ended_children(self, w: Parking, entries: list[Child]) -> bool:
+        """Record each child that has ended on its step (completed or failed) inside the wait
+        `w`; whether any is still running."""
+        keys = {
+            e.position.idempotency_key: e for e in entries if e.step.status != StepStatus.COMPLETED
+        }
         waiting = False
         for child in Run.objects.filter(key__in=keys).only(
             "id", "key", "status", "output", "error"
         ):
             e = keys[child.key or ""]  # filtered on key above
             if child.status == RunStatus.COMPLETED:
-                self.checkpoints.end_step(e.step.pk, now, output=child.output)
+                w.complete(e.step, child.output, child=str(child.id))
                 e.step.status, e.step.output = StepStatus.COMPLETED, child.output
-                events.append((EventType.STEP_COMPLETED, e.key, {"child": str(child.id)}))
             elif child.status in (RunStatus.FAILED, RunStatus.CANCELLED):
                 message = (child.error or {}).get("message", child.status)
                 error = ChildFailed(f"child run {child.id} ({e.key}) {child.status}: {message}")
-                self.checkpoints.end_step(
-                    e.step.pk, now, error={**error.as_record(), "child": str(child.id)}
-                )
+                record = {**error.as_record(), "child": str(child.id)}  # final: no retryable
+                w.fail(e.step, error, record=record, child=str(child.id))
                 e.step.status = StepStatus.FAILED
-                payload = {"child": str(child.id), "error": brief(error)}
-                events.append((EventType.STEP_FAILED, e.key, payload))
             else:
                 waiting = True
         return waiting
@@ -423,22 +410,18 @@ class Waits:
         key, seq, record = self.ex.enter(key)
         if record is not None and record.status == StepStatus.COMPLETED:
             return
-        with atomic(self.ex.lease):
-            event_seq, now = self.checkpoints.enter_wait()
+        with self.checkpoints.parking() as w:
             if record is None:
-                when = deadline(now)
-                record = self.checkpoints.new_step(
-                    seq, key, StepKind.SLEEP, StepStatus.WAITING,
-                    input={"until": when.isoformat()}, wake_at=when,
+                when = deadline(w.now)
+                record = w.new_step(
+                    self._at(seq, key), StepKind.SLEEP, input={"until": when.isoformat()},
+                    wake_at=when,
                 )  # fmt: skip
             wake_at = record.wake_at
             assert wake_at is not None  # a sleep's row is written with its deadline
-            if wake_at <= now:
-                self.checkpoints.end_step(record.pk, now)
-                self.checkpoints.event(
-                    event_seq, EventType.TIMER_FIRED, key, wake_at=wake_at.isoformat()
-                )
+            if wake_at <= w.now:
+                w.complete(record, event=EventType.TIMER_FIRED, wake_at=wake_at.isoformat())
                 return
-            self.checkpoints.event(event_seq, EventType.TIMER_SET, key, wake_at=wake_at.isoformat())
-            self.checkpoints.suspend(wake_at)
+            w.event(EventType.TIMER_SET, key, wake_at=wake_at.isoformat())
+            w.suspend(wake_at)
         raise Suspended(f"sleeping until {wake_at.isoformat()}")
