@@ -34,7 +34,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from controlplane import security
 from controlplane.health import LIVE_LEASES
-from runs import queries, replica, summary
+from runs import queries, replica, summary, tally
 from runs.apikeys import check_key
 from runs.approvals.models import ApprovalRequest, ApprovalStatus
 from runs.engine.worker import WAKEABLE
@@ -66,13 +66,14 @@ class DatabaseCollector:
 
     def collect(self):
         now = timezone.now()
-        runs, families = summary.totals()  # kept as they change (PostgreSQL): one statement
+        kept = tally.read() if tally.kept() else None  # kept as they change: one statement
+        runs, families = summary.totals(kept)
         totals = self._summary(now)
         yield from self._runs(now, totals, runs)
         yield from families
         yield from totals["families"]
         yield from self._workers(now)
-        yield from self._approvals_and_halts(now)
+        yield from self._approvals_and_halts(now, kept)
         yield from self._replica()
 
     def _summary(self, now) -> dict:
@@ -166,23 +167,29 @@ class DatabaseCollector:
             beats.add_metric([str(worker_id), host], at.timestamp())
         yield beats
 
-    def _approvals_and_halts(self, now):
-        pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).aggregate(
-            n=Count("id"), oldest=Min("created_at")
-        )
+    def _approvals_and_halts(self, now, kept):
+        pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING)
+        if kept is not None:  # the kept totals, not a count of every pending request
+            n = kept["approvals"].get(("", ApprovalStatus.PENDING), 0)
+        else:
+            n = pending.count()
+        oldest = pending.aggregate(t=Min("created_at"))["t"]  # approvals_pending_idx: one entry
         yield GaugeMetricFamily("stepguard_approvals_pending", "Approval requests pending.",
-                                value=pending["n"])  # fmt: skip
+                                value=n)  # fmt: skip
         yield GaugeMetricFamily(
             "stepguard_oldest_pending_approval_age_seconds",
             "How long the oldest pending approval request has waited (0: none).",
-            value=_age(pending["oldest"], now),
+            value=_age(oldest, now),
         )
         halts = GaugeMetricFamily("stepguard_halts", "Holds in force, by scope.",
                                   labels=["scope"])  # fmt: skip
         policies = Policy.objects.filter(halted_at__isnull=False)
         halts.add_metric(["global"], policies.filter(scope=GLOBAL).count())
         halts.add_metric(["workflow"], policies.exclude(scope=GLOBAL).count())
-        halts.add_metric(["run"], Run.objects.filter(halted_at__isnull=False).count())
+        held = kept["held"].get(("", ""), 0) if kept is not None else None
+        if held is None:
+            held = Run.objects.filter(halted_at__isnull=False).count()
+        halts.add_metric(["run"], held)
         yield halts
 
 

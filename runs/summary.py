@@ -77,12 +77,11 @@ def compute(now: datetime) -> dict:
     return found
 
 
-def totals() -> tuple[list[tuple[str, str, int]] | None, list]:
-    """The kept totals (PostgreSQL): runs by (workflow, status, n), and the steps' families.
-    (None, []) where they are not kept: the summary carries them."""
-    if not tally.kept():
+def totals(kept: dict | None) -> tuple[list[tuple[str, str, int]] | None, list]:
+    """From the kept totals (tally.read(), PostgreSQL): runs by (workflow, status, n), and the
+    steps' families. (None, []) where they are not kept (None): the summary carries them."""
+    if kept is None:
         return None, []
-    kept = tally.read()
     runs = [(workflow, status, n) for (workflow, status), n in kept["runs"].items()]
     steps = {outcome: kept["steps"].get(("", outcome), 0) for outcome in OUTCOMES}
     durations: dict[str, dict] = {}

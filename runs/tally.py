@@ -1,14 +1,16 @@
-"""Running totals for /metrics on PostgreSQL (runs.models.Tally): runs by workflow and status,
-and the steps of finished runs by outcome, duration, spend and tokens, kept by triggers
-(migration 0032) so that no scrape and no chore reads the runs or steps tables to sum them.
+"""Running totals for /metrics on PostgreSQL (runs.models.Tally): runs by workflow and
+status, runs held (a hold of their own), approval requests by status, and the steps of
+finished runs by outcome, duration, spend and tokens, kept by triggers (migration 0032) so
+that no scrape and no chore reads the runs, approvals or steps tables to sum them.
 
 What the totals hold, and the one invariant the triggers keep: every run counted under its
-workflow and status; every step of a *finished* run (completed, failed, cancelled) counted
-in the step families. So a step writes nothing extra (a worker's step stays one statement): a
-run's steps are added when it finishes, in the statement that finishes it (one read of its
-steps through the (run, seq) index), taken off again if it leaves a finished status (a
-resumed run) or when they are deleted while it is finished (a prune deletes the steps before
-the runs). A step changed after its run finished is not seen (nothing in the engine does).
+workflow and status (and as held, if it is), every approval request under its status, every
+step of a *finished* run (completed, failed, cancelled) in the step families. So a step
+writes nothing extra (a worker's step stays one statement): a run's steps are added when it
+finishes, in the statement that finishes it (one read of its steps through the (run, seq)
+index), taken off again if it leaves a finished status (a resumed run) or when they are
+deleted while it is finished (a prune deletes the steps before the runs). A step changed
+after its run finished is not seen (nothing in the engine does).
 
 No counter row is updated by two writers: each trigger appends signed rows (`folded` false),
 and one worker per period folds them into one row per key (`fold`, in runs/summary.py's
@@ -57,9 +59,9 @@ CROSS JOIN LATERAL (
 GROUP BY d.family, d.a, d.b HAVING SUM(d.n) <> 0"""
 
 
-# The run's own row: its status counted; its steps added or taken off as it enters or leaves
-# a finished status. Row triggers, fired only by an insert or a change of status or workflow
-# (a lease renewal or an event's sequence number fires nothing).
+# The run's own row: its status and its hold counted; its steps added or taken off as it
+# enters or leaves a finished status. Row triggers, fired only by an insert or a change of
+# status, workflow or hold (a lease renewal or an event's sequence number fires nothing).
 TRIGGERS = f"""
 CREATE OR REPLACE FUNCTION runs_tally_steps(p_run uuid, p_wf text, p_sign int) RETURNS void
 AS $$
@@ -67,27 +69,42 @@ AS $$
 $$ LANGUAGE sql;
 CREATE OR REPLACE FUNCTION runs_tally_run() RETURNS trigger AS $$
 BEGIN
-    IF TG_OP = 'UPDATE' THEN
-        {_INSERT} VALUES ('runs', OLD.workflow, OLD.status, -1, false);
+    IF TG_OP = 'INSERT' THEN
+        {_INSERT} VALUES ('runs', NEW.workflow, NEW.status, 1, false);
+        IF NEW.halted_at IS NOT NULL THEN
+            {_INSERT} VALUES ('held', '', '', 1, false);
+        END IF;
+        RETURN NULL;
+    END IF;
+    IF OLD.status IS DISTINCT FROM NEW.status OR OLD.workflow IS DISTINCT FROM NEW.workflow THEN
+        {_INSERT} VALUES ('runs', OLD.workflow, OLD.status, -1, false),
+            ('runs', NEW.workflow, NEW.status, 1, false);
         IF OLD.status IN {FINISHED} THEN
             PERFORM runs_tally_steps(OLD.id, OLD.workflow, -1);
         END IF;
+        IF NEW.status IN {FINISHED} THEN
+            PERFORM runs_tally_steps(NEW.id, NEW.workflow, 1);
+        END IF;
     END IF;
-    {_INSERT} VALUES ('runs', NEW.workflow, NEW.status, 1, false);
-    IF NEW.status IN {FINISHED} THEN
-        PERFORM runs_tally_steps(NEW.id, NEW.workflow, 1);
+    IF (OLD.halted_at IS NULL) <> (NEW.halted_at IS NULL) THEN
+        {_INSERT}
+            VALUES ('held', '', '', CASE WHEN NEW.halted_at IS NULL THEN -1 ELSE 1 END, false);
     END IF;
     RETURN NULL;
 END;
 $$ LANGUAGE plpgsql;
 CREATE TRIGGER runs_tally_insert AFTER INSERT ON runs_run
     FOR EACH ROW EXECUTE FUNCTION runs_tally_run();
-CREATE TRIGGER runs_tally_update AFTER UPDATE OF status, workflow ON runs_run FOR EACH ROW
-    WHEN (OLD.status IS DISTINCT FROM NEW.status OR OLD.workflow IS DISTINCT FROM NEW.workflow)
+CREATE TRIGGER runs_tally_update AFTER UPDATE OF status, workflow, halted_at ON runs_run
+    FOR EACH ROW WHEN (OLD.status IS DISTINCT FROM NEW.status
+        OR OLD.workflow IS DISTINCT FROM NEW.workflow
+        OR (OLD.halted_at IS NULL) <> (NEW.halted_at IS NULL))
     EXECUTE FUNCTION runs_tally_run();
 CREATE OR REPLACE FUNCTION runs_tally_runs_gone() RETURNS trigger AS $$
 BEGIN
     {_INSERT} SELECT 'runs', workflow, status, -COUNT(*), false FROM gone GROUP BY 2, 3;
+    {_INSERT} SELECT 'held', '', '', -COUNT(*), false FROM gone WHERE halted_at IS NOT NULL
+        HAVING COUNT(*) > 0;
     RETURN NULL;
 END;
 $$ LANGUAGE plpgsql;
@@ -107,12 +124,27 @@ END;
 $$ LANGUAGE plpgsql;
 CREATE TRIGGER runs_tally_steps_delete AFTER DELETE ON runs_step
     REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION runs_tally_steps_gone();
+CREATE OR REPLACE FUNCTION runs_tally_approval() RETURNS trigger AS $$
+BEGIN
+    IF TG_OP <> 'INSERT' THEN
+        {_INSERT} VALUES ('approvals', '', OLD.status, -1, false);
+    END IF;
+    IF TG_OP <> 'DELETE' THEN
+        {_INSERT} VALUES ('approvals', '', NEW.status, 1, false);
+    END IF;
+    RETURN NULL;
+END;
+$$ LANGUAGE plpgsql;
+CREATE TRIGGER runs_tally_approvals AFTER INSERT OR DELETE OR UPDATE OF status
+    ON approvals_approvalrequest FOR EACH ROW EXECUTE FUNCTION runs_tally_approval();
 """
 DROP = """
 DROP TRIGGER IF EXISTS runs_tally_insert ON runs_run;
 DROP TRIGGER IF EXISTS runs_tally_update ON runs_run;
 DROP TRIGGER IF EXISTS runs_tally_runs_delete ON runs_run;
 DROP TRIGGER IF EXISTS runs_tally_steps_delete ON runs_step;
+DROP TRIGGER IF EXISTS runs_tally_approvals ON approvals_approvalrequest;
+DROP FUNCTION IF EXISTS runs_tally_approval();
 DROP FUNCTION IF EXISTS runs_tally_run();
 DROP FUNCTION IF EXISTS runs_tally_runs_gone();
 DROP FUNCTION IF EXISTS runs_tally_steps_gone();
@@ -123,6 +155,9 @@ DROP FUNCTION IF EXISTS runs_tally_steps(uuid, text, int);
 REBUILD = [
     "DELETE FROM runs_tally",
     f"{_INSERT} SELECT 'runs', workflow, status, COUNT(*), true FROM runs_run GROUP BY 2, 3",
+    f"{_INSERT} SELECT 'held', '', '', COUNT(*), true FROM runs_run WHERE halted_at IS NOT NULL",
+    f"{_INSERT} SELECT 'approvals', '', status, COUNT(*), true FROM approvals_approvalrequest "
+    "GROUP BY 3",
     steps_sql(
         "SELECT s.*, r.workflow FROM runs_step s JOIN runs_run r ON r.id = s.run_id "
         f"WHERE r.status IN {FINISHED}",

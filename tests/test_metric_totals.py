@@ -7,10 +7,12 @@ from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.db.models import Count
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from runs import retention, summary, tally
+from runs.approvals.models import ApprovalRequest
 from runs.models import Run, RunStatus, Step, Tally
 from runs.sdk import start_run
 from tests import workflows  # noqa: F401  (registers the workflows started here)
@@ -26,15 +28,27 @@ def _samples(families) -> dict:
 
 
 def kept_totals() -> dict:
-    runs, families = summary.totals()
-    return {"runs": sorted((w, st, n) for w, st, n in runs if n), **_samples(families)}
+    kept = tally.read()
+    runs, families = summary.totals(kept)
+    return {
+        "runs": sorted((w, st, n) for w, st, n in runs if n),
+        "held": kept["held"].get(("", ""), 0),
+        "approvals": {st: n for (_, st), n in kept["approvals"].items() if n},
+        **_samples(families),
+    }
 
 
 def table_totals() -> dict:
     """The same figures summed from the tables, as off PostgreSQL."""
     runs = Run.objects.values_list("workflow", "status").order_by().distinct()
     counted = sorted((w, st, Run.objects.filter(workflow=w, status=st).count()) for w, st in runs)
-    return {"runs": counted, **_samples([*summary._steps(), *summary._spend()])}
+    approvals = ApprovalRequest.objects.values_list("status").annotate(n=Count("id"))
+    return {
+        "runs": counted,
+        "held": Run.objects.filter(halted_at__isnull=False).count(),
+        "approvals": dict(approvals.order_by()),
+        **_samples([*summary._steps(), *summary._spend()]),
+    }
 
 
 pytestmark = pytest.mark.postgres
@@ -44,6 +58,7 @@ def test_kept_totals_equal_the_tables_as_runs_finish_fail_resume_and_are_pruned(
     done = [start_run("ledger", {"steps": 2}, key=f"done-{i}") for i in range(3)]
     failed = start_run("flaky", {"failures": 5, "attempts": 2})
     waiting = start_run("waiter", {})
+    asking = start_run("approver", {"amount": 5})
     assert kept_totals()["stepguard_steps", (("outcome", "completed"),)] == 0
     drive()
     # A step priced as a model call, written while its run was still live.
@@ -61,6 +76,14 @@ def test_kept_totals_equal_the_tables_as_runs_finish_fail_resume_and_are_pruned(
     assert kept["stepguard_steps", (("outcome", "retried"),)] == 1
     assert kept["stepguard_spend_usd", (("model", "gpt-x"), ("workflow", "ledger"))] == 2.5
     assert ("waiter", "waiting", 1) in kept["runs"]
+    assert kept["approvals"] == {"pending": 1}
+
+    # A hold placed and an approval decided: counted as they change.
+    Run.objects.filter(pk=waiting.pk).update(halted_at=timezone.now(), halted_by="otto")
+    ApprovalRequest.objects.filter(run=asking).update(status="rejected", decided_at=timezone.now())
+    assert kept_totals() == table_totals()
+    assert (kept_totals()["held"], kept_totals()["approvals"]) == (1, {"rejected": 1})
+    kept = kept_totals()
 
     tally.fold()  # one row per key again: the same totals
     assert Tally.objects.filter(folded=False).count() == 0
@@ -106,3 +129,29 @@ def test_a_scrape_asks_the_same_statements_whatever_the_history(client, drive, s
     scraped = scrape(client)
     assert scraped["stepguard_steps", (("outcome", "completed"),)] == 61
     assert scraped["stepguard_runs", (("status", "completed"), ("workflow", "ledger"))] == 21
+
+
+def test_the_flow_overview_counts_are_the_kept_totals_and_only_keyed_runs_are_grouped(db):
+    """Issue 51: the flow page grouped every live run on every view (489,011 rows read at a
+    million runs); its per-workflow counts are the kept totals now, and only the keyed runs
+    running or queued are grouped, for the busiest keys."""
+    import tests.flow_workflows  # noqa: F401  (registers flow.tenant: per_key=2)
+    from runs.engine import flow
+
+    for i in range(3):
+        start_run("flow.tenant", {"tenant": "acme" if i else "umbrella"})
+    for i in range(4):
+        start_run("ledger", {"steps": 1}, key=f"queued-{i}")
+    waiting = start_run("ledger", {"steps": 1}, key="waiting")
+    Run.objects.filter(pk=waiting.pk).update(status=RunStatus.WAITING)
+
+    with CaptureQueriesContext(connection) as captured:
+        rows = {row["workflow"]: row for row in flow.overview()}
+    grouped = [q["sql"] for q in captured if "GROUP BY" in q["sql"] and "runs_run" in q["sql"]]
+    assert len(grouped) == 1 and "concurrency_key" in grouped[0]  # the keyed runs alone
+    assert (rows["ledger"]["queued"], rows["ledger"]["waiting"]) == (4, 1)
+    assert rows["flow.tenant"]["queued"] == 3
+    assert rows["flow.tenant"]["keys"] == [
+        {"key": "acme", "running": 0, "queued": 2},
+        {"key": "umbrella", "running": 0, "queued": 1},
+    ]

@@ -1,7 +1,8 @@
 """The /metrics totals kept by triggers (runs.models.Tally, runs/tally.py), and made once
 from the tables already there: the one whole-table read, here rather than in every scrape.
 Creating the triggers locks runs_run and runs_step against writes until the backfill
-commits, so no write is counted twice or missed."""
+commits, so no write is counted twice or missed. With them, the flow page's index of keyed
+live runs (its per-workflow counts are these totals)."""
 
 from django.db import migrations, models
 
@@ -24,6 +25,7 @@ def stop(apps, schema_editor):
 class Migration(migrations.Migration):
     dependencies = [
         ("runs", "0031_holdable_runs_indexes"),
+        ("approvals", "0006_inbox_pending_by_id"),  # its requests are counted too
     ]
 
     operations = [
@@ -61,6 +63,17 @@ class Migration(migrations.Migration):
                     )
                 ],
             },
+        ),
+        migrations.AddIndex(
+            model_name="run",
+            index=models.Index(
+                condition=models.Q(
+                    ("status__in", ["running", "pending"]),
+                    models.Q(("concurrency_key", ""), _negated=True),
+                ),
+                fields=["workflow", "concurrency_key", "status"],
+                name="runs_run_live_key_idx",
+            ),
         ),
         migrations.RunPython(keep, stop),
     ]
