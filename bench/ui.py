@@ -947,6 +947,11 @@ def main() -> None:
         help="fill the runs alone (no steps, events, approvals) and time only the worker's "
         "idle poll and claim: 5,000,000 runs in minutes",
     )
+    parser.add_argument(
+        "--as-filled",
+        action="store_true",
+        help="time the history as it stands (a fill stopped part-way), without resuming it",
+    )
     parser.add_argument("--events", type=int, default=50, help="events per configuration")
     parser.add_argument("--list-runs", type=int, default=30, help="new runs per configuration")
     args = parser.parse_args()
@@ -957,7 +962,8 @@ def main() -> None:
         idle_poll()
         return
     if not args.latency_only:
-        fill()
+        if not args.as_filled:
+            fill()
         server_times(user, args.only)
         idle_poll()
         if not args.only:
