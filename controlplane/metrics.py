@@ -171,9 +171,10 @@ class DatabaseCollector:
         pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING)
         if kept is not None:  # the kept totals, not a count of every pending request
             n = kept["approvals"].get(("", ApprovalStatus.PENDING), 0)
+            oldest = pending.aggregate(t=Min("created_at"))["t"]  # approvals_pending_idx
         else:
-            n = pending.count()
-        oldest = pending.aggregate(t=Min("created_at"))["t"]  # approvals_pending_idx: one entry
+            found = pending.aggregate(n=Count("id"), t=Min("created_at"))
+            n, oldest = found["n"], found["t"]
         yield GaugeMetricFamily("stepguard_approvals_pending", "Approval requests pending.",
                                 value=n)  # fmt: skip
         yield GaugeMetricFamily(

@@ -52,7 +52,7 @@ from runs.models import (
 
 log = logging.getLogger("stepguard.metrics")
 
-KEY = "stepguard:metrics-summary"
+KEY = "stepguard:metrics-summary:2"  # :2: no totals in it (an older copy had them)
 CHORE = "metrics-summary"
 BUCKETS = tally.BUCKETS
 

@@ -12,7 +12,7 @@ from django.core.cache import cache
 from django.db import connection, transaction
 
 from controlplane import metrics
-from runs import queries
+from runs import queries, summary
 from runs.models import Run, RunStatus
 from runs.sdk import start_run
 from tests import workflows  # noqa: F401  (registers "ledger")
@@ -86,7 +86,7 @@ def test_metrics_runs_by_status_are_current_and_the_backlog_past_the_cap_is_the_
     summary's everywhere."""
     settings.STEPGUARD_METRICS_ALLOW = ["127.0.0.1"]
     settings.STEPGUARD_METRICS_SUMMARY_SECONDS = 60
-    cache.delete("stepguard:metrics-summary")
+    cache.delete(summary.KEY)
     completed = ("stepguard_runs", (("status", "completed"), ("workflow", "ledger")))
     pending = ("stepguard_runs", (("status", "pending"), ("workflow", "ledger")))
     first = scrape(client)
@@ -99,7 +99,7 @@ def test_metrics_runs_by_status_are_current_and_the_backlog_past_the_cap_is_the_
     assert second[pending] == 2  # read on every scrape: what an alert on stuck runs needs
     kept = connection.vendor == "postgresql"
     assert second[completed] == (4 if kept else 5)  # else as of the summary
-    cache.delete("stepguard:metrics-summary")
+    cache.delete(summary.KEY)
     third = scrape(client)
     assert third[completed] == 4
     assert third[("stepguard_runs", (("status", "failed"), ("workflow", "ledger")))] == 1
@@ -111,7 +111,7 @@ def test_metrics_runs_by_status_are_current_and_the_backlog_past_the_cap_is_the_
     capped = scrape(client)
     assert capped[pending] == (3 if kept else 2)
     assert capped[("stepguard_runnable_runs", ())] == 3  # what was counted: more than the cap
-    cache.delete("stepguard:metrics-summary")
+    cache.delete(summary.KEY)
     assert scrape(client)[pending] == 3
 
 
