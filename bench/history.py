@@ -21,7 +21,8 @@ Each chunk of CHUNK runs is one transaction, so an interrupted fill resumes at t
 not committed. Triggers and foreign-key checks are off while a chunk is written
 (`session_replication_role = replica`, as pg_restore does): the spend triggers would cost one
 row-by-row booking per step, so each chunk books its days' spend (runs_spendday,
-runs_spendrun) itself, set-based, as those triggers would have.
+runs_spendrun) itself, set-based, as those triggers would have, and the /metrics totals
+(runs_tally) are made again from the tables once the last chunk is in.
 """
 
 from __future__ import annotations
@@ -131,7 +132,9 @@ def fill(connection, runs: int, events: int, approver_id: int, lean: bool = Fals
     """Fill up to `runs` runs, resuming after the last whole chunk a previous fill left.
     `lean`: the runs alone (no steps, events, approvals or spend), for what reads only runs
     (the claim and the idle poll) at sizes this host fills in minutes."""
-    from runs import partitions
+    from django.db import transaction
+
+    from runs import partitions, tally
 
     with connection.cursor() as cursor:
         cursor.execute(
@@ -169,6 +172,8 @@ def fill(connection, runs: int, events: int, approver_id: int, lean: bool = Fals
             done = hi
             rate = done / max(time.monotonic() - started, 1e-3)
             print(f"  filled {done:,} of {runs:,} runs ({rate:,.0f} runs/s)", flush=True)
+        with transaction.atomic():  # the triggers were off: the /metrics totals again
+            tally.rebuild()
         cursor.execute("VACUUM ANALYZE")
 
 

@@ -278,16 +278,18 @@ def server_times(user, only: str = "") -> None:
         n, scans = rows_read(client, path, **params)
         verdict = "MET" if median < 100 else "MISSED"
         print(f"  {label:<34} {median:>7.1f}ms {high:>7.1f}ms {n:>10,}  {verdict}  [{scans}]")
-    if only in "/metrics (recomputed)":
+    if only in "/metrics (summary in each scrape)":
         metrics_kept(client)
 
 
 def metrics_kept(client: Client) -> None:
     """/metrics as a web process serves it with a shared cache (Redis in production: this
-    process's own cache stands in, `summary.cache_shared` said true): the totals kept by one
-    worker per period (`summary.keep`, timed once: what that worker pays), every scrape reading
-    them from the cache. Then the scrape that computes them itself (the embedded engine's, once
-    a period per process; every scrape with STEPGUARD_METRICS_SUMMARY_SECONDS=0)."""
+    process's own cache stands in, `summary.cache_shared` said true): the totals kept by
+    triggers (runs/tally.py), the summary (backlog past the cap, deliveries) made by one worker
+    per period (`summary.keep`, timed once with its fold of the totals: what that worker pays),
+    every scrape reading it from the cache. Then the scrape that makes the summary itself (the
+    embedded engine's, once a period per process; every scrape with
+    STEPGUARD_METRICS_SUMMARY_SECONDS=0)."""
     from django.core.cache import cache
 
     from runs import summary
@@ -301,13 +303,13 @@ def metrics_kept(client: Client) -> None:
         kept = (time.perf_counter() - started) * 1000
         median, high = timed(client, "/metrics")
         n, scans = rows_read(client, "/metrics")
-    print(f"  {'/metrics (worker-kept totals)':<34} {median:>7.1f}ms {high:>7.1f}ms {n:>10,}  "
+    print(f"  {'/metrics (worker-kept summary)':<34} {median:>7.1f}ms {high:>7.1f}ms {n:>10,}  "
           f"[{scans}]")  # fmt: skip
-    print(f"  {'  the worker keeping them, once':<34} {kept:>7.1f}ms")
+    print(f"  {'  the worker turn, once':<34} {kept:>7.1f}ms")
     with override_settings(STEPGUARD_METRICS_SUMMARY_SECONDS=0):
         median, high = timed(client, "/metrics")
         n, scans = rows_read(client, "/metrics")
-    print(f"  {'/metrics (recomputed)':<34} {median:>7.1f}ms {high:>7.1f}ms {n:>10,}  "
+    print(f"  {'/metrics (summary in each scrape)':<34} {median:>7.1f}ms {high:>7.1f}ms {n:>10,}  "
           f"[{scans}]")  # fmt: skip
 
 
@@ -945,6 +947,11 @@ def main() -> None:
         help="fill the runs alone (no steps, events, approvals) and time only the worker's "
         "idle poll and claim: 5,000,000 runs in minutes",
     )
+    parser.add_argument(
+        "--as-filled",
+        action="store_true",
+        help="time the history as it stands (a fill stopped part-way), without resuming it",
+    )
     parser.add_argument("--events", type=int, default=50, help="events per configuration")
     parser.add_argument("--list-runs", type=int, default=30, help="new runs per configuration")
     args = parser.parse_args()
@@ -955,7 +962,8 @@ def main() -> None:
         idle_poll()
         return
     if not args.latency_only:
-        fill()
+        if not args.as_filled:
+            fill()
         server_times(user, args.only)
         idle_poll()
         if not args.only:

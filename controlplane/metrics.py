@@ -3,13 +3,14 @@
 The database is the one place that knows about every worker on every host, so a figure read
 from it is right however many processes there are, and nothing is lost when one dies. Most are
 gauges of what is stored now (prune makes them drop): graph them with `delta()`/`deriv()`, not
-`rate()`. What alerts watch (runs not finished, runnable runs and their age, approvals, halts,
-workers, the replica) is read on every scrape through indexes, counted up to CAP runs. The
-totals over everything stored (finished runs, steps by outcome and duration, spend,
-deliveries) read whole tables, so no scrape reads them: one worker keeps them every
-STEPGUARD_METRICS_SUMMARY_SECONDS (60 s) in Django's shared cache (runs/summary.py; the
-embedded engine, whose cache is per process, computes them at most once a period). Scrape every
-15 to 60 s.
+`rate()`. Runs by workflow and status and the totals over the finished runs' steps (outcomes,
+durations, spend) are kept by triggers as they change (PostgreSQL, runs/tally.py): one small
+statement reads them. What alerts watch (runnable runs, approvals, halts, workers, the replica)
+is read on every scrape through indexes, the backlog counted up to CAP runs. What is left
+(the backlog past CAP, deliveries) is the summary one worker makes every
+STEPGUARD_METRICS_SUMMARY_SECONDS (60 s) into Django's shared cache (runs/summary.py; the
+embedded engine, whose cache is per process, makes it at most once a period). So a scrape asks
+the same statements whatever the history. Scrape every 15 to 60 s.
 
 Readable with an API key (`Authorization: Bearer sg_...`) or a logged-in session of a person
 who may read runs (`runs.view_run`, as on every read-only page; 403 without it), or from an
@@ -31,7 +32,7 @@ from django.utils import timezone
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from runs import queries, replica, security, summary
+from runs import queries, replica, security, summary, tally
 from runs.apikeys import check_key
 from runs.approvals.models import ApprovalRequest, ApprovalStatus
 from runs.engine.worker import WAKEABLE
@@ -64,23 +65,26 @@ class DatabaseCollector:
 
     def collect(self):
         now = timezone.now()
+        kept = tally.read() if tally.kept() else None  # kept as they change: one statement
+        runs, families = summary.totals(kept)
         totals = self._summary(now)
-        yield from self._runs(now, totals)
+        yield from self._runs(now, totals, runs)
+        yield from families
         yield from totals["families"]
         yield from self._workers(now)
-        yield from self._approvals_and_halts(now)
+        yield from self._approvals_and_halts(now, kept)
         yield from self._replica()
 
     def _summary(self, now) -> dict:
-        """The totals over everything stored (runs/summary.py): read from Django's cache, where
-        a worker keeps them when the cache is shared (Redis), so a scrape never reads the
-        steps table; computed here, at most once a period, when the cache is this process's
-        own (the embedded engine). `runs` (every workflow and status) and `runnable` back the
-        per-scrape counts past their cap; `families` are yielded as they are."""
+        """What no scrape reads the tables for (runs/summary.py): the runnable backlog past
+        the cap and the deliveries (off PostgreSQL, also the totals), from Django's cache,
+        where a worker keeps them when the cache is shared (Redis); made here, at most once
+        a period, when the cache is this process's own (the embedded engine)."""
         found = summary.read(now)
         age = GaugeMetricFamily(
             "stepguard_metrics_summary_age_seconds",
-            "How old the totals over everything stored are (-1: no worker has made them yet).",
+            "How old the summary (runnable runs past 1,000, deliveries) is (-1: no worker "
+            "has made it yet).",
             value=-1 if found["at"] is None else _age(found["at"], now),
         )
         return {**found, "families": [*found["families"], age]}
@@ -99,27 +103,16 @@ class DatabaseCollector:
                 value=lag.seconds,
             )
 
-    def _runs(self, now, summary):
-        """Runs by workflow and status, and the runnable ones, read on every scrape through
-        the status and wake-up indexes: what an alert on stuck or piling-up runs needs. Each
-        is counted up to CAP; a status or a backlog beyond it (a million runs with 600,000 not
-        finished: 200 ms a scrape) is taken from the summary, at most a period old."""
+    def _runs(self, now, summary, kept):
+        """Runs by workflow and status: on PostgreSQL the kept totals (`kept`: exact, as of
+        the last commit); elsewhere counted on each scrape up to CAP per status, beyond which
+        the summary's figure (at most a period old). The runnable ones are counted up to CAP
+        through the wake-up indexes (past it, the summary's): what an alert on stuck or
+        piling-up runs needs."""
         runs = GaugeMetricFamily(
-            "stepguard_runs",
-            "Runs stored, by workflow and status (finished ones, and any status with more "
-            "than 1,000 runs, as of the summary).",
-            labels=["workflow", "status"],
+            "stepguard_runs", "Runs stored, by workflow and status.", labels=["workflow", "status"]
         )
-        capped = queries.capped_counts(Run.objects.all(), LIVE_STATUSES, CAP)
-        exact = [status for status, n in capped.items() if n <= CAP]
-        counted = (
-            Run.objects.filter(status__in=exact)
-            .values_list("workflow", "status")
-            .annotate(n=Count("id"))
-            .order_by()
-        )
-        rows = [*counted, *((w, st, n) for w, st, n in summary["runs"] if st not in exact)]
-        for workflow, status, n in rows:
+        for workflow, status, n in self._run_rows(summary) if kept is None else kept:
             runs.add_metric([workflow, status], n)
         yield runs
         due = Run.objects.filter(status__in=WAKEABLE, wake_at__lte=now)
@@ -147,6 +140,17 @@ class DatabaseCollector:
             value=lost,
         )
 
+    def _run_rows(self, summary) -> list:
+        capped = queries.capped_counts(Run.objects.all(), LIVE_STATUSES, CAP)
+        exact = [status for status, n in capped.items() if n <= CAP]
+        counted = (
+            Run.objects.filter(status__in=exact)
+            .values_list("workflow", "status")
+            .annotate(n=Count("id"))
+            .order_by()
+        )
+        return [*counted, *((w, st, n) for w, st, n in summary["runs"] if st not in exact)]
+
     def _workers(self, now):
         beat = timedelta(seconds=LIVE_LEASES * settings.STEPGUARD_LEASE_SECONDS)
         running = Worker.objects.filter(stopped_at__isnull=True)
@@ -162,23 +166,30 @@ class DatabaseCollector:
             beats.add_metric([str(worker_id), host], at.timestamp())
         yield beats
 
-    def _approvals_and_halts(self, now):
-        pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING).aggregate(
-            n=Count("id"), oldest=Min("created_at")
-        )
+    def _approvals_and_halts(self, now, kept):
+        pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING)
+        if kept is not None:  # the kept totals, not a count of every pending request
+            n = kept["approvals"].get(("", ApprovalStatus.PENDING), 0)
+            oldest = pending.aggregate(t=Min("created_at"))["t"]  # approvals_pending_idx
+        else:
+            found = pending.aggregate(n=Count("id"), t=Min("created_at"))
+            n, oldest = found["n"], found["t"]
         yield GaugeMetricFamily("stepguard_approvals_pending", "Approval requests pending.",
-                                value=pending["n"])  # fmt: skip
+                                value=n)  # fmt: skip
         yield GaugeMetricFamily(
             "stepguard_oldest_pending_approval_age_seconds",
             "How long the oldest pending approval request has waited (0: none).",
-            value=_age(pending["oldest"], now),
+            value=_age(oldest, now),
         )
         halts = GaugeMetricFamily("stepguard_halts", "Holds in force, by scope.",
                                   labels=["scope"])  # fmt: skip
         policies = Policy.objects.filter(halted_at__isnull=False)
         halts.add_metric(["global"], policies.filter(scope=GLOBAL).count())
         halts.add_metric(["workflow"], policies.exclude(scope=GLOBAL).count())
-        halts.add_metric(["run"], Run.objects.filter(halted_at__isnull=False).count())
+        held = kept["held"].get(("", ""), 0) if kept is not None else None
+        if held is None:
+            held = Run.objects.filter(halted_at__isnull=False).count()
+        halts.add_metric(["run"], held)
         yield halts
 
 

@@ -16,6 +16,7 @@ from django.conf import settings
 from django.db import connection
 from django.db.models import Case, Count, F, IntegerField, Q, Value, When
 
+from runs import tally
 from runs.engine import registry
 from runs.models import GLOBAL, Policy, Run, RunStatus
 
@@ -99,33 +100,51 @@ def claim_order(now: datetime) -> list:
     return [rank, priority.desc(), "wake_at"]
 
 
-def overview(keys: int = 20) -> list[dict]:
-    """Per workflow with runs in flight or a limit: runs running, queued (due or not) and
-    waiting, its limits (the code's and the operator's), and its busiest concurrency keys.
-    Two grouped queries."""
-    registry.load_configured()
+#: The flow page's columns, by the status they count.
+COLUMNS: dict[str, str] = {
+    RunStatus.RUNNING: "running",
+    RunStatus.PENDING: "queued",
+    RunStatus.WAITING: "waiting",
+    RunStatus.OVER_BUDGET: "waiting",
+}
+
+
+def _load() -> dict[str, dict]:
+    """Runs running, queued and waiting per workflow, and per concurrency key the keyed ones
+    running or queued. The per-workflow counts are the /metrics totals (runs/tally.py: one
+    small statement, whatever the number of live runs); off PostgreSQL, a grouped count. The
+    keys are an index-only read of the keyed runs alone (runs_run_live_key_idx)."""
     counts: dict[str, dict] = {}
-    rows = (
-        Run.objects.filter(
-            status__in=[
-                RunStatus.RUNNING,
-                RunStatus.PENDING,
-                RunStatus.WAITING,
-                RunStatus.OVER_BUDGET,
-            ]
-        )
+
+    def entry(workflow: str) -> dict:
+        return counts.setdefault(workflow, {"running": 0, "queued": 0, "waiting": 0, "keys": {}})
+
+    live = Run.objects.filter(status__in=list(COLUMNS))
+    if tally.kept():
+        by_status = [(w, st, n) for (w, st), n in tally.read()["runs"].items()]
+    else:
+        by_status = list(live.values_list("workflow", "status").annotate(n=Count("id")).order_by())
+    for workflow, status, n in by_status:
+        if status in COLUMNS and n > 0:
+            entry(workflow)[COLUMNS[status]] += n
+    keyed = (
+        live.filter(status__in=[RunStatus.RUNNING, RunStatus.PENDING])
+        .exclude(concurrency_key="")
         .values_list("workflow", "concurrency_key", "status")
         .annotate(n=Count("id"))
         .order_by()
     )
-    column = {RunStatus.RUNNING: "running", RunStatus.PENDING: "queued"}
-    for workflow, key, status, n in rows:
-        entry = counts.setdefault(workflow, {"running": 0, "queued": 0, "waiting": 0, "keys": {}})
-        name = column.get(status, "waiting")
-        entry[name] += n
-        if key and name != "waiting":
-            per = entry["keys"].setdefault(key, {"key": key, "running": 0, "queued": 0})
-            per[name] += n
+    for workflow, key, status, n in keyed:
+        per = entry(workflow)["keys"].setdefault(key, {"key": key, "running": 0, "queued": 0})
+        per[COLUMNS[status]] += n
+    return counts
+
+
+def overview(keys: int = 20) -> list[dict]:
+    """Per workflow with runs in flight or a limit: runs running, queued (due or not) and
+    waiting, its limits (the code's and the operator's), and its busiest concurrency keys."""
+    registry.load_configured()
+    counts = _load()
     policies = {
         p.scope: p
         for p in Policy.objects.filter(

@@ -28,6 +28,7 @@ from runs.models.runs import TERMINAL_STATUSES, WAKEABLE_STATUSES, Run, RunShape
 from runs.models.schedules import MAX_BUFFERED_TICKS, Catchup, Overlap, Schedule
 from runs.models.signals import Published, Signal
 from runs.models.steps import Recovery, Step, StepKind, StepStatus, StreamPiece
+from runs.models.tallies import Tally
 from runs.models.workers import Chore, Worker
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "StepKind",
     "StepStatus",
     "StreamPiece",
+    "Tally",
     "Verdict",
     "Worker",
 ]

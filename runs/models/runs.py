@@ -186,6 +186,13 @@ class Run(models.Model):
                 condition=Q(status="running"),
                 name="runs_run_running_key_idx",
             ),
+            # The flow page's busiest keys (runs.engine.flow._load): the keyed runs running or
+            # queued, read index-only, however many unkeyed runs are live.
+            models.Index(
+                fields=["workflow", "concurrency_key", "status"],
+                condition=Q(status__in=["running", "pending"]) & ~Q(concurrency_key=""),
+                name="runs_run_live_key_idx",
+            ),
             # Claim query, second half: running runs whose lease expired (crash recovery).
             models.Index(
                 fields=["lease_until"],
