@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: What a shell sets for each command it starts, and pytest for each test: not a difference
-#: between two commands (a copy has the values of its own).
-SHELL_NOISE = {"PWD", "OLDPWD", "SHLVL", "_", "PYTEST_CURRENT_TEST"}
+#: What a shell sets for each command it starts: not a difference between two commands (a
+#: copy has the values of its own).
+SHELL_NOISE = {"PWD", "OLDPWD", "SHLVL", "_"}
 
 
 def environment(env) -> dict:
@@ -65,88 +65,6 @@ def client(path: str, python: str, args: list[str]) -> None:
             signal.signal(int(number), signal.SIG_DFL)
         os.kill(os.getpid(), int(number))
     os._exit(int(number))
-
-
-class Zygote:
-    """The test process's own zygote, for the workers the tests start (`spawn`): started on
-    the first, with the environment of that moment, stopped when the test process exits."""
-
-    def __init__(self, env: dict, directory: Path):
-        import atexit
-        import subprocess
-        import tempfile
-        import time
-
-        self.path = os.path.join(tempfile.mkdtemp(prefix="warm-"), "sock")
-        self.env, self.directory = environment(env), str(directory)
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "serve", self.path], cwd=directory, env=env,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        atexit.register(self.stop)
-        deadline = time.monotonic() + 120
-        while not os.path.exists(self.path) and self.proc.poll() is None:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the zygote did not start in 120 s")
-            time.sleep(0.05)
-
-    def spawn(self, argv: list[str], env: dict, stdout: int) -> "Forked | None":
-        """`python ARGV` (argv[0] manage.py) forked warm, its output to `stdout`; None where it
-        must run cold (another environment, no zygote)."""
-        if self.proc.poll() is not None or environment(env) != self.env or argv[0] != "manage.py":
-            return None
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with open(os.devnull) as null:
-            conn.connect(self.path)
-            request = {"argv": argv, "env": env, "cwd": self.directory}
-            socket.send_fds(conn, [json.dumps(request).encode()], [null.fileno(), stdout, stdout])
-        reply = conn.recv(64)
-        if reply in (b"", b"cold"):
-            conn.close()
-            return None
-        return Forked(conn, int(reply), argv)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
-
-
-class Forked:
-    """What the tests use of subprocess.Popen, for a process the zygote forked: its real pid
-    (signals go straight to it), and how it ended, as its monitor reports it."""
-
-    def __init__(self, conn: socket.socket, pid: int, args: list[str]):
-        self.conn, self.pid, self.args = conn, pid, args
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        return self._ended(0)
-
-    def wait(self, timeout: float | None = None) -> int:
-        import subprocess
-
-        code = self._ended(timeout)
-        if code is None:
-            raise subprocess.TimeoutExpired(self.args, timeout or 0)
-        return code
-
-    def _ended(self, timeout: float | None) -> int | None:
-        if self.returncode is None and select.select([self.conn], [], [], timeout)[0]:
-            kind, number = (self.conn.recv(64) or b"signal 9").split()  # monitor gone: killed
-            self.returncode = -int(number) if kind == b"signal" else int(number)
-            self.conn.close()
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def serve(path: str) -> None:
