@@ -26,6 +26,7 @@ from controlplane.health import health as health_view
 from runs.api import create_run, signal_run
 from runs.api import router as runs_router
 from runs.api_annotations import router as annotations_router
+from runs.api_bulk import router as bulk_router
 from runs.api_versions import router as versions_router
 from runs.apikeys import check_key, match_key
 from runs.approvals.api import router as approvals_router
@@ -227,6 +228,7 @@ def health(request):
     return health_view(request)
 
 
+api.add_router("/", bulk_router)  # before runs_router: /runs/bulk is no run id
 api.add_router("/", runs_router)
 api.add_router("/", versions_router)
 api.add_router("/", annotations_router)
