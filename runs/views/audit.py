@@ -10,7 +10,9 @@ from django.shortcuts import render
 from runs import bounded
 from runs.models import RENAMED_EVENTS, Event
 from runs.queries import BadFilter, run_id_from
-from runs.views.common import RUN_VALUES, viewer_required
+from runs.views.common import viewer_required
+
+RUN_VALUES = ("run__input", "run__output", "run__error")
 
 
 @viewer_required

@@ -8,7 +8,6 @@ the CLI and the API call, so a viewer who posts anyway is refused by the server.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from typing import Any
 from uuid import UUID
@@ -21,19 +20,7 @@ from django.shortcuts import render
 from runs import operations
 from runs.engine import budget
 from runs.errors import Forbidden, OperationError, StepguardError
-from runs.models import Run, StepKind
-
-log = logging.getLogger("stepguard.dashboard")
-
-
-PAGE = 50
-
-
-STEP_CHUNK, EVENT_CHUNK = 200, 500
-
-
-# Steps worth forking from: those whose re-execution the operator must think about.
-FORK_KINDS, FORK_CHOICES = (StepKind.CALL, StepKind.LLM, StepKind.TOOL), 100
+from runs.models import Run
 
 
 def viewer_required(view):
@@ -78,9 +65,6 @@ def do_action(request, action, back: str, done: str | Callable[[Any], str] = "")
         if said:
             messages.success(request, said)
     return HttpResponseRedirect(back)
-
-
-RUN_VALUES = ("run__input", "run__output", "run__error")
 
 
 def plain_usd(text: str | None, what: str) -> None:

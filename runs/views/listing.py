@@ -25,7 +25,9 @@ from runs.models import Run, RunStatus, Step, StepKind, StepStatus
 from runs.operations.bulk import ACTIONS as BULK_ACTIONS
 from runs.queries import RUN_FILTERS, BadFilter, filtered_runs
 from runs.sdk import start_run
-from runs.views.common import PAGE, budget_percent, do_action, plain_usd, viewer_required
+from runs.views.common import budget_percent, do_action, plain_usd, viewer_required
+
+PAGE = 50
 
 
 def list_counts(params) -> dict[str, tuple[int, bool]]:

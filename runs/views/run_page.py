@@ -23,10 +23,6 @@ from runs.engine.budget import to_micros, to_usd
 from runs.explain import explain
 from runs.models import Event, EventType, Run, RunStatus, Step, StepKind, StepStatus
 from runs.views.common import (
-    EVENT_CHUNK,
-    FORK_CHOICES,
-    FORK_KINDS,
-    STEP_CHUNK,
     _run_or_404,
     budget_percent,
     do_action,
@@ -36,6 +32,10 @@ from runs.views.common import (
 )
 from runs.views.steps import shown
 from runs.views.trace import trace_of
+
+STEP_CHUNK, EVENT_CHUNK = 200, 500
+# Steps worth forking from: those whose re-execution the operator must think about.
+FORK_KINDS, FORK_CHOICES = (StepKind.CALL, StepKind.LLM, StepKind.TOOL), 100
 
 
 def timeline_rows(steps: QuerySet) -> QuerySet:
