@@ -19,7 +19,7 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 from runs.engine.store import run_event
 from runs.errors import NotFound, OperationError
 from runs.models import Annotation, EventType, Run, Step, Verdict
-from runs.operations import find_run, in_utc, require
+from runs.operations.common import find_run, in_utc, require
 
 MAX_NOTE = 2000
 #: What the runs list's and the API's `annotation` filter takes: a verdict, or any at all.

@@ -22,7 +22,7 @@ from runs import labels as run_labels
 from runs.engine.budget import to_usd
 from runs.errors import OperationError, StepguardError
 from runs.models import Run, RunStatus, SpendDay, StepKind, StepStatus
-from runs.operations import in_utc
+from runs.operations.common import in_utc
 
 
 class BadFilter(OperationError):
@@ -115,6 +115,33 @@ def id_prefix(q: str) -> Q:
 #: counted up to 10,000, the eight statuses still read 100,000 index entries per list. A bulk
 #: action takes at most 1,000 runs, so past this bound "more" is all it needs to know.
 EXACT_UP_TO = 1_000
+
+
+def run_id_from(text: str) -> UUID | None:
+    """The run a whole id or the start of one (the 8 characters pages show) names; None if no
+    run's id starts so. BadFilter when several do."""
+    try:
+        return UUID(text)
+    except ValueError:
+        pass
+    found = list(Run.objects.filter(id_prefix(text)).values_list("pk", flat=True)[:2])
+    if len(found) > 1:
+        raise BadFilter(f"more than one run's id starts with {text!r}: give more of it")
+    return found[0] if found else None
+
+
+def filtered_runs(params) -> tuple[QuerySet, dict]:
+    """Runs matching the list's URL filters (the same for the page and for bulk actions;
+    the engine's own runs only if asked for: `runs_matching`)."""
+    chosen = {k: str(params.get(k) or "").strip() for k in RUN_FILTERS}
+    chosen["engine"] = "1" if str(params.get("engine") or "").strip() == "1" else ""
+    matching = dict(chosen)
+    if chosen["parent"]:  # the short id the pages show is taken
+        parent = run_id_from(chosen["parent"])
+        if parent is None:
+            raise BadFilter(f"parent: no run's id starts with {chosen['parent']!r}")
+        matching["parent"] = str(parent)
+    return runs_matching(matching), chosen
 
 
 def capped_counts(runs: QuerySet, statuses, cap: int) -> dict[str, int]:

@@ -25,6 +25,7 @@ from runs import dbdown, security
 from runs.api import create_run, signal_run
 from runs.api import router as runs_router
 from runs.api.annotations import router as annotations_router
+from runs.api.bulk import router as bulk_router
 from runs.api.stream import router as stream_router
 from runs.api.versions import router as versions_router
 from runs.apikeys import check_key, match_key
@@ -227,6 +228,7 @@ def health(request):
     return health_view(request)
 
 
+api.add_router("/", bulk_router)  # before runs_router: /runs/bulk is no run id
 api.add_router("/", runs_router)
 api.add_router("/", versions_router)
 api.add_router("/", annotations_router)

@@ -5,7 +5,7 @@ websockets follow the same mount point (runs.routing)."""
 
 from django.urls import include, path
 
-from runs import views, views_annotations, views_trace, views_trends, views_versions
+from runs import views
 from runs.rest import api_urls
 
 app_name = "stepguard"
@@ -29,15 +29,15 @@ urlpatterns = [
     path("runs/<uuid:run_id>/events", views.earlier_events, name="run-earlier-events"),
     path("runs/<uuid:run_id>/header", views.run_header, name="run-header"),
     path("runs/<uuid:run_id>/<str:part>.json", views.run_json, name="run-json"),
-    path("runs/<uuid:run_id>/annotate", views_annotations.annotate_view, name="run-annotate"),
-    path("runs/<uuid:run_id>/trace", views_trace.trace_part, name="run-trace"),
-    path("annotations.csv", views_annotations.export_view, name="annotations-export"),
-    path("trends", views_trends.trends_page, name="trends"),
+    path("runs/<uuid:run_id>/annotate", views.annotate_view, name="run-annotate"),
+    path("runs/<uuid:run_id>/trace", views.trace_part, name="run-trace"),
+    path("annotations.csv", views.export_view, name="annotations-export"),
+    path("trends", views.trends_page, name="trends"),
     path("runs/<uuid:run_id>/<str:action>", views.run_action, name="run-action"),
     path("workers", views.workers_page, name="workers"),
     path("audit", views.audit_page, name="audit"),
-    path("versions", views_versions.versions_page, name="versions"),
-    path("versions/check", views_versions.versions_check, name="versions-check"),
+    path("versions", views.versions_page, name="versions"),
+    path("versions/check", views.versions_check, name="versions-check"),
     path("notifications", views.notifications_page, name="notifications"),
     path("notifications/add", views.notifications_add, name="notifications-add"),
     path(

@@ -352,7 +352,7 @@ def test_a_workflow_target_cannot_reach_a_labels_budget(cast, client):
 def test_the_budgets_page_sums_every_labels_spend_in_one_statement(
     drive, django_assert_num_queries
 ):
-    from runs.views import _spent_per_label
+    from runs.views.budgets import _spent_per_label
 
     for tenant in ("acme", "acme", "bolt"):
         start_run("metered", {"steps": 1}, labels={"tenant": tenant})

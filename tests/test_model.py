@@ -224,7 +224,7 @@ TARGET2 = (
 )
 #: Prune the runs that ended before the n-th end, or all that ended.
 UPTO = st.just("all") | st.integers(0, 5)
-#: What the operator does from a connection of its own (every action of runs/operations.py
+#: What the operator does from a connection of its own (every action of runs/operations/
 #: that changes runs, the worker's stop, and prune).
 OPERATOR_ACTION = st.one_of(
     st.tuples(st.just("fork"), RUN | st.just("newest"), st.integers(0, 5), st.booleans()),

@@ -51,7 +51,7 @@ def test_child_runs_sit_under_the_step_that_started_them_with_queue_delay_apart(
 def test_the_trace_level_costs_two_queries_whatever_the_number_of_children(
     drive, django_assert_max_num_queries
 ):
-    from runs.views_trace import trace_of
+    from runs.views.trace import trace_of
 
     parent = start_run("parent", {"n": 6})
     drive()

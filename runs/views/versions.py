@@ -13,7 +13,7 @@ from runs.engine import registry
 from runs.errors import StepguardError
 from runs.replaycheck import CHECK_PERMISSION, check
 from runs.versions import in_flight
-from runs.views import viewer_required
+from runs.views.common import viewer_required
 
 
 @viewer_required

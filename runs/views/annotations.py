@@ -12,7 +12,7 @@ from django.views.decorators.http import require_POST
 
 from runs import annotations
 from runs.errors import StepguardError
-from runs.views import do_action, viewer_required
+from runs.views.common import do_action, viewer_required
 
 EXPORT_LIMIT = 50_000
 
