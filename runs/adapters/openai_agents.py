@@ -92,7 +92,7 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic_core import to_jsonable_python
 
 from runs.engine import sdk_types
-from runs.engine.bridge import AsyncRunContext
+from runs.engine.aio.bridge import AsyncRunContext
 from runs.engine.context import RunContext
 from runs.engine.llm import CAP_FIELD
 from runs.models import StepKind
