@@ -657,7 +657,7 @@ def test_gathered_model_calls_run_concurrently_and_replay_in_the_same_positions(
 
 @pytest.mark.django_db(transaction=True)
 def test_more_steps_at_once_than_threads_all_complete_in_order(drive):
-    from runs.engine.bridge import MAX_CONCURRENT_STEPS
+    from runs.engine.aio.host import MAX_CONCURRENT_STEPS
 
     n = MAX_CONCURRENT_STEPS + 8
     run = start_run("gather-many", {"n": n})

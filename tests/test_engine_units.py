@@ -9,6 +9,8 @@ rows, in an in-memory SQLite of the Python standard library, and must agree on e
 from __future__ import annotations
 
 import ast
+import asyncio
+import concurrent.futures
 import itertools
 import re
 import sqlite3
@@ -21,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from runs.engine import deltas
+from runs.engine.aio.host import AsyncHost, wait_for
+from runs.engine.aio.turnstile import Turnstile, TurnstileState
 from runs.engine.budget import NOTHING, Amount
 from runs.engine.calls import ModelCalls
 from runs.engine.context import Engine, RunContext
@@ -34,7 +38,6 @@ from runs.engine.fences import (
     fence_statement,
 )
 from runs.engine.history import History
-from runs.engine.host import Turnstile
 from runs.engine.outcomes import Completed, Failed, Position
 from runs.engine.recorded import Recorded
 from runs.engine.retry import RetryPolicy
@@ -43,6 +46,7 @@ from runs.engine.steps import Steps
 from runs.engine.waits import Waits
 from runs.errors import NonDeterminismError, StepFailed, StepMisuse
 from runs.models import Run, Step
+from tests.conftest import wait_until
 
 DEADLINE = 10.0
 
@@ -295,6 +299,151 @@ def test_a_released_context_is_taken_by_the_next_ticket_and_given_back():
     turnstile.leave()
 
 
+# --- the async runtime: steps interleaved on a controlled loop (docs/async.md) ----------------
+
+
+@pytest.fixture
+def controlled_loop():
+    """An event loop of the test's own, on a thread of its own: the calls' async answers are
+    futures on it that the test resolves, in the order it chooses."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-loop", daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(DEADLINE)
+    loop.close()
+
+
+class _Workflow:
+    """What the engine does for `ctx.llm` / `ctx.step`, reduced to positions and turns: a step
+    takes its position (History, the replay cursor), waits for its async answer through
+    `wait_for` (giving its turn up meanwhile) and writes its checkpoint on return. Each
+    milestone is logged with the turnstile's (serving, busy) at that moment."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.host = AsyncHost(owner=0, loop=loop, threads=4)
+        self.history = History({}, attempt=1, failed_step=None)
+        self.log: list[tuple] = []
+        self.answers: dict[str, asyncio.Future] = {}
+
+    def _note(self, what: str, key: str, seq: int) -> None:
+        state = self.host.turnstile.state()
+        self.log.append((what, key, seq, state.serving, state.busy))
+
+    def step(self, key: str):
+        async def call():
+            return await self.answers[key]
+
+        def run():  # on a database thread, in its turn
+            _, seq, _ = self.history.take(key)
+            self._note("start", key, seq)
+            answer = wait_for(call(), self.host)  # the turn is given up while this waits
+            self._note("finish", key, seq)
+            return seq, answer
+
+        return run
+
+    def hold(self, key: str, until: threading.Event):
+        """A call that is not a step (a wait, a child): it keeps its turn until it returns."""
+
+        def run():
+            _, seq, _ = self.history.take(key)
+            self._note("start", key, seq)
+            assert until.wait(DEADLINE)
+            return seq
+
+        return run
+
+    def start(self, *calls) -> concurrent.futures.Future:
+        """`asyncio.gather(*calls)` as an async workflow's coroutine on the loop; `calls` are
+        (releasable, function) and each call's task is kept (`tasks`) to be cancelled."""
+
+        async def workflow():
+            for key in ("a", "b", "c", "d"):
+                self.answers[key] = self.loop.create_future()
+            self.tasks = [asyncio.ensure_future(self.host.enter(r, fn)) for r, fn in calls]
+            try:
+                return await asyncio.gather(*self.tasks, return_exceptions=True)
+            finally:
+                await self.host.drain()
+
+        return asyncio.run_coroutine_threadsafe(workflow(), self.loop)
+
+    def answer(self, key: str) -> None:
+        self.loop.call_soon_threadsafe(self.answers[key].set_result, f"answer {key}")
+
+    def end(self, *holds: threading.Event) -> None:
+        """Whatever happened: every call answered and let go, then the threads ended."""
+        for hold in holds:
+            hold.set()
+        for future in self.answers.values():
+            self.loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+        self.host.close()
+
+    def at(self, state: TurnstileState, log: int) -> None:
+        wait_until(
+            lambda: self.host.turnstile.state() == state and len(self.log) == log,
+            timeout=DEADLINE,
+            what=lambda: f"{state}, {log} logged; at {self.host.turnstile.state()}, {self.log}",
+        )
+
+
+def test_gathered_steps_take_positions_in_call_order_and_write_as_their_answers_come(
+    controlled_loop,
+):
+    """`asyncio.gather(ctx.llm("a", ...), ctx.llm("b", ...))`, b answered first: positions
+    follow the order of the calls (a 0, b 1, as a sequential replay takes them), each step
+    gives its turn up while it waits, and b writes its checkpoint, at its own position, while
+    a still waits."""
+    flow = _Workflow(controlled_loop)
+    try:
+        gathered = flow.start((True, flow.step("a")), (True, flow.step("b")))
+        # Both started in ticket order, then gave their turn up: nobody holds the context.
+        flow.at(TurnstileState(issued=2, serving=2, busy=False, abandoned=frozenset()), log=2)
+        assert flow.log == [("start", "a", 0, 1, True), ("start", "b", 1, 2, True)]
+        flow.answer("b")
+        flow.at(TurnstileState(2, 2, False, frozenset()), log=3)
+        assert flow.log[2] == ("finish", "b", 1, 2, True)  # b took its turn back to write
+        assert not gathered.done()  # a still waits for its answer
+        flow.answer("a")
+        assert gathered.result(DEADLINE) == [(0, "answer a"), (1, "answer b")]
+        assert flow.log[3] == ("finish", "a", 0, 2, True)
+        assert flow.host.turnstile.state() == TurnstileState(2, 2, False, frozenset())
+        assert flow.history.next_seq == 2
+    finally:
+        flow.end()
+    assert flow.host.threads.started() == 2  # one per call in flight at once, all ended
+
+
+def test_a_wait_keeps_its_turn_and_a_call_cancelled_before_its_turn_takes_no_position(
+    controlled_loop,
+):
+    """A wait keeps the context until it returns: the steps gathered beside it queue behind it.
+    One of them cancelled before its turn (asyncio.wait_for, a cancelled task) is abandoned:
+    it never runs, takes no position, and holds no one up."""
+    flow = _Workflow(controlled_loop)
+    release = threading.Event()
+    try:
+        gathered = flow.start(
+            (False, flow.hold("w", release)), (True, flow.step("c")), (True, flow.step("d"))
+        )
+        flow.at(TurnstileState(issued=3, serving=1, busy=True, abandoned=frozenset()), log=1)
+        controlled_loop.call_soon_threadsafe(flow.tasks[1].cancel)
+        flow.at(TurnstileState(3, 2, True, frozenset({1})), log=1)  # c skipped, w still in
+        release.set()
+        flow.at(TurnstileState(3, 3, False, frozenset({1})), log=2)  # d in, then waiting
+        assert flow.log == [("start", "w", 0, 1, True), ("start", "d", 1, 3, True)]
+        flow.answer("d")
+        w, c, d = gathered.result(DEADLINE)
+        assert (w, type(c), d) == (0, asyncio.CancelledError, (1, "answer d"))
+        assert flow.log[2] == ("finish", "d", 1, 3, True)
+        assert flow.history.next_seq == 2  # c took no position
+    finally:
+        flow.end(release)
+
+
 # --- deltas -----------------------------------------------------------------------------------
 
 
@@ -445,6 +594,22 @@ ENGINE = Path(__file__).resolve().parent.parent / "runs" / "engine"
 WRITES = {"create", "update", "bulk_create", "delete", "get_or_create", "update_or_create"}
 
 
+def _modules() -> list[Path]:
+    """Every module of the engine, its subpackages' (runs/engine/aio/) included."""
+    return sorted(ENGINE.rglob("*.py"))
+
+
+def _file(module: Path) -> str:
+    """`checkpoints.py`, `aio/host.py`: a module's path in the engine."""
+    return module.relative_to(ENGINE).as_posix()
+
+
+def _name(module: Path) -> str:
+    """`checkpoints`, `aio.host`, `aio` (a package's __init__): its name under runs.engine."""
+    parts = module.relative_to(ENGINE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def _calls(module: Path):
     for node in ast.walk(ast.parse(module.read_text())):
         if isinstance(node, ast.Call):
@@ -464,7 +629,7 @@ def _writes_steps(call: ast.Call) -> bool:
 def test_step_rows_are_written_by_checkpoints_alone():
     """docs/architecture.md: checkpoints.py writes step rows (with store.py's fenced write
     beneath it), so a check every step write needs is added in one place."""
-    writers = {m.name for m in ENGINE.glob("*.py") if any(_writes_steps(c) for c in _calls(m))}
+    writers = {_file(m) for m in _modules() if any(_writes_steps(c) for c in _calls(m))}
     assert writers == {"checkpoints.py", "store.py"}
 
 
@@ -474,8 +639,8 @@ def test_within_an_execution_events_are_appended_by_checkpoints_alone():
     held run, the end or pause of a run, a debounced start) appends a run's event through the
     store."""
     appenders = {
-        m.name
-        for m in ENGINE.glob("*.py")
+        _file(m)
+        for m in _modules()
         if any(isinstance(c.func, ast.Name) and c.func.id == "append_event" for c in _calls(m))
     }
     outside = {"claims.py", "unheld.py", "lifecycle.py", "starts.py"}
@@ -486,8 +651,8 @@ def test_within_an_execution_fenced_writes_are_made_by_checkpoints_alone():
     """The fence (`fence`, `fenced_write`) is the write of an execution's lease: its concerns
     reach it through Checkpoints; the run's end (lifecycle) fences its own last write."""
     fencers = {
-        m.name
-        for m in ENGINE.glob("*.py")
+        _file(m)
+        for m in _modules()
         if any(
             isinstance(c.func, ast.Name) and c.func.id in ("fence", "fenced_write")
             for c in _calls(m)
@@ -550,24 +715,39 @@ def test_step_options_are_named_and_run_keys_are_formatted_by_the_position_alone
     assert formatting == ["outcomes.py"]
 
 
-def _engine_imports(module: Path) -> set[str]:
+def _engine_imports(module: Path, modules: set[str]) -> set[str]:
     """The engine modules `module` imports anywhere: at the top, in a function, or for type
-    checking only (each of those dodges a cycle rather than removing it)."""
+    checking only (each of those dodges a cycle rather than removing it). Importing
+    `runs.engine.aio.host` runs the package's `aio/__init__.py` first: an edge to `aio` too."""
     found = set()
     for node in ast.walk(ast.parse(module.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module == "runs.engine":
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("runs.engine."):
-            found.add(node.module.split(".")[2])
+        if isinstance(node, ast.ImportFrom):
+            assert not node.level, f"{_file(module)}: a relative import (the engine's are absolute)"
+            if node.module == "runs.engine" or (node.module or "").startswith("runs.engine."):
+                base = node.module.removeprefix("runs.engine").removeprefix(".")
+                found.add(base)
+                found |= {f"{base}.{a.name}".lstrip(".") for a in node.names} & modules
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("runs.engine.")}
-    return found - {module.stem}
+            found |= {
+                a.name.removeprefix("runs.engine.")
+                for a in node.names
+                if a.name.startswith("runs.engine.")
+            }
+
+    def packages(name: str) -> set[str]:
+        return {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+
+    # A module's own packages are initialised before it: no edge (the package may import it).
+    own = {"", _name(module), *packages(_name(module))}
+    return {p for n in found for p in {n, *packages(n)}} - own
 
 
 def test_the_engines_modules_import_each_other_in_one_direction():
     """No import cycle in runs/engine, lazy and type-checking imports included: each module
     can be read (and type-checked) knowing only those it imports."""
-    graph = {m.stem: _engine_imports(m) for m in ENGINE.glob("*.py")}
+    modules = {_name(m) for m in _modules()}
+    graph = {_name(m): _engine_imports(m, modules) for m in _modules()}
+    assert {"aio", "aio.host", "aio.bridge", "execution"} <= set(graph)
     done: set[str] = set()
 
     def visit(name: str, path: tuple[str, ...]) -> None:
@@ -585,15 +765,15 @@ def test_the_engines_modules_import_each_other_in_one_direction():
 def test_no_engine_function_is_over_80_lines_and_no_engine_module_over_600():
     """Each piece reads on one screen or two: a function that outgrows it is doing two things."""
     long = []
-    for module in sorted(ENGINE.glob("*.py")):
+    for module in _modules():
         text = module.read_text()
         if (lines := len(text.splitlines())) > 600:
-            long.append(f"{module.name}: {lines} lines")
+            long.append(f"{_file(module)}: {lines} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 size = (node.end_lineno or node.lineno) - node.lineno + 1
                 if size > 80:
-                    long.append(f"{module.name}: {node.name}, {size} lines")
+                    long.append(f"{_file(module)}: {node.name}, {size} lines")
     assert not long, long
 
 

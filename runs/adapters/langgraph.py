@@ -93,7 +93,7 @@ from langgraph.pregel._read import DEFAULT_BOUND, PregelNode
 from langgraph.types import Command, Overwrite, Send
 
 from runs.adapters import chat_models
-from runs.engine.bridge import AsyncRunContext
+from runs.engine.aio.bridge import AsyncRunContext
 from runs.engine.context import RunContext
 from runs.engine.records import CURRENT_STEP, Decision
 from runs.engine.retry import RetryPolicy

@@ -31,7 +31,7 @@ from mcp import Client, StdioServerParameters
 from mcp_types import RequestParamsMeta
 
 from runs.engine.agent import Tool
-from runs.engine.bridge import AsyncRunContext
+from runs.engine.aio.bridge import AsyncRunContext
 from runs.engine.context import RunContext
 from runs.engine.retry import RetryPolicy
 from runs.sdk import StepguardError, StepMisuse

@@ -70,7 +70,7 @@ from pydantic_ai.usage import RequestUsage
 from pydantic_core import to_jsonable_python
 
 from runs.engine import sdk_types
-from runs.engine.bridge import AsyncRunContext, run_async
+from runs.engine.aio.bridge import AsyncRunContext, run_async
 from runs.engine.context import engine_of
 from runs.engine.llm import CAP_FIELD
 from runs.sdk import ApprovalRevoked, Ask, Decision, RetryPolicy, StepMisuse

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -14,6 +13,7 @@ from django.db.models.fields.json import KT
 from runs import tracing
 from runs.engine import agent, deltas, sdk_types, streaming
 from runs.engine import llm as llm_engine
+from runs.engine.aio.host import concurrently
 from runs.engine.budget import Metered, Usage, scopes_for
 from runs.engine.execution import Execution
 from runs.engine.records import Decision, accepts, signature_names
@@ -284,22 +284,7 @@ class ModelCalls:
         """Run `jobs`, each making its own steps, as concurrent steps of an async workflow
         (positions in the order given, as asyncio.gather would); one after another in a sync
         workflow. The first exception, in order, is raised once all have ended."""
-        host = self.ex.host
-        if host is None or len(jobs) < 2:
-            return [job() for job in jobs]
-        bridge, loop = host.context, host.loop
-
-        async def gather():
-            steps = (bridge._enter(True, job) for job in jobs)
-            return await asyncio.gather(*steps, return_exceptions=True)
-
-        future = asyncio.run_coroutine_threadsafe(gather(), loop)
-        with self.ex.released(force=True):
-            results = future.result()
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return results
+        return concurrently(self.ex.host, jobs)
 
     def agent_loop(self, **options: Any) -> dict:
         """A durable tool-calling loop; see runs.engine.agent.agent_loop."""

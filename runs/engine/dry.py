@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from runs.engine.bridge import run_async
+from runs.engine.aio.bridge import run_async
 from runs.engine.checkpoints import Checkpoints
 from runs.engine.context import Engine, RunContext
 from runs.engine.execution import Execution

@@ -10,20 +10,16 @@ to reach it.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
+from runs.engine.aio.host import AsyncHost, released, wait_for
 from runs.engine.checkpoints import Checkpoints
 from runs.engine.compensation import Compensations
 from runs.engine.fences import Lease
 from runs.engine.history import History
-from runs.engine.host import AsyncHost
-from runs.engine.loop import engine_loop
 from runs.engine.records import CURRENT_STEP, Identity, Running
-from runs.engine.step_deadline import bounded
 from runs.errors import (
     Cancelled,
     LeaseLost,
@@ -71,7 +67,8 @@ class Execution:
         self.trace = trace  # the OpenTelemetry context steps descend from (runs/tracing.py)
         self.budgeted_usd = run.budget_micros is not None
         self.budgeted = self.budgeted_usd or run.budget_tokens is not None
-        #: An async workflow's event loop, turnstile and context (bridge.run_async sets it).
+        #: An async workflow's runtime: its event loop, turnstile and database threads
+        #: (aio.bridge.run_async sets it for the workflow's duration).
         self.host: AsyncHost | None = None
         #: Whether a step may be left `started` when the run ends (found so, or cut off in
         #: flight): the run's end then marks it (lifecycle._finish).
@@ -120,41 +117,14 @@ class Execution:
         return running if running is not None and running.owner == id(self) else None
 
     def wait_for(self, value: Any) -> Any:
-        """Run an `async def` step (or an async client's call) to completion on the process's
-        one event loop (runs/engine/loop.py), where an async workflow runs too: an async
-        client's pooled connections belong to the loop that opened them, so a client kept
-        across executions (module-level, or a framework's shared one) must always meet it."""
-        if not inspect.isawaitable(value):
-            return value
+        """Run an `async def` step (or an async client's call) to completion on the event
+        loop (aio.host.wait_for); a step of an async workflow gives its turn up meanwhile."""
+        return wait_for(value, self.host)
 
-        running = CURRENT_STEP.get()
-        if running is not None and running.deadline is not None:
-            value = bounded(value, running.deadline, running.key, running.timeout or 0.0)
-
-        async def wait():
-            CURRENT_STEP.set(running)  # this task's own: concurrent steps each see theirs
-            return await value
-
-        future = asyncio.run_coroutine_threadsafe(wait(), engine_loop())
-        with self.released():
-            if running is not None and running.thread is not None:
-                return running.thread.serve_until(future)  # its reservations are written here
-            return future.result()
-
-    @contextmanager
-    def released(self, force: bool = False):
+    def released(self, force: bool = False) -> AbstractContextManager[None]:
         """While this thread only waits (an async call, a retry delay), let the async
-        workflow's other steps use the run's context (see host.Turnstile). The step's own
-        state lives in its task's CURRENT_STEP, which the others do not see."""
-        turnstile = self.host.turnstile if self.host is not None else None
-        if turnstile is None or not (force or turnstile.releasable()) or turnstile.released():
-            yield
-            return
-        turnstile.release()
-        try:
-            yield
-        finally:
-            turnstile.reacquire()
+        workflow's other steps use the run's context (aio.host.released)."""
+        return released(self.host, force)
 
     def sleep(self, seconds: float) -> None:
         """A retry delay that a lost lease or a shutdown cuts short."""

@@ -19,7 +19,7 @@ from django.utils import timezone
 from runs import tracing
 from runs.approvals.models import ApprovalRequest, ApprovalStatus
 from runs.engine import holds, registry
-from runs.engine.bridge import run_async
+from runs.engine.aio.bridge import run_async
 from runs.engine.budget import NOTHING, next_day_start
 from runs.engine.checkpoints import book_possibly_spent, fail_in_doubt, release_reservations
 from runs.engine.context import Engine, RunContext

@@ -3,17 +3,15 @@ execution's Identity."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextvars
 import inspect
-import queue
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
+from runs.engine.aio.threads import StepThread
 from runs.errors import StepguardError, StepMisuse
 
 
@@ -168,33 +166,6 @@ def as_timedelta(value: float | timedelta, what: str) -> timedelta:
     if delta < timedelta(0):
         raise StepMisuse(f"{what} cannot be negative")
     return delta
-
-
-class StepThread:
-    """Work a step's coroutine asks of the thread that runs the step, done there while that
-    thread waits for the coroutine: the event loop may not touch the database, and the step's
-    thread is the one whose writes are the step's (a reservation a chat model makes before it
-    is sent, runs/adapters/chat_models.py)."""
-
-    def __init__(self) -> None:
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-
-    async def run(self, fn: Callable[[], Any]) -> Any:
-        """On the event loop: `fn()` run on the step's thread; its result or its error."""
-        reply: concurrent.futures.Future = concurrent.futures.Future()
-        self._requests.put((fn, reply))
-        return await asyncio.wrap_future(reply)
-
-    def serve_until(self, future: concurrent.futures.Future) -> Any:
-        """On the step's thread: do what is asked until `future` is done; its result."""
-        future.add_done_callback(lambda _: self._requests.put(None))
-        while (request := self._requests.get()) is not None:
-            fn, reply = request
-            try:
-                reply.set_result(fn())
-            except BaseException as exc:  # the asker raises it, where it belongs
-                reply.set_exception(exc)
-        return future.result()
 
 
 class Running(NamedTuple):

@@ -20,11 +20,12 @@ from runs import tracing
 from runs.approvals.models import ApprovalKind, ApprovalRequest, ApprovalStatus, Resolution
 from runs.approvals.services import request_approval
 from runs.engine import rates
+from runs.engine.aio.threads import StepThread
 from runs.engine.budget import Amount, Metered, Reservation, Usage, scopes_for, to_usd
 from runs.engine.execution import Execution
 from runs.engine.llm import retry_after
 from runs.engine.outcomes import Completed, Failed, Position
-from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, StepThread, brief
+from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision, Running, brief
 from runs.engine.retry import DEFAULT_RETRY, RetryPolicy
 from runs.engine.serialization import describe_input, to_json
 from runs.engine.step_deadline import call_by, seconds_of

@@ -37,7 +37,7 @@ from mcp.types import Tool as MCPTool
 
 from runs.adapters.openai_agents.model import DurableModel
 from runs.adapters.openai_agents.records import _arguments, _jsonable, _key
-from runs.engine.bridge import AsyncRunContext
+from runs.engine.aio.bridge import AsyncRunContext
 from runs.engine.context import RunContext
 from runs.models import StepKind
 from runs.sdk import ApprovalRevoked, Ask, StepguardError, StepMisuse

@@ -1,24 +1,18 @@
-"""What an execution of an async workflow runs on: the event loop, the turnstile its steps take
-turns at, and the door through which engine code starts concurrent steps. Apart from
-bridge.py (the awaited calls workflow code sees), so the execution's state can name it without
-an import cycle."""
+"""The turnstile an async execution's calls take turns at (see docs/async.md)."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import NamedTuple
 
 
-class Entrance(Protocol):
-    """bridge.AsyncRunContext as engine code uses it: a call entered in turn, on a database
-    thread, awaited on the event loop."""
+class TurnstileState(NamedTuple):
+    """Where a turnstile stands: what a test or a debugger reads, all at once."""
 
-    async def _enter(
-        self, releasable: bool, method: Callable, *args: Any, **kwargs: Any
-    ) -> Any: ...
+    issued: int  # tickets taken so far (the next call's ticket)
+    serving: int  # the next ticket to be let in
+    busy: bool  # a call holds the run's context
+    abandoned: frozenset[int]  # tickets cancelled before their turn
 
 
 class Turnstile:
@@ -67,6 +61,12 @@ class Turnstile:
                 self._skip()
                 self._cond.notify_all()
 
+    def state(self) -> TurnstileState:
+        with self._cond:
+            return TurnstileState(
+                self._issued, self._serving, self._busy, frozenset(self._abandoned)
+            )
+
     def _skip(self) -> None:
         while self._serving in self._abandoned:
             self._serving += 1
@@ -92,15 +92,3 @@ class Turnstile:
             self._cond.wait_for(lambda: not self._busy)
             self._busy = True
         self._local.released = False
-
-
-@dataclass(frozen=True)
-class AsyncHost:
-    """What an execution of an async workflow runs on: the process's event loop, the turnstile
-    its steps take turns at, and the context its workflow function received (to start
-    concurrent steps from engine code, `ModelCalls.concurrently`). Set by `run_async` for the
-    workflow's duration; None for a sync workflow."""
-
-    loop: asyncio.AbstractEventLoop
-    turnstile: Turnstile
-    context: Entrance
