@@ -92,8 +92,8 @@ def _lease() -> Lease:
     return Lease(run_id=uuid.uuid4(), epoch=7)
 
 
-def _placeholders(sql: str) -> int:
-    return sql.count("%s")
+def _placeholders(sql: str) -> set[str]:
+    return set(re.findall(r"%\((\w+)\)s", sql))
 
 
 @pytest.mark.parametrize(
@@ -110,18 +110,19 @@ def _placeholders(sql: str) -> int:
 )
 def test_fence_statement_binds_one_parameter_per_placeholder(checks):
     sql, params = fence_statement(_lease(), checks)
-    assert _placeholders(sql) == len(params)
+    assert "%s" not in sql and _placeholders(sql) == set(params)
     assert sql.startswith("UPDATE ") and sql.endswith(" RETURNING event_seq, created_at")
-    assert params[0] == checks.events
+    assert params["events"] == checks.events
 
 
 def test_every_fenced_write_checks_the_lease_and_only_a_start_checks_more():
     lease = _lease()
     sql, params = fence_statement(lease, Fence(spend=Spend(1, 1, 1), progress=True))
     assert sql.split(" WHERE ", 1)[1] == (
-        "id = %s AND lease_epoch = %s AND status = %s RETURNING event_seq, created_at"
+        "id = %(run)s AND lease_epoch = %(epoch)s AND status = %(running)s"
+        " RETURNING event_seq, created_at"
     )
-    assert params[-3:][1:] == [7, "running"]
+    assert (params["epoch"], params["running"]) == (7, "running")
     started, _ = fence_statement(lease, Fence(starting=True))
     assert "cancel_requested_at IS NULL" in started
     assert "halted_at" in started and "budget_micros" in started
@@ -135,10 +136,12 @@ def test_a_compensation_is_checked_against_holds_only():
 
 def test_a_start_reserves_its_estimate_and_a_finish_gives_back_what_it_held():
     sql, params = fence_statement(_lease(), Fence(starting=True, estimate=Amount(5, 6)))
-    assert "reserved_micros = reserved_micros + %s" in sql and params[1:3] == [5, 6]
+    assert "reserved_micros = reserved_micros + %(reserve_micros)s" in sql
+    assert (params["reserve_micros"], params["reserve_tokens"]) == (5, 6)
     sql, params = fence_statement(_lease(), Fence(spend=Spend(10, 2, 3, Amount(4, 5))))
-    assert "cost_micros = cost_micros + %s" in sql
-    assert params[1:8] == [10, 2, 3, 4, 4, 5, 5]
+    assert "cost_micros = cost_micros + %(spent_micros)s" in sql
+    assert [params[name] for name in ("spent_micros", "tokens_in", "tokens_out")] == [10, 2, 3]
+    assert (params["given_micros"], params["given_tokens"]) == (4, 5)
 
 
 # --- the SQL and refusal pairs ----------------------------------------------------------------
@@ -164,7 +167,8 @@ def _sql_accepts(db: sqlite3.Connection, row: dict, condition, checks: Fence) ->
         list(row.values()),
     )
     more, params = condition.sql(checks)
-    found = db.execute("SELECT 1 FROM runs_run WHERE 1 = 1" + more.replace("%s", "?"), params)
+    named = re.sub(r"%\((\w+)\)s", r":\1", more)  # sqlite3's named style, as Django's backend
+    found = db.execute("SELECT 1 FROM runs_run WHERE 1 = 1" + named, params)
     return found.fetchone() is not None
 
 

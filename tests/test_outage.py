@@ -90,7 +90,8 @@ def test_reconciled_and_asked_steps_write_their_started_row_durably(drive):
     starts = []
 
     def record(execute, sql, params, many, context):
-        if "step.started" in map(str, params or ()):
+        values = params.values() if isinstance(params, dict) else params or ()  # named or not
+        if "step.started" in map(str, values):
             starts.append(sql)
         return execute(sql, params, many, context)
 

@@ -2,10 +2,10 @@
 
 Every statement a worker's claim loop sends is here or in the holds' sweeps (`unheld.py`;
 the worker process, `worker.py`, has threads, signals and the loop, and no SQL). On
-PostgreSQL a claim is one statement built from named queries (`CLAIM_DUE`, `CLAIM_LIMITED`,
-then `TAKE_CLAIMED`, as Procrastinate names its queries); on SQLite a compare-and-swap on
-`(lease_epoch, event_seq)` per run (`_claim_one`). Due runs that a hold covers are parked
-(`unheld.park_held`), runs past the poison bound failed (`_fail_poisoned`).
+PostgreSQL a claim is one statement built from named queries with named parameters
+(statements.py: `CLAIM_DUE` or `CLAIM_LIMITED`, then `TAKE_CLAIMED`); on SQLite a
+compare-and-swap on `(lease_epoch, event_seq)` per run (`_claim_one`). Due runs that a hold
+covers are parked (`unheld.park_held`), runs past the poison bound failed (`_fail_poisoned`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from django.db.models import BooleanField, F, Min, Q
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
-from runs.engine import flow, holds
+from runs.engine import flow, holds, statements
 from runs.engine.checkpoints import release_reservations
 from runs.engine.fences import Lease
 from runs.engine.outage import outage
@@ -33,14 +33,11 @@ from runs.engine.store import append_event, wake_parent
 from runs.engine.unheld import park_held
 from runs.engine.wakeup import doorbell
 from runs.logcontext import event_written
-from runs.models import WAKEABLE_STATUSES, Event, EventType, Run, RunStatus, Worker
+from runs.models import WAKEABLE_STATUSES, EventType, Run, RunStatus, Worker
 
 log = logging.getLogger("stepguard.worker")
 
 WAKEABLE = WAKEABLE_STATUSES
-RUN_TABLE = f'"{Run._meta.db_table}"'
-EVENT_TABLE = f'"{Event._meta.db_table}"'
-_COVERED = holds.covered_sql()
 #: A run whose worker dies under it this many times in a row (no step finished since) may be
 #: what kills its workers: only a worker with nothing in flight takes it up, and takes nothing
 #: more until it ends or finishes a step (which clears it: `recoveries` is reset). While one
@@ -49,9 +46,6 @@ _COVERED = holds.covered_sql()
 #: before (`makes_way`). Its losses are then its own, not those of the runs that shared a
 #: worker with it (a run that killed every worker had the runs beside it failed by the bound).
 SUSPECT_AFTER = 2
-#: What a claim by a busy worker adds to leave out the lost runs that would become suspects
-#: (the claim counts one loss more).
-LOST_HELD_BACK = f"AND recoveries + 1 < {SUSPECT_AFTER}"
 
 
 def suspect(run: Run) -> bool:
@@ -60,106 +54,9 @@ def suspect(run: Run) -> bool:
     return run.recoveries >= SUSPECT_AFTER
 
 
-_LIMITED_ORDER = "aged DESC, CASE WHEN aged THEN 0 ELSE priority END DESC, wake_at"
-_RUN_COLUMNS = ", ".join(f'r."{f.column}"' for f in Run._meta.concrete_fields)
-
-#: Lock up to `limit` runnable runs of ours (`{mine}`: one (workflow, version) pair each), in
-#: CTEs ending in `c` (id, was): runs whose worker died and runs due for longer than the
-#: priority aging time first, oldest first, then the other due runs by priority; each part
-#: in the order of its own partial index. Held runs, poison runs and limited workflows' runs
-#: are left out. Completed by TAKE_CLAIMED.
-CLAIM_DUE = f"""
-            WITH aged AS (
-                SELECT id, status AS was, 0 AS grp, 0 AS prio, wake_at AS at FROM {RUN_TABLE}
-                WHERE status = ANY(%s) AND wake_at < %s AND ({{mine}})
-                  AND NOT (workflow = ANY(%s))
-                  AND NOT {_COVERED}
-                ORDER BY wake_at
-                LIMIT %s
-                FOR UPDATE SKIP LOCKED
-            ), due AS (
-                SELECT id, status AS was, 1 AS grp, -priority AS prio, wake_at AS at
-                FROM {RUN_TABLE}
-                WHERE status = ANY(%s) AND wake_at <= %s AND wake_at >= %s AND ({{mine}})
-                  AND NOT (workflow = ANY(%s))
-                  AND NOT {_COVERED}
-                ORDER BY priority DESC, wake_at
-                LIMIT %s
-                FOR UPDATE SKIP LOCKED
-            ), lost AS (
-                SELECT id, status AS was, 0 AS grp, 0 AS prio, lease_until AS at FROM {RUN_TABLE}
-                WHERE status = %s AND lease_until < %s AND ({{mine}})
-                  AND recoveries + 1 < %s {{lost_held_back}}
-                  AND NOT {_COVERED}
-                ORDER BY lease_until
-                LIMIT %s
-                FOR UPDATE SKIP LOCKED
-            ), c AS (
-                SELECT id, was FROM (
-                    SELECT * FROM lost UNION ALL SELECT * FROM aged UNION ALL SELECT * FROM due
-                ) AS all_
-                ORDER BY grp, prio, at LIMIT %s
-            )"""
-
-#: Lock the due runs of one limited workflow that its running runs leave room for (per key
-#: too: `row_number()` per key), in CTEs ending in `c` (id, was). Completed by TAKE_CLAIMED.
-CLAIM_LIMITED = f"""
-            WITH running AS (
-                SELECT concurrency_key AS k, count(*) AS n FROM {RUN_TABLE}
-                WHERE workflow = %s AND status = %s GROUP BY concurrency_key
-            ), room AS (
-                SELECT GREATEST(0, LEAST(%s::int,
-                    COALESCE(%s::int - (SELECT COALESCE(sum(n), 0) FROM running), %s::int)
-                )) AS n
-            ), locked AS (
-                SELECT id, status AS was, concurrency_key AS k, priority, wake_at,
-                    (status = ANY(%s) AND wake_at < %s) AS aged
-                FROM {RUN_TABLE}
-                WHERE workflow = %s AND status = ANY(%s) AND wake_at <= %s AND ({{mine}})
-                  AND NOT {_COVERED}
-                  AND concurrency_key NOT IN (
-                      SELECT k FROM running WHERE %s::int IS NOT NULL AND n >= %s::int
-                  )
-                ORDER BY (wake_at < %s) DESC,
-                    CASE WHEN wake_at < %s THEN 0 ELSE priority END DESC, wake_at
-                LIMIT %s
-                FOR UPDATE SKIP LOCKED
-            ), ranked AS (
-                SELECT l.id, l.was, l.aged, l.priority, l.wake_at,
-                    row_number() OVER (PARTITION BY l.k ORDER BY {_LIMITED_ORDER})
-                        + COALESCE(r.n, 0) AS load
-                FROM locked l LEFT JOIN running r ON r.k = l.k
-            ), c AS (
-                SELECT id, was FROM ranked
-                WHERE %s::int IS NULL OR load <= %s::int
-                ORDER BY {_LIMITED_ORDER}
-                LIMIT (SELECT n FROM room)
-            )"""
-
-#: Take the leases of the runs `c` chose and append their claim events, in the statement
-#: that chose them.
-TAKE_CLAIMED = f""", u AS (
-                UPDATE {RUN_TABLE} r SET
-                    status = %s, worker_id = %s, lease_until = %s,
-                    lease_epoch = r.lease_epoch + 1, event_seq = r.event_seq + 1,
-                    recoveries = r.recoveries + CASE WHEN c.was = %s THEN 1 ELSE 0 END,
-                    started_at = CASE WHEN r.lease_epoch = 0 THEN %s ELSE r.started_at END
-                FROM c WHERE r.id = c.id
-                RETURNING {_RUN_COLUMNS}, c.was
-            ), e AS (
-                INSERT INTO {EVENT_TABLE}
-                    (run_id, run_created_at, seq, step_key, type, actor, payload, created_at)
-                SELECT id, created_at, event_seq, '',
-                    CASE was WHEN %s THEN %s WHEN %s THEN %s ELSE %s END,
-                    'system', jsonb_build_object('worker', %s::text, 'epoch', lease_epoch), %s
-                FROM u
-            )
-            SELECT * FROM u ORDER BY wake_at
-        """
-
-
 def not_suspect() -> Q:
-    """LOST_HELD_BACK as a filter (SQLite's claims)."""
+    """The lost runs that one more loss would make suspects, left out (SQLite's claims; on
+    PostgreSQL `suspects` false in statements.CLAIM_DUE)."""
     return ~Q(status=RunStatus.RUNNING, recoveries__gte=SUSPECT_AFTER - 1)
 
 
@@ -191,12 +88,9 @@ class Claims:
             [part for ref in self.mine_refs for part in ref],
             output_field=BooleanField(),
         )
-        # Each statement twice: suspects allowed (an idle worker), suspects left out.
-        self._claim_due = {
-            allowed: CLAIM_DUE.format(mine=mine, lost_held_back="" if allowed else LOST_HELD_BACK)
-            for allowed in (True, False)
-        }
-        self._claim_limited_sql = CLAIM_LIMITED.format(mine=mine)
+        self._claim_due_sql = statements.claim(statements.CLAIM_DUE, len(self.mine_refs))
+        self._claim_limited_sql = statements.claim(statements.CLAIM_LIMITED, len(self.mine_refs))
+        self._mine_params = statements.mine_params(self.mine_refs)
 
     def claim(self, limit: int, idle: bool = True) -> list[Run]:
         """Claim up to `limit` runnable runs of ours. An idle worker takes its first run with
@@ -366,29 +260,23 @@ class Claims:
         often) are left to `claim`'s slow path; due runs of the `limited` workflows to
         `_claim_limited`.
         """
-        chosen = self._claim_due[suspects]
-        poison = 2 * settings.STEPGUARD_MAX_RECOVERIES
-        refs = [part for ref in self.mine_refs for part in ref]
-        old = flow.aged(now)
-        params = [
-            list(WAKEABLE), old, *refs, limited, limit,
-            list(WAKEABLE), now, old, *refs, limited, limit,
-            RunStatus.RUNNING, now, *refs, poison, limit,
-            limit,
-        ]  # fmt: skip
-        return self._take_chosen(chosen, params, now)
+        params = {
+            "wakeable": list(WAKEABLE), "aged_before": flow.aged(now), "limited": limited,
+            "limit": limit, "poison": 2 * settings.STEPGUARD_MAX_RECOVERIES,
+            "suspects": suspects, "suspect_after": SUSPECT_AFTER,
+        }  # fmt: skip
+        return self._take_chosen(self._claim_due_sql, params, now)
 
-    def _take_chosen(self, chosen: str, params: list, now) -> list[Run]:
-        """Complete a claim statement whose CTEs end in `c` (id, was: the status it had):
-        take those runs' leases and append their claim events, in the same statement."""
-        sql = chosen + TAKE_CLAIMED
-        params = [
-            *params,
-            RunStatus.RUNNING, self.worker_id, now + self.lease, RunStatus.RUNNING, now,
-            RunStatus.RUNNING, EventType.RUN_RECOVERED,
-            RunStatus.WAITING, EventType.RUN_WOKEN, EventType.RUN_CLAIMED,
-            str(self.worker_id), now,
-        ]  # fmt: skip
+    def _take_chosen(self, sql: str, params: dict, now) -> list[Run]:
+        """Run a claim statement (statements.claim: the CTEs choosing `c`, then TAKE_CLAIMED,
+        which takes those runs' leases and appends their claim events)."""
+        params = {
+            **params, **self._mine_params, "now": now, "running": RunStatus.RUNNING,
+            "waiting": RunStatus.WAITING, "worker": self.worker_id,
+            "worker_text": str(self.worker_id), "lease_until": now + self.lease,
+            "recovered": EventType.RUN_RECOVERED, "woken": EventType.RUN_WOKEN,
+            "claimed": EventType.RUN_CLAIMED,
+        }  # fmt: skip
         with jit_off(connection):
             runs = list(Run.objects.raw(sql, params))
         kinds = {RunStatus.RUNNING: EventType.RUN_RECOVERED, RunStatus.WAITING: EventType.RUN_WOKEN}
@@ -405,20 +293,11 @@ class Claims:
         (taken by the caller in a statement of its own, so that this one's snapshot sees every
         claim committed before it). The count of its running runs per key, the room they leave
         (`row_number()` per key for the per-key limit), the leases and the events: all here."""
-        chosen = self._claim_limited_sql
-        refs = [part for ref in self.mine_refs for part in ref]
-        old = flow.aged(now)
-        params = [
-            name, RunStatus.RUNNING,
-            free, limit.total, free,
-            list(WAKEABLE), old,
-            name, list(WAKEABLE), now, *refs,
-            limit.per_key, limit.per_key,
-            old, old,
-            free * 4 + 8,
-            limit.per_key, limit.per_key,
-        ]  # fmt: skip
-        return self._take_chosen(chosen, params, now)
+        params = {
+            "workflow": name, "free": free, "total": limit.total, "per_key": limit.per_key,
+            "wakeable": list(WAKEABLE), "aged_before": flow.aged(now), "fetch": free * 4 + 8,
+        }  # fmt: skip
+        return self._take_chosen(self._claim_limited_sql, params, now)
 
     def _fail_poisoned(self, now) -> None:
         """Fail the due runs past twice the poison-run bound (see `_claim_one`)."""

@@ -3,8 +3,9 @@
 A `Lease` is a worker's hold on a run; a `Fence` says what one write checks (the lease, a
 cancel, a halt, the budgets) and changes (event seqs, reservations, spend); each named
 condition gives both its SQL and the reason a refused write was refused (store.refused);
-`fence_statement` is the run-row UPDATE every write starts with. `prep` turns model values
-into columns, placeholders and parameters for the hand-written statements of store.py.
+`fence_statement` is the run-row UPDATE every write starts with, from the named pieces of
+statements.py. `prep` turns model values into columns, placeholders and named parameters for
+the hand-written statements of store.py.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.utils import timezone
 
+from runs.engine import statements
 from runs.engine.budget import NOTHING, Amount
-from runs.engine.holds import covered_sql, holds_on
+from runs.engine.holds import holds_on
 from runs.errors import Cancelled, Halted, OverBudget
 from runs.models import Event, EventType, Run, RunStatus, Step, StepStatus
 
@@ -63,15 +65,6 @@ class Lease:
     heart: Any = field(default=None, repr=False, compare=False)
 
 
-RUN_TABLE = Run._meta.db_table
-
-
-STEP_TABLE = f'"{Step._meta.db_table}"'
-
-
-EVENT_TABLE = f'"{Event._meta.db_table}"'
-
-
 @dataclass(frozen=True)
 class Spend:
     """What a finishing step adds to its run: usage, and the estimate it held, given back."""
@@ -111,7 +104,7 @@ class _Condition:
     say why a write was refused (so the explanation can never disagree with the check)."""
 
     applies: Callable[[Fence], bool]
-    sql: Callable[[Fence], tuple[str, list]]
+    sql: Callable[[Fence], tuple[str, dict[str, Any]]]
     refusal: Callable[[Run, Fence], BaseException | None]
 
 
@@ -145,97 +138,71 @@ def over_budget(run: Run, estimate: Amount) -> OverBudget | None:
     return refusal if isinstance(refusal, OverBudget) else None
 
 
-_SPENT = {
-    "micros": "cost_micros + reserved_micros + possibly_spent_micros",
-    "tokens": "tokens_in + tokens_out + reserved_tokens + possibly_spent_tokens",
-}
-
-
-_LIMIT = {"micros": "budget_micros", "tokens": "budget_tokens"}
-
-
 #: In the order a refusal is explained: a cancel first, then a hold, then the budget.
 CONDITIONS = (
     _Condition(
         applies=lambda f: f.starting and not f.compensating,
-        sql=lambda f: (" AND cancel_requested_at IS NULL", []),
+        sql=lambda f: (statements.FENCE_NOT_CANCELLED, {}),
         refusal=_not_cancelled,
     ),
     _Condition(
         applies=lambda f: f.starting,
-        sql=lambda f: (f" AND NOT {covered_sql(RUN_TABLE)}", []),
+        sql=lambda f: (statements.FENCE_NOT_HELD, {}),
         refusal=_not_halted,
     ),
     _Condition(
         applies=lambda f: f.starting and not f.compensating,
         sql=lambda f: (
-            "".join(
-                f" AND ({_LIMIT[u]} IS NULL OR ({_SPENT[u]} + %s <= {_LIMIT[u]}"
-                f" AND {_SPENT[u]} - %s < {_LIMIT[u]}))"
-                for u in ("micros", "tokens")
-            ),
-            [
-                f.estimate.micros + f.possibly.micros,
-                f.held.micros,
-                f.estimate.tokens + f.possibly.tokens,
-                f.held.tokens,
-            ],
+            statements.FENCE_IN_BUDGET,
+            {
+                "want_micros": f.estimate.micros + f.possibly.micros,
+                "held_micros": f.held.micros,
+                "want_tokens": f.estimate.tokens + f.possibly.tokens,
+                "held_tokens": f.held.tokens,
+            },
         ),
         refusal=_in_budget,
     ),
 )
 
 
-_POSSIBLY = (
-    ", possibly_spent_micros = possibly_spent_micros + %s"
-    ", possibly_spent_tokens = possibly_spent_tokens + %s"
-)
-
-
-_RESERVE = ", reserved_micros = reserved_micros + %s, reserved_tokens = reserved_tokens + %s"
-
-
-_SETTLE = (
-    ", cost_micros = cost_micros + %s, tokens_in = tokens_in + %s, tokens_out = tokens_out + %s"
-    ", reserved_micros = CASE WHEN reserved_micros > %s THEN reserved_micros - %s ELSE 0 END"
-    ", reserved_tokens = CASE WHEN reserved_tokens > %s THEN reserved_tokens - %s ELSE 0 END"
-)
-
-
-def fence_statement(lease: Lease, checks: Fence = Fence()) -> tuple[str, list[Any]]:
-    sets = "event_seq = event_seq + %s"
-    params: list[Any] = [checks.events]
+def fence_statement(lease: Lease, checks: Fence = Fence()) -> tuple[str, dict[str, Any]]:
+    """The run-row UPDATE of a fenced write (statements.fence) and its named parameters."""
+    sets = ""
+    params: dict[str, Any] = {"events": checks.events}
     if checks.starting:
-        sets += _RESERVE
-        params += [checks.estimate.micros, checks.estimate.tokens]
+        sets += statements.FENCE_RESERVE
+        params["reserve_micros"] = checks.estimate.micros
+        params["reserve_tokens"] = checks.estimate.tokens
     if (spend := checks.spend) is not None:
-        sets += _SETTLE
-        params += [
-            spend.micros, spend.tokens_in, spend.tokens_out,
-            spend.held.micros, spend.held.micros, spend.held.tokens, spend.held.tokens,
-        ]  # fmt: skip
+        sets += statements.FENCE_SETTLE
+        params.update(
+            spent_micros=spend.micros, tokens_in=spend.tokens_in, tokens_out=spend.tokens_out,
+            given_micros=spend.held.micros, given_tokens=spend.held.tokens,
+        )  # fmt: skip
     if checks.possibly:
-        sets += _POSSIBLY
-        params += [checks.possibly.micros, checks.possibly.tokens]
+        sets += statements.FENCE_POSSIBLY
+        params["possibly_micros"] = checks.possibly.micros
+        params["possibly_tokens"] = checks.possibly.tokens
     if checks.progress:
-        sets += ", recoveries = 0"
+        sets += statements.FENCE_PROGRESS
     if checks.run:
-        columns, placeholders, values = prep(Run, dict(checks.run))
-        sets += "".join(f", {c} = {p}" for c, p in zip(columns, placeholders, strict=True))
-        params += values
-    sql = f"UPDATE {RUN_TABLE} SET {sets} WHERE id = %s AND lease_epoch = %s AND status = %s"
-    params += [db_id(lease.run_id), lease.epoch, RunStatus.RUNNING]
+        columns, placeholders, values = prep(Run, dict(checks.run), "run_")
+        sets += ", " + statements.assignments(columns, placeholders)
+        params.update(values)
+    params.update(run=db_id(lease.run_id), epoch=lease.epoch, running=RunStatus.RUNNING)
+    conditions = ""
     for condition in CONDITIONS:
         if condition.applies(checks):
             more, more_params = condition.sql(checks)
-            sql += more
-            params += more_params
-    return sql + " RETURNING event_seq, created_at", params
+            conditions += more
+            params.update(more_params)
+    return statements.fence(sets, conditions), params
 
 
 def carrying_statement(
-    pending: Completion, lease: Lease, fence_sql: str, params: list, after: int, tail: str
-) -> tuple[str, list]:
+    pending: Completion, lease: Lease, fence_sql: str, params: dict, after: int, tail: str
+) -> tuple[str, dict[str, Any]]:
     """`fence_sql` as the CTE `f`, followed by the pending completion's step update and event
     (the first of the seqs allocated: `after` more follow it), then `tail`.
 
@@ -243,22 +210,18 @@ def carrying_statement(
     completion meanwhile (runs/engine/heart.py). Whichever of the two writes locks the run row
     second finds the step completed (read committed re-checks an updated row) and writes
     nothing but its fence; its event's seq is then left unused."""
-    columns, placeholders, values = prep(Step, pending.fields)
-    sets = ", ".join(f"{c} = {p}" for c, p in zip(columns, placeholders, strict=True))
-    event_columns, event_placeholders, event_values = prep(Event, completed_event(pending))
-    sql = (
-        f"WITH f AS ({fence_sql})"
-        f", p AS (UPDATE {STEP_TABLE} SET {sets} WHERE id = %s AND status = %s"
-        " AND EXISTS (SELECT 1 FROM f) RETURNING id)"
-        f", pe AS (INSERT INTO {EVENT_TABLE}"
-        f" (run_id, run_created_at, seq, {', '.join(event_columns)})"
-        f" SELECT %s::uuid, f.created_at, f.event_seq - %s, {', '.join(event_placeholders)}"
-        " FROM f WHERE EXISTS (SELECT 1 FROM p)) "
+    columns, placeholders, values = prep(Step, pending.fields, "p_")
+    event_columns, event_placeholders, event_values = prep(Event, completed_event(pending), "pe_")
+    sql = statements.CARRIED.format(
+        fence=fence_sql,
+        sets=statements.assignments(columns, placeholders),
+        event_columns=", ".join(event_columns),
+        event_values=", ".join(event_placeholders),
     )
-    params = [
-        *params, *values, pending.step_id, StepStatus.STARTED, db_id(lease.run_id), after,
-        *event_values,
-    ]  # fmt: skip
+    params = {
+        **params, **values, **event_values, "pending_step": pending.step_id,
+        "started": StepStatus.STARTED, "run": db_id(lease.run_id), "after": after,
+    }  # fmt: skip
     return sql + tail, params
 
 
@@ -266,7 +229,8 @@ def db_id(run_id) -> Any:
     return Run._meta.pk.get_db_prep_value(run_id, connection)
 
 
-_COLUMNS: dict[tuple[type, str], tuple[str, str, Callable[..., Any] | None]] = {}
+_Column = tuple[str, str, str, str, Callable[..., Any] | None]
+_COLUMNS: dict[tuple[type, str, str], _Column] = {}
 
 
 #: Field types whose values go to the driver as they are; on PostgreSQL psycopg also adapts
@@ -281,39 +245,50 @@ _NATIVE: tuple[str, ...] = (
 _NATIVE_ON_POSTGRESQL = (*_NATIVE, "DateTimeField", "DateField", "UUIDField", "ForeignKey")
 
 
-def _column(model, name: str) -> tuple[str, str, Callable[..., Any] | None]:
-    """A field's quoted column, its placeholder (cast to its type, so a server-side bound
-    parameter needs no inference) and its adapter, `adapt(value, connection)` (None: the
-    value goes as it is). Cached: this runs for every column of every checkpoint."""
-    found = _COLUMNS.get((model, name))
+def _column(model, name: str, prefix: str) -> _Column:
+    """A field's quoted column, its parameter's name (`prefix` and the field's), its
+    placeholder (cast to its type, so a server-side bound parameter needs no inference), the
+    same cast of NULL, and its adapter, `adapt(value, connection)` (None: the value goes as it
+    is). Cached: this runs for every column of every checkpoint."""
+    found = _COLUMNS.get((model, name, prefix))
     if found is None:
         f = model._meta.get_field(name)
         kind = f.get_internal_type()
-        placeholder, native = "%s", _NATIVE
+        cast, native = "", _NATIVE
         if connection.vendor == "postgresql":
             native = _NATIVE_ON_POSTGRESQL
             # `text`, not `varchar(n)`: an explicit cast to varchar(n) would cut a value too
             # long silently; assigning text to the column checks its length.
-            cast = "text" if kind in ("CharField", "TextField") else f.cast_db_type(connection)
-            placeholder = f"%s::{cast}"
+            text = kind in ("CharField", "TextField")
+            cast = "::" + ("text" if text else str(f.cast_db_type(connection)))
         adapt = None if kind in native else (lambda value, db, f=f: f.get_db_prep_save(value, db))
-        found = _COLUMNS[(model, name)] = (connection.ops.quote_name(f.column), placeholder, adapt)
+        param = f"{prefix}{name}"
+        column = connection.ops.quote_name(f.column)
+        found = _COLUMNS[(model, name, prefix)] = (
+            column,
+            param,
+            f"%({param})s{cast}",
+            f"NULL{cast}",
+            adapt,
+        )
     return found
 
 
-def prep(model, values: dict) -> tuple[list[str], list[str], list[Any]]:
+def prep(model, values: dict, prefix: str) -> tuple[list[str], list[str], dict[str, Any]]:
+    """Columns, placeholders and named parameters (`prefix` and the field's name) of `values`,
+    model values, for a part of a hand-written statement."""
     db = connections[DEFAULT_DB_ALIAS]  # once, not through the proxy for every value
-    columns, placeholders, params = [], [], []
+    columns, placeholders, params = [], [], {}
     for name, value in values.items():
-        column, placeholder, adapt = _column(model, name)
+        column, param, placeholder, null, adapt = _column(model, name, prefix)
         columns.append(column)
         if value is None:
             # A literal, not a parameter: a step's statement then has under 50 parameters, the
             # most psycopg caches the parsing of (it parsed the query anew for every step).
-            placeholders.append(placeholder.replace("%s", "NULL", 1))
+            placeholders.append(null)
             continue
         placeholders.append(placeholder)
-        params.append(value if adapt is None else adapt(value, db))
+        params[param] = value if adapt is None else adapt(value, db)
     return columns, placeholders, params
 
 

@@ -20,11 +20,10 @@ from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from runs import tracing
+from runs.engine import statements
+from runs.engine.cursors import hot_cursor
 from runs.engine.fences import (
     CONDITIONS,
-    EVENT_TABLE,
-    RUN_TABLE,
-    STEP_TABLE,
     Completion,
     Fence,
     Lease,
@@ -343,20 +342,12 @@ def run_event(
     With `wake`, a waiting run becomes runnable now, in the same statement. Returns the run's
     status after the update. Call inside a transaction.
     """
-    sets = "event_seq = event_seq + 1"
-    params: list[Any] = []
+    params: dict[str, Any] = {"run": db_id(run_id)}
     if wake:
         now = connection.ops.adapt_datetimefield_value(timezone.now())
-        sets += (
-            ", wake_at = CASE WHEN status = %s THEN %s ELSE wake_at END"
-            ", status = CASE WHEN status = %s THEN %s ELSE status END"
-        )
-        params += [RunStatus.WAITING, now, RunStatus.WAITING, RunStatus.PENDING]
+        params.update(waiting=RunStatus.WAITING, now=now, pending=RunStatus.PENDING)
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {RUN_TABLE} SET {sets} WHERE id = %s RETURNING event_seq, status",
-            [*params, db_id(run_id)],
-        )
+        cursor.execute(statements.RUN_EVENT_WAKING if wake else statements.RUN_EVENT, params)
         row = cursor.fetchone()
     if row is None:
         raise Run.DoesNotExist(f"no run with id {run_id}")
@@ -416,33 +407,6 @@ def create_run(
     return run
 
 
-@contextmanager
-def hot_cursor():
-    """A cursor for the statements every step sends: on PostgreSQL it binds parameters on the
-    server, so psycopg prepares each statement after a few uses and the server plans it once
-    per connection instead of every time (Django's own cursors bind on the client and are
-    never prepared). With prepared statements switched off (`DB_PREPARED_STATEMENTS=0`, for
-    a pooler that cannot keep them), and while Django logs queries (DEBUG, tests capturing
-    them: psycopg keeps no text of a prepared statement to log), it is Django's own cursor."""
-    if (
-        connection.vendor != "postgresql"
-        or not settings.STEPGUARD_PREPARED_STATEMENTS
-        or connection.queries_logged
-        or getattr(connection, "stepguard_pooled", False)  # behind a pooler: runs/engine/pooling.py
-    ):
-        with connection.cursor() as cursor:
-            yield cursor
-        return
-    from django.db.backends.postgresql.base import ServerBindingCursor
-
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    # Django's wrapper around it keeps query logging, execute wrappers and its error classes.
-    raw = ServerBindingCursor(connection.connection)  # type: ignore[call-arg]
-    with connection._prepare_cursor(raw) as cursor:  # type: ignore[attr-defined]
-        yield cursor
-
-
 def fenced_write(
     lease: Lease,
     event: tuple[str, str, dict],
@@ -475,23 +439,20 @@ def _fenced_write(
         flush(lease)  # one statement must not update the same step row twice
     if connection.vendor != "postgresql":
         return _fenced_write_plain(lease, event, checks, insert_step, update_step)
-    run_id = db_id(lease.run_id)
     pending = lease.pending
     sql, params = fence_statement(lease, _with_pending(lease, checks))
     if pending is not None:  # its event takes the seq before this write's
         sql, params = carrying_statement(pending, lease, sql, params, 1, "")
     else:
-        sql = f"WITH f AS ({sql}) "
-    step_sql, step_params = _step_cte(run_id, insert_step, update_step)
-    sql += step_sql
-    params += step_params
-    event_columns, event_placeholders, event_values = prep(Event, event_fields(key, type_, payload))
-    sql += (
-        f", e AS (INSERT INTO {EVENT_TABLE} (run_id, run_created_at, seq,"
-        f" {', '.join(event_columns)}) SELECT %s::uuid, f.created_at, f.event_seq,"
-        f" {', '.join(event_placeholders)} FROM f)"
+        sql = statements.NOT_CARRIED.format(fence=sql)
+    sql += _step_cte(params, insert_step, update_step)
+    event_columns, event_placeholders, event_values = prep(
+        Event, event_fields(key, type_, payload), "e_"
     )
-    params += [run_id, *event_values]
+    sql += statements.EVENT_APPENDED.format(
+        columns=", ".join(event_columns), values=", ".join(event_placeholders)
+    )
+    params.update(event_values)
     asynchronous = (
         checks.starting
         and not checks.durable
@@ -505,10 +466,9 @@ def _fenced_write(
         # so the step is re-sent as if it never started. A step that must be reconciled or
         # asked about (`durable`) never takes that risk, nor a write that carries a completion
         # or belongs to a larger transaction. Completions always commit durably.
-        sql += ", c AS (SELECT set_config('synchronous_commit', 'off', true) AS v)"
-        sql += " SELECT (SELECT event_seq FROM f), (SELECT id FROM s), (SELECT v FROM c)"
+        sql += statements.ANSWER_ASYNCHRONOUS
     else:
-        sql += " SELECT (SELECT event_seq FROM f), (SELECT id FROM s), NULL"
+        sql += statements.ANSWER
     with hot_cursor() as cursor:
         cursor.execute(sql, params)
         seq, step_id, _ = cursor.fetchone()
@@ -544,27 +504,20 @@ def _fenced_write_plain(
     return step_id
 
 
-def _step_cte(
-    run_id: Any, insert_step: dict | None, update_step: tuple[int, dict] | None
-) -> tuple[str, list]:
+def _step_cte(params: dict, insert_step: dict | None, update_step: tuple[int, dict] | None) -> str:
     """The step row's part of the fenced statement (`s`, its id), written only if the fence
-    (`f`) passed."""
+    (`f`) passed; its parameters are added to `params`."""
     if insert_step is not None:
-        columns, placeholders, values = prep(Step, {**step_defaults(), **insert_step})
-        sql = (
-            f", s AS (INSERT INTO {STEP_TABLE} (run_id, {', '.join(columns)}) "
-            f"SELECT %s::uuid, {', '.join(placeholders)} FROM f RETURNING id)"
+        columns, placeholders, values = prep(Step, {**step_defaults(), **insert_step}, "s_")
+        params.update(values)
+        return statements.STEP_INSERTED.format(
+            columns=", ".join(columns), values=", ".join(placeholders)
         )
-        return sql, [run_id, *values]
     if update_step is not None:
-        columns, placeholders, values = prep(Step, update_step[1])
-        sets = ", ".join(f"{c} = {p}" for c, p in zip(columns, placeholders, strict=True))
-        sql = (
-            f", s AS (UPDATE {STEP_TABLE} SET {sets} "
-            "WHERE id = %s AND EXISTS (SELECT 1 FROM f) RETURNING id)"
-        )
-        return sql, [*values, update_step[0]]
-    return ", s AS (SELECT NULL::bigint AS id)", []
+        columns, placeholders, values = prep(Step, update_step[1], "s_")
+        params.update(values, step=update_step[0])
+        return statements.STEP_UPDATED.format(sets=statements.assignments(columns, placeholders))
+    return statements.NO_STEP
 
 
 def record_shapers(run_id, shapers: Iterable[tuple[Any, str]]) -> None:
