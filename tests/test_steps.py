@@ -439,6 +439,29 @@ def test_a_transaction_step_records_the_step_before_it_first(drive):
     assert steps_of(run)["two"].status == "completed"
 
 
+def test_a_transaction_step_commits_its_writes_and_its_row_together(drive):
+    """The first run of a transaction step writes its completed row with the function's own
+    writes, in one transaction (a refactoring once made every first run fail before it
+    committed: the row's columns were given twice)."""
+    run, ctx, _ = two_new_steps()
+    calls = []
+
+    def write():
+        calls.append(1)
+        return {"written": True}
+
+    assert ctx.transaction("write", write) == {"written": True}
+    step = steps_of(run)["write"]
+    assert (step.status, step.kind, step.output, step.attempt) == (
+        "completed",
+        "transaction",
+        {"written": True},
+        1,
+    )
+    assert step.run_attempt == run.attempt and step.started_at and step.finished_at
+    assert [t for t, k in history(run) if k == "write"] == ["step.completed"] and calls == [1]
+
+
 def test_a_carried_completion_is_dated_when_the_step_finished(drive):
     run, _, _ = two_new_steps()
     one = steps_of(run)["one"]

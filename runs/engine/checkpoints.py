@@ -67,6 +67,9 @@ class Checkpoints:
         return Fence(starting=True, compensating=self._undo.running)
 
     def _new_step(self, at: Position, kind: str, status: str, **fields) -> Step:
+        """A step row at `at`; `fields` may give its own attempt and times (a transaction
+        step's completion does)."""
+        fields = {"run_attempt": self.who.attempt, "started_at": timezone.now(), **fields}
         return Step.objects.create(
             run_id=self._lease.run_id,
             seq=at.seq,
@@ -74,8 +77,6 @@ class Checkpoints:
             kind=kind,
             status=status,
             idempotency_key=at.idempotency_key,
-            run_attempt=self.who.attempt,
-            started_at=timezone.now(),
             **fields,
         )
 
