@@ -5,7 +5,7 @@ from decimal import Decimal
 import pytest
 from django.db.models import Count, Sum
 
-from runs.models import BudgetLedger, Run, RunStatus, Step, StepStatus
+from runs.models import BudgetLedger, Event, Run, RunStatus, Step, StepStatus
 from runs.operations import halt, set_budget, unhalt
 from runs.sdk import start_run
 from tests.conftest import wait_until
@@ -49,7 +49,14 @@ def test_a_halted_100_step_run_stays_halted_through_sigkills_until_unhalted(spaw
         .values("idempotency_key")
         .annotate(n=Count("id"))
     )
-    assert len(per_key) == 100 and {row["n"] for row in per_key} == {1}
+    twice = [row["idempotency_key"].split(":")[1] for row in per_key if row["n"] != 1]
+    # Failed once in a CI run on a loaded host (one key's effect twice), never since: say
+    # which step, its attempts and the events that ran it, should it fail again.
+    seen = [
+        (e.step_key, e.type, e.payload)
+        for e in Event.objects.filter(run=run, step_key__in=twice).order_by("seq")
+    ]
+    assert len(per_key) == 100 and not twice, (twice, seen)
     assert all(w.proc.poll() is None for w in fresh)
 
 
