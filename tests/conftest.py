@@ -516,3 +516,20 @@ def browser():
         )
         yield browser
         browser.close()
+
+
+def assert_acyclic(graph: dict[str, set[str]]) -> None:
+    """Fail naming the first import cycle in `graph` (a module -> the modules it imports),
+    as `a -> b -> a`: the shape tests of the engine and of the whole app share it."""
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, " -> ".join((*path[path.index(name) :], name))
+        if name in done:
+            return
+        for imported in sorted(graph.get(name, ())):
+            visit(imported, (*path, name))
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, ())

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.conftest import assert_acyclic
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("runs", "controlplane")
 
@@ -61,18 +63,7 @@ def test_no_module_of_the_app_imports_itself_through_others():
     read (and type-checked, and imported) knowing only those it imports."""
     found = modules()
     graph = {name: imports(name, path, set(found)) for name, path in found.items()}
-    done: set[str] = set()
-
-    def visit(name: str, path: tuple[str, ...]) -> None:
-        assert name not in path, " -> ".join((*path[path.index(name) :], name))
-        if name in done:
-            return
-        for imported in sorted(graph.get(name, ())):
-            visit(imported, (*path, name))
-        done.add(name)
-
-    for name in sorted(graph):
-        visit(name, ())
+    assert_acyclic(graph)
 
 
 def test_no_module_of_the_app_is_over_600_lines_nor_a_function_over_80():

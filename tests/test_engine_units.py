@@ -46,7 +46,7 @@ from runs.engine.steps import Steps
 from runs.engine.waits import Waits
 from runs.errors import NonDeterminismError, StepFailed, StepMisuse
 from runs.models import Run, Step
-from tests.conftest import wait_until
+from tests.conftest import assert_acyclic, wait_until
 
 DEADLINE = 10.0
 
@@ -752,18 +752,7 @@ def test_the_engines_modules_import_each_other_in_one_direction():
     modules = {_name(m) for m in _modules()}
     graph = {_name(m): _engine_imports(m, modules) for m in _modules()}
     assert {"aio", "aio.host", "aio.bridge", "execution"} <= set(graph)
-    done: set[str] = set()
-
-    def visit(name: str, path: tuple[str, ...]) -> None:
-        assert name not in path, " -> ".join((*path[path.index(name) :], name))
-        if name in done:
-            return
-        for imported in sorted(graph.get(name, ())):
-            visit(imported, (*path, name))
-        done.add(name)
-
-    for name in sorted(graph):
-        visit(name, ())
+    assert_acyclic(graph)
 
 
 def test_no_engine_function_is_over_80_lines_and_no_engine_module_over_600():
