@@ -169,6 +169,7 @@ def _start_ticks(schedule: Schedule, ticks: list[datetime]) -> int:
                 started_by=schedule.created_by,
                 shapers=[(user, Shaped.SCHEDULED) for user in schedule.shaped_by],
                 created={"schedule": schedule.name, "tick": tick.isoformat()},
+                engine=True,  # its key is a `schedule:` one; its workflow may be the engine's
             )
             started += int(run.was_created)
             schedule.last_run_id, open_run = run.pk, not run.is_terminal

@@ -11,9 +11,8 @@ def book_trip(ctx: RunContext, input):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
-from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
@@ -21,7 +20,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from runs.cron import check_cron, check_name, zone
-from runs.engine import registry, starts
+from runs.engine import registry
 from runs.engine.agent import AgentLoopExhausted, Tool, ToolTimeout
 from runs.engine.budget import Metered, Usage
 from runs.engine.context import RunContext
@@ -29,6 +28,7 @@ from runs.engine.outage import once_more
 from runs.engine.records import CURRENT_STEP, NOT_FOUND, Decision
 from runs.engine.retry import RetryPolicy
 from runs.engine.serialization import to_json
+from runs.engine.starts import start_run
 from runs.engine.store import run_event
 from runs.engine.streaming import Delta
 from runs.engine.waits import Ask
@@ -53,7 +53,7 @@ from runs.errors import (
     UnpricedModel,
     WaitTimeout,
 )
-from runs.models import EventType, Overlap, Run, Shaped, Signal
+from runs.models import EventType, Overlap, Run, Signal
 from runs.operations import cancel_run, lock_run
 
 __all__ = [
@@ -146,66 +146,6 @@ def workflow(
         return fn
 
     return decorate
-
-
-@once_more
-def start_run(
-    name: str,
-    input: Any = None,
-    *,
-    key: str | None = None,
-    version: str | None = None,
-    max_attempts: int | None = None,
-    budget_usd: Decimal | None = None,
-    budget_tokens: int | None = None,
-    started_by=None,
-    api_key: str | None = None,
-    priority: int | None = None,
-    created: dict[str, Any] | None = None,
-    shaped_by: list[int] | None = None,
-    engine: bool = False,
-    labels: Mapping[str, str] | None = None,
-) -> Run:
-    """Start a run of workflow `name` (its newest registered version unless `version` is given).
-
-    Idempotent by `key`: starting twice with one key returns the first run, whatever the input.
-    The returned Run has `was_created` set to tell the two cases apart. Raises UnknownWorkflow
-    if this process has not registered the workflow, and OutputNotSerializable for input that
-    is not JSON. `started_by` (a user) and `api_key` (the prefix of the key used) are recorded
-    on the `run.created` event, with the run's budget: the person who started a run may not
-    approve its actions (STEPGUARD_FOUR_EYES), nor may anyone in `shaped_by` (user ids: a
-    schedule's authors and resumers). `priority` (-1000 to 1000) overrides the workflow's;
-    `created` adds to what the `run.created` event records (a schedule's tick). `labels`
-    (`{"tenant": "acme"}`: up to 10, names of a-z, 0-9, `_.-`, values of up to 100
-    characters) say who the run is for: its children and forks keep them, and spend is
-    attributed, filtered and budgeted by them (docs/agents.md, "Spend per tenant"). The
-    engine's own workflows (`stepguard.*`) and run keys (`notify:`, `schedule:`) are refused
-    (InvalidInput) unless `engine` says the engine itself is starting the run.
-    """
-    shapers = [(user, Shaped.SCHEDULED) for user in shaped_by or ()]
-    if not engine:
-        refuse_reserved(name, key)
-    return starts.start_run(
-        name, input, key=key, version=version, max_attempts=max_attempts,
-        budget_usd=budget_usd, budget_tokens=budget_tokens, started_by=started_by,
-        api_key=api_key, priority=priority, created=created, shapers=shapers, labels=labels,
-    )  # fmt: skip
-
-
-#: Run keys the engine gives its own runs: a notification delivery, a schedule's tick.
-RESERVED_KEY_PREFIXES = ("notify:", "schedule:")
-
-
-def refuse_reserved(workflow: str, key: str | None) -> None:
-    """A person (the API, the dashboard, the CLI, a script) may not start the engine's own
-    workflows, nor take a key the engine keys its runs by: a planted `notify:<channel>:<event>`
-    would stop that channel's deliveries, a `schedule:<name>:<tick>` run a tick with another
-    input."""
-    if registry.builtin(workflow):
-        raise InvalidInput(f"workflow {workflow!r} is Stepguard's own: it is not started by hand")
-    if isinstance(key, str) and key.startswith(RESERVED_KEY_PREFIXES):
-        prefixes = " and ".join(f"'{p}'" for p in RESERVED_KEY_PREFIXES)
-        raise InvalidInput(f"run key {key!r}: keys starting with {prefixes} are Stepguard's own")
 
 
 @once_more

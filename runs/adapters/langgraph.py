@@ -93,7 +93,7 @@ from langgraph.pregel._read import DEFAULT_BOUND, PregelNode
 from langgraph.types import Command, Overwrite, Send
 
 from runs.adapters import chat_models
-from runs.engine.aio.bridge import AsyncRunContext
+from runs.engine.aio.bridge import AsyncRunContext, in_turn
 from runs.engine.context import RunContext
 from runs.engine.records import CURRENT_STEP, Decision
 from runs.engine.retry import RetryPolicy
@@ -282,7 +282,7 @@ class _Durable:
         while True:
             # The run's budget as it stands, for the chat models the node may call: read
             # before the step, as an async node's event loop cannot query the database.
-            run = await self.ctx._call(Run.objects.get, pk=self.ctx.run_id)
+            run = await in_turn(self.ctx, Run.objects.get, pk=self.ctx.run_id)
             call = functools.partial(self._acall, label, bound, state, config, answers, run)
             output = await self.ctx.step(key, call, retry=policy)
             if not _interrupted(output):

@@ -20,6 +20,7 @@ from django.db.models import Q, Sum
 from django.utils import timezone
 
 from runs import labels as run_labels
+from runs.engine.cursors import in_list
 from runs.errors import OverBudget
 from runs.models import GLOBAL, BudgetLedger, Policy, SpendDay
 
@@ -238,13 +239,17 @@ def daily_limits(scopes: list[str]) -> dict[str, Any]:
     return {row["scope"]: row for row in rows}
 
 
-def _update(scopes: list[str], day, sets: str, params: list, returning: str) -> list[tuple]:
-    marks = ", ".join(["%s"] * len(scopes))
+def _update(
+    scopes: list[str], day, sets: str, amount: Amount | Usage, returning: str
+) -> list[tuple]:
+    """One UPDATE of the day's ledger rows of `scopes`; `sets` names the amount's parts
+    `%(micros)s` and `%(tokens)s`."""
+    marks, params = in_list("scope", scopes)
     with connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE {BudgetLedger._meta.db_table} SET {sets} "
-            f"WHERE day = %s AND scope IN ({marks}) RETURNING {returning}",
-            [*params, day, *scopes],
+            f"WHERE day = %(day)s AND scope IN ({marks}) RETURNING {returning}",
+            params | {"day": day, "micros": amount.micros, "tokens": amount.tokens},
         )
         return cursor.fetchall()
 
@@ -259,8 +264,9 @@ def reserve_shared(scopes: list[str], estimate: Amount, held: Amount = NOTHING, 
     day = _ensure_rows(scopes, day)
     rows = _update(
         scopes, day,
-        "reserved_micros = reserved_micros + %s, reserved_tokens = reserved_tokens + %s",
-        [estimate.micros, estimate.tokens],
+        "reserved_micros = reserved_micros + %(micros)s, "
+        "reserved_tokens = reserved_tokens + %(tokens)s",
+        estimate,
         "scope, spent_micros, reserved_micros, spent_tokens, reserved_tokens",
     )  # fmt: skip
     limits = daily_limits(scopes)
@@ -278,15 +284,17 @@ def reserve_shared(scopes: list[str], estimate: Amount, held: Amount = NOTHING, 
 
 
 _RELEASE = (
-    "reserved_micros = CASE WHEN reserved_micros > %s THEN reserved_micros - %s ELSE 0 END, "
-    "reserved_tokens = CASE WHEN reserved_tokens > %s THEN reserved_tokens - %s ELSE 0 END"
+    "reserved_micros = CASE WHEN reserved_micros > %(micros)s"
+    " THEN reserved_micros - %(micros)s ELSE 0 END, "
+    "reserved_tokens = CASE WHEN reserved_tokens > %(tokens)s"
+    " THEN reserved_tokens - %(tokens)s ELSE 0 END"
 )
 
 
 def release_shared(scopes: list[str], held: Amount, day) -> None:
     """Give back what a step held on `day` (the day it reserved) without spending it. The
     caller then resumes the runs that others' holds had paused (budget_room.resume_fitting)."""
-    _update(scopes, day, _RELEASE, [held.micros, held.micros, held.tokens, held.tokens], "scope")
+    _update(scopes, day, _RELEASE, held, "scope")
 
 
 def book_shared(
@@ -307,8 +315,9 @@ def book_shared(
         return []
     _ensure_rows(spend_scopes, day)
     rows = _update(
-        spend_scopes, day, "spent_micros = spent_micros + %s, spent_tokens = spent_tokens + %s",
-        [usage.micros, usage.tokens], "scope, spent_micros, spent_tokens, warned",
+        spend_scopes, day,
+        "spent_micros = spent_micros + %(micros)s, spent_tokens = spent_tokens + %(tokens)s",
+        usage, "scope, spent_micros, spent_tokens, warned",
     )  # fmt: skip
     limits = daily_limits(spend_scopes)
     warned = []

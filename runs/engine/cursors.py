@@ -51,3 +51,21 @@ def hot_cursor() -> Iterator[Any]:
         return
     with django_cursor(server_binding_cursor()) as cursor:
         yield cursor
+
+
+def in_list(name: str, values: list) -> tuple[str, dict[str, Any]]:
+    """The placeholders (`%(name_0)s, %(name_1)s, ...`) and named parameters of an
+    `IN (...)` of `values`: SQLite takes no array, and positional marks filled from a list
+    shift when a condition is added before them."""
+    params = {f"{name}_{i}": value for i, value in enumerate(values)}
+    return ", ".join(f"%({key})s" for key in params), params
+
+
+def transaction_lock(key: str) -> None:
+    """Wait for, then hold until this transaction ends, PostgreSQL's advisory lock named
+    `key` (nothing elsewhere: SQLite's writers are serialised already)."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%(key)s, 0))", {"key": key}
+            )

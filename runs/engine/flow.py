@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import connection
 from django.db.models import Case, Count, F, IntegerField, Q, Value, When
 
 from runs import tally
 from runs.engine import registry
+from runs.engine.cursors import transaction_lock
 from runs.models import GLOBAL, Policy, Run, RunStatus
 
 
@@ -66,12 +66,7 @@ def policies(
 
 def lock(workflow: str) -> None:
     """Serialise the claims of one limited workflow until the transaction ends."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                [f"stepguard.flow:{workflow}"],
-            )
+    transaction_lock(f"stepguard.flow:{workflow}")
 
 
 def running(workflow: str) -> dict[str, int]:

@@ -21,6 +21,7 @@ from django.db.models import BooleanField
 from django.db.models.expressions import RawSQL
 
 from runs import labels as run_labels
+from runs.engine.cursors import in_list, transaction_lock
 from runs.models import GLOBAL, Policy, Run
 
 RUN_TABLE = Run._meta.db_table
@@ -154,9 +155,9 @@ def lock_policies(chain: list[Run], also: tuple[str, ...] = ()) -> None:
         # rows but with shared locks (an operator's action updates the one it changes).
         cursor.execute(
             f"INSERT INTO {POLICY_TABLE} (scope, halted_by, halt_reason, updated_at)"
-            f" SELECT s, '', '', now() FROM unnest(%s::text[]) AS s"
+            f" SELECT s, '', '', now() FROM unnest(%(scopes)s::text[]) AS s"
             " ON CONFLICT (scope) DO NOTHING",
-            [missing],
+            {"scopes": missing},
         )
         _share_lock_scopes(cursor, missing)
 
@@ -164,10 +165,10 @@ def lock_policies(chain: list[Run], also: tuple[str, ...] = ()) -> None:
 def _share_lock_scopes(cursor, scopes: list[str]) -> set[str]:
     """Share-lock the policy rows of `scopes` that exist (in scope order); their scopes. One
     statement whether they all exist or not: a start or a wait pays one, not an insert too."""
-    marks = ", ".join(["%s"] * len(scopes))
+    marks, params = in_list("scope", scopes)
     cursor.execute(
         f"SELECT scope FROM {POLICY_TABLE} WHERE scope IN ({marks}) ORDER BY scope FOR SHARE",
-        scopes,
+        params,
     )
     return {scope for (scope,) in cursor.fetchall()}
 
@@ -181,9 +182,9 @@ def share_lock_runs(runs: list[Run]) -> None:
     if connection.vendor != "postgresql" or not runs:
         return
     ids = [Run._meta.pk.get_db_prep_value(m.pk, connection) for m in runs]
-    marks = ", ".join(["%s"] * len(ids))
+    marks, params = in_list("run", ids)
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT 1 FROM {RUN_TABLE} WHERE id IN ({marks}) FOR SHARE", ids)
+        cursor.execute(f"SELECT 1 FROM {RUN_TABLE} WHERE id IN ({marks}) FOR SHARE", params)
 
 
 def chain_of(run_id) -> list[Run]:
@@ -235,7 +236,4 @@ def serialise_hold_changes() -> None:
     else takes this lock, and it is taken before any row, so it closes no circle in the lock
     order (docs/architecture.md). SQLite needs nothing: its writers are serialised.
     """
-    if connection.vendor != "postgresql":
-        return
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [HOLDS_LOCK])
+    transaction_lock(HOLDS_LOCK)

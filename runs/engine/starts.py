@@ -1,6 +1,7 @@
 """Starting a run: the options checked, its budget, its `run.created` record, idempotent by
-key, debounced when its workflow says so. `runs.sdk.start_run` is the public door (and refuses
-what only the engine may start); the engine's own callers start runs here.
+key, debounced when its workflow says so. One signature for every caller: `runs.sdk` exports
+`start_run` as it is, and the engine's own starts say `engine=True` (only they may start
+what the engine keys or runs for itself).
 """
 
 from __future__ import annotations
@@ -15,14 +16,19 @@ from django.utils import timezone
 from runs import labels as run_labels
 from runs.engine import holds, registry
 from runs.engine.budget import default_run_budget, to_micros, to_usd
+from runs.engine.outage import once_more
 from runs.engine.serialization import to_json
 from runs.engine.store import append_event, create_run, record_shapers
-from runs.errors import OperationError
+from runs.errors import InvalidInput, OperationError
 from runs.models import EventType, Run, RunStatus, Shaped
 
-__all__ = ["start_run"]
+__all__ = ["RESERVED_KEY_PREFIXES", "refuse_reserved", "start_run"]
+
+#: Run keys the engine gives its own runs: a notification delivery, a schedule's tick.
+RESERVED_KEY_PREFIXES = ("notify:", "schedule:")
 
 
+@once_more
 def start_run(
     name: str,
     input: Any = None,
@@ -36,15 +42,31 @@ def start_run(
     api_key: str | None = None,
     priority: int | None = None,
     created: dict[str, Any] | None = None,
-    shapers: Iterable[tuple[Any, str]] = (),
     labels: Mapping[str, str] | None = None,
+    shapers: Iterable[tuple[int, str]] = (),
+    engine: bool = False,
 ) -> Run:
-    """Start a run of workflow `name` (its newest registered version unless `version` is given):
-    `runs.sdk.start_run` says what each option does. `shapers` ((user id, Shaped) pairs) are
-    recorded as having shaped what the run does (the four-eyes rule). No check here of who
-    may start what: that is the caller's (the SDK refuses the engine's own workflows and keys
-    to everyone else).
+    """Start a run of workflow `name` (its newest registered version unless `version` is given).
+
+    Idempotent by `key`: starting twice with one key returns the first run, whatever the input.
+    The returned Run has `was_created` set to tell the two cases apart. Raises UnknownWorkflow
+    if this process has not registered the workflow, and OutputNotSerializable for input that
+    is not JSON. `started_by` (a user) and `api_key` (the prefix of the key used) are recorded
+    on the `run.created` event, with the run's budget: the person who started a run may not
+    approve its actions (STEPGUARD_FOUR_EYES), nor may anyone in `shapers` ((user id,
+    `Shaped`) pairs: a schedule's authors and resumers). `priority` (-1000 to 1000) overrides
+    the workflow's; `created` adds to what the `run.created` event records (a schedule's
+    tick). `labels` (`{"tenant": "acme"}`: up to 10, names of a-z, 0-9, `_.-`, values of up
+    to 100 characters) say who the run is for: its children and forks keep them, and spend is
+    attributed, filtered and budgeted by them (docs/agents.md, "Spend per tenant"). The
+    engine's own workflows (`stepguard.*`) and run keys (`notify:`, `schedule:`) are refused
+    (InvalidInput) unless `engine` says the engine itself is starting the run.
+
+    One door for everyone: `runs.sdk.start_run` is this function, and the engine's own
+    starts (a schedule's tick, a notification's delivery) pass `engine=True`.
     """
+    if not engine:
+        refuse_reserved(name, key)
     shapers = list(shapers)
     definition = registry.get(name, version)
     data = to_json(input, what=f"the input of workflow {name!r}")
@@ -78,6 +100,18 @@ def start_run(
         return existing
     run.was_created = True
     return run
+
+
+def refuse_reserved(workflow: str, key: str | None) -> None:
+    """A person (the API, the dashboard, the CLI, a script) may not start the engine's own
+    workflows, nor take a key the engine keys its runs by: a planted `notify:<channel>:<event>`
+    would stop that channel's deliveries, a `schedule:<name>:<tick>` run a tick with another
+    input."""
+    if registry.builtin(workflow):
+        raise InvalidInput(f"workflow {workflow!r} is Stepguard's own: it is not started by hand")
+    if isinstance(key, str) and key.startswith(RESERVED_KEY_PREFIXES):
+        prefixes = " and ".join(f"'{p}'" for p in RESERVED_KEY_PREFIXES)
+        raise InvalidInput(f"run key {key!r}: keys starting with {prefixes} are Stepguard's own")
 
 
 def _check_options(priority: Any, key: Any, max_attempts: int | None) -> None:

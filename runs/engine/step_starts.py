@@ -184,7 +184,7 @@ class StartReservation:
             "reserved_scopes": self.shared,
         }
 
-    def reservation(self) -> Reservation:
+    def to_release(self) -> Reservation:
         """What the step gives back when it finishes."""
         return (
             Reservation(self.reserved, self.shared, self.today) if self.reserved else Reservation()

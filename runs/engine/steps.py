@@ -202,17 +202,17 @@ class Steps:
         possibly = possibly_spent(record, o.kind, self.ex.undo.running, fields, payload)
         who = self.ex.who
         shared = [] if self.ex.undo.running else scopes_for(who.workflow, who.labels)
-        hold = StartReservation.of(record, o.estimate, shared, timezone.now().date())
-        fields |= hold.columns()
+        reservation = StartReservation.of(record, o.estimate, shared, timezone.now().date())
+        fields |= reservation.columns()
         ending = rate.ended_on_error() if rate is not None else nullcontext()
         with ending, tracing.step(self.ex.trace, key, o.kind, attempt, o.model):
             if rate is not None:
                 self._take_rate(rate, record, at, o.kind, fields, tries)
-            step_pk = self._start(record, at, fields, payload, hold, possibly, o)
+            step_pk = self._start(record, at, fields, payload, reservation, possibly, o)
             call = StepCall(
                 step_pk, seq, key, idem, fn, args, kwargs,
                 policy=o.retry or DEFAULT_RETRY,
-                held=hold.reservation(),
+                held=reservation.to_release(),
                 approval=o.approval,
                 # A step whose crash would cost a reconcile, a question or an approved side
                 # effect writes its completion at once; any other rides with the run's next write.
@@ -247,16 +247,19 @@ class Steps:
 
     def _start(
         self, record: Step | None, at: Position, fields: dict, payload: dict,
-        hold: StartReservation, possibly: Amount, options: StepOptions,
+        reservation: StartReservation, possibly: Amount, options: StepOptions,
     ) -> Any:  # fmt: skip
         """Write a step's start (a first start, a re-send, a resumed wait) and return its row's
         id. The fence checks the halt, the cancel and the run's budget in the same statement
         as the row; only what the fence cannot say (the approval, the shared daily ledgers)
         needs the transaction around it, where it is checked after the run row is locked."""
         starting = replace(
-            self.checkpoints.start_fence, estimate=hold.delta, held=hold.held, possibly=possibly
+            self.checkpoints.start_fence,
+            estimate=reservation.delta,
+            held=reservation.held,
+            possibly=possibly,
         )
-        shared = hold.shared or hold.moving
+        shared = reservation.shared or reservation.moving
         try:
             return self.checkpoints.write_start(
                 (EventType.STEP_STARTED, at.key, payload),
@@ -264,12 +267,12 @@ class Steps:
                 insert=fields if record is None else None,
                 update=None if record is None else (record.pk, fields),
                 approval=options.approval,
-                take_shared=hold.take_shared if shared else None,
+                take_shared=reservation.take_shared if shared else None,
             )
         except ApprovalRevoked as exc:
             if record is None:
                 self.checkpoints.fail_unstarted(at, options.kind, Failed(exc, 1))
-            self.checkpoints.fail_step(record.pk, at.key, Failed(exc, 1), held=hold.old)
+            self.checkpoints.fail_step(record.pk, at.key, Failed(exc, 1), held=reservation.old)
 
     def _book_answered(self, step_pk: Any, usage: Usage | None) -> None:
         """An attempt that failed after the provider answered (the SDK's parse of structured

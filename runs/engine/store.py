@@ -238,7 +238,9 @@ def _bounded_lock_wait(seconds: float):
     millis = max(1, int(seconds * 1000))
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{millis}ms"])
+            cursor.execute(
+                "SELECT set_config('lock_timeout', %(timeout)s, true)", {"timeout": f"{millis}ms"}
+            )
         yield
         return
     with connection.cursor() as cursor:  # SQLite

@@ -30,7 +30,7 @@ def notify_runnable() -> None:
     """Ring the workers' doorbell: a run became runnable now. Call it after commit."""
     if is_postgres():
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_notify(%s, '')", [CHANNEL])
+            cursor.execute("SELECT pg_notify(%(channel)s, '')", {"channel": CHANNEL})
 
 
 class Listener(threading.Thread):
@@ -224,12 +224,18 @@ class Doorbell:
         for delta in deltas:
             payload = json.dumps(delta)
             with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_notify(%s, %s)", [DELTAS_CHANNEL, payload])
+                cursor.execute(
+                    "SELECT pg_notify(%(channel)s, %(payload)s)",
+                    {"channel": DELTAS_CHANNEL, "payload": payload},
+                )
 
     @staticmethod
     def _notify(ids: list[str]) -> None:
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_notify(%s, %s)", [EVENTS_CHANNEL, ",".join(ids)])
+            cursor.execute(
+                "SELECT pg_notify(%(channel)s, %(ids)s)",
+                {"channel": EVENTS_CHANNEL, "ids": ",".join(ids)},
+            )
 
 
 def store_pieces(deltas: dict[tuple[str, int], list[list]]) -> None:

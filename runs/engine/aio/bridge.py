@@ -97,6 +97,13 @@ class AsyncRunContext:
         return await self._call(self._engine.calls.agent_loop, **options)
 
 
+async def in_turn(ctx: AsyncRunContext, fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
+    """For an adapter: call blocking `fn` (a database read) on the run's database thread, in
+    its turn, as every call of `ctx` is made; the event loop itself cannot query the database.
+    (A workflow's own reads belong in a step: this one is not recorded.)"""
+    return await ctx._call(fn, *args, **kwargs)
+
+
 def run_async(fn: Callable, engine: Engine, input: Any) -> Any:
     """Run an async workflow on the process's event loop (loop.py) until it returns, its calls
     entering an AsyncHost opened for it: set on the execution meanwhile, drained of the calls
