@@ -141,3 +141,54 @@ def test_the_held_runs_sweep_of_an_idle_poll_reads_only_runs_a_hold_can_cover(du
         plan = "\n".join(row[0] for row in cursor.fetchall())
     assert "runs_run_due_holdable_idx" in plan, plan
     assert "runs_run_wake_idx" not in plan, plan
+
+
+@pytest.fixture
+def churned(transactional_db):
+    """20,000 runs of 40 tenants but one: t-old's 500 runs are among the oldest, all
+    completed (a tenant that left); vacuumed and analysed."""
+    runs = [
+        Run(workflow="w", version="1", key=f"c-{i}", status="completed",
+            labels={"tenant": "t-old" if i < 1_000 and i % 2 else f"t-{i % 40}"})
+        for i in range(20_000)
+    ]  # fmt: skip
+    Run.objects.bulk_create(runs, batch_size=2_000)
+    with connection.cursor() as cursor:
+        cursor.execute("VACUUM ANALYZE runs_run")
+
+
+def _pages(filters: dict, probe: bool, size: int = 50) -> list[list[str]]:
+    """Every page of the list of `filters`, as run keys, following the markers."""
+    pages, after = [], None
+    while True:
+        rows, after = queries.page(queries.runs_matching(filters), size, after, probe=probe)
+        pages.append([run.key for run in rows])
+        if after is None:
+            return pages
+
+
+@pytest.mark.postgres
+def test_a_probed_page_is_the_walked_page_found_through_the_filters_index(
+    churned, monkeypatch, django_assert_max_num_queries
+):
+    """A tenant whose runs are all old: the page gathers its matches through the labels'
+    index, unordered, and orders them itself (the planner would walk the newest-first index
+    past every newer run), and shows what the walk shows, page after page; with more matches
+    than PROBE_UP_TO it walks, with the same result."""
+    old = {"label": "tenant=t-old", "status": "completed"}
+    walked = _pages(old, probe=False)
+    assert [len(p) for p in walked] == [50] * 10
+    assert walked[0][0] == "c-999" and walked[-1][-1] == "c-1"  # newest first, every page
+    assert _pages(old, probe=True) == walked
+    with django_assert_max_num_queries(2) as captured:
+        queries.page(queries.runs_matching(old), 50, probe=True)
+    probe_sql = captured.captured_queries[0]["sql"]
+    assert "MATERIALIZED" in probe_sql
+    with connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN {probe_sql}")
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "runs_run_labels_status_gin_idx" in plan
+    monkeypatch.setattr(queries, "PROBE_UP_TO", 100)  # 500 matches: too many, it walks
+    assert _pages(old, probe=True) == walked
+    busy = {"label": "tenant=t-3"}
+    assert _pages(busy, probe=True) == _pages(busy, probe=False)

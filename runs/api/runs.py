@@ -108,20 +108,24 @@ def list_runs(request, filters: Query[Filters]):
     while the page's stay under about STEPGUARD_API_MAX_RESPONSE bytes; past that a value is
     `{"cut": true, "bytes": N, "whole": "<the run's URL>"}` (GET the run for the whole of it)."""
     viewer(request)
-    runs = queries.runs_matching(
-        {
-            "status": filters.status,
-            "workflow": filters.workflow,
-            "parent": filters.parent,
-            "since": filters.created_after,
-            "until": filters.created_before,
-            "q": filters.q,
-            "label": filters.label,
-            "annotation": filters.annotation,
-            "engine": filters.engine,
-        }
+    chosen = {
+        "status": filters.status,
+        "workflow": filters.workflow,
+        "parent": filters.parent,
+        "since": filters.created_after,
+        "until": filters.created_before,
+        "q": filters.q,
+        "label": filters.label,
+        "annotation": filters.annotation,
+        "engine": filters.engine,
+    }
+    runs = queries.runs_matching(chosen)
+    page, cursor = queries.page(
+        bounded.sized(runs, RUN_VALUES),
+        filters.limit,
+        filters.cursor,
+        probe=queries.probed(chosen),
     )
-    page, cursor = queries.page(bounded.sized(runs, RUN_VALUES), filters.limit, filters.cursor)
     bounded.fill(page, RUN_VALUES, settings.STEPGUARD_API_MAX_RESPONSE, whole_run)
     return {"items": [RunOut.of(r) for r in page], "next_cursor": cursor}
 
