@@ -192,3 +192,20 @@ def test_a_probed_page_is_the_walked_page_found_through_the_filters_index(
     assert _pages(old, probe=True) == walked
     busy = {"label": "tenant=t-3"}
     assert _pages(busy, probe=True) == _pages(busy, probe=False)
+
+
+@pytest.mark.postgres
+def test_probed_status_counts_are_the_capped_counts(churned, monkeypatch):
+    """The counts of a label's or a search's few matches, counted whole through the filter's
+    index, are the per-status counts; past PROBE_UP_TO the capped counts are made as before."""
+    for filters in ({"label": "tenant=t-old"}, {"q": "c-99"}, {"label": "tenant=t-nobody"}):
+        runs = queries.runs_matching(filters)
+        probed = queries.status_counts(runs, probe=True)
+        assert probed == queries.status_counts(runs), filters
+        assert all(exact for _, exact in probed.values())
+    assert queries.status_counts(queries.runs_matching({"label": "tenant=t-old"}), probe=True)[
+        "completed"
+    ] == (500, True)
+    monkeypatch.setattr(queries, "PROBE_UP_TO", 100)
+    wide = queries.status_counts(queries.runs_matching({"label": "tenant=t-old"}), probe=True)
+    assert wide["completed"][0] >= 500

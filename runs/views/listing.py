@@ -37,7 +37,7 @@ def list_counts(params) -> dict[str, tuple[int, bool]]:
         counted, _ = filtered_runs({**params.dict(), "status": ""})
     except BadFilter:
         return dict.fromkeys(RunStatus.values, (0, True))
-    return queries.status_counts(counted)
+    return queries.status_counts(counted, probe=queries.probed(params))
 
 
 @viewer_required
