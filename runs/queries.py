@@ -250,8 +250,10 @@ PROBE_UP_TO = 20_000
 
 def probed(filters: Mapping[str, object]) -> bool:
     """Whether the runs `filters` mean are better found unordered first (`page`'s `probe`):
-    a label or a search matches runs that no index keeps in created-at order."""
-    return bool(filters.get("label") or filters.get("q"))
+    a search matches runs that no index keeps in created-at order, and few of them. (A
+    label's runs may be many: the indexed ones are ordered ranges, labels.INDEXED; gathering
+    the 25,000 runs of a tenant at 5M runs first doubled its page's time.)"""
+    return bool(filters.get("q"))
 
 
 def page(

@@ -71,7 +71,8 @@ def aged(transactional_db):
     all of them tenant t-0's), the newest 2,000 waiting; 40 tenants; vacuumed and analysed, as
     autovacuum leaves a table (an index-only scan needs the visibility map)."""
     runs = [
-        Run(workflow=f"w-{i % 7}", version="1", key=f"a-{i}", labels={"tenant": f"t-{i % 40}"},
+        Run(workflow=f"w-{i % 7}", version="1", key=f"a-{i}",
+            labels={"tenant": f"t-{i % 40}", "team": f"x-{i % 40}"},
             status=("waiting" if i >= 18_000 else "failed" if i % 40 == 0 else "completed"))
         for i in range(20_000)
     ]  # fmt: skip
@@ -83,15 +84,21 @@ def aged(transactional_db):
 @pytest.mark.postgres
 def test_a_status_count_and_a_label_and_status_pair_are_index_ranges(aged):
     """The capped count of a status, as the list asks it (the engine's runs left out), reads
-    the partial status index, not the table; a label and a status read the GIN index over
-    both, also when they match nothing (t-7 never failed), as does the list's page."""
+    the partial status index, not the table; a tenant and a status read the tenant's index
+    by status (labels.INDEXED), as does the list's page, also when they match nothing (t-7
+    never failed); another label and a status read the GIN index over both."""
     listed = queries.runs_matching({}).filter(status="failed")
     assert "runs_run_listed_status_idx" in _plan(listed)
     for tenant in ("t-0", "t-7"):
         pair = queries.runs_matching({"label": f"tenant={tenant}"}).filter(status="failed")
-        assert "runs_run_labels_status_gin_idx" in _plan(pair), tenant
-    none = queries.newest_first(queries.runs_matching({"label": "tenant=t-7", "status": "failed"}))
-    assert "runs_run_labels_status_gin_idx" in none[:51].explain()
+        assert "runs_run_tenant_status_idx" in _plan(pair), tenant
+        team = queries.runs_matching({"label": f"team=x-{tenant[2:]}"}).filter(status="failed")
+        assert "runs_run_labels_status_gin_idx" in _plan(team), tenant
+    for status in ("failed", "completed"):
+        page = queries.runs_matching({"label": "tenant=t-7", "status": status})
+        assert "runs_run_tenant_status_idx" in queries.newest_first(page)[:51].explain()
+    tenant = queries.newest_first(queries.runs_matching({"label": "tenant=t-7"}))
+    assert "runs_run_tenant_created_idx" in tenant[:51].explain()
     page = queries.newest_first(queries.runs_matching({"status": "failed"}))[:51]
     assert "runs_run_listed_status_idx" in page.explain()
     with connection.cursor() as cursor:
@@ -145,11 +152,12 @@ def test_the_held_runs_sweep_of_an_idle_poll_reads_only_runs_a_hold_can_cover(du
 
 @pytest.fixture
 def churned(transactional_db):
-    """20,000 runs of 40 tenants but one: t-old's 500 runs are among the oldest, all
-    completed (a tenant that left); vacuumed and analysed."""
+    """20,000 runs of 40 teams but one (a label no btree index orders: labels.INDEXED):
+    t-old's 500 runs are among the oldest, all completed (a team that left); vacuumed and
+    analysed."""
     runs = [
         Run(workflow="w", version="1", key=f"c-{i}", status="completed",
-            labels={"tenant": "t-old" if i < 1_000 and i % 2 else f"t-{i % 40}"})
+            labels={"team": "t-old" if i < 1_000 and i % 2 else f"t-{i % 40}"})
         for i in range(20_000)
     ]  # fmt: skip
     Run.objects.bulk_create(runs, batch_size=2_000)
@@ -171,11 +179,11 @@ def _pages(filters: dict, probe: bool, size: int = 50) -> list[list[str]]:
 def test_a_probed_page_is_the_walked_page_found_through_the_filters_index(
     churned, monkeypatch, django_assert_max_num_queries
 ):
-    """A tenant whose runs are all old: the page gathers its matches through the labels'
+    """A team whose runs are all old: a probed page gathers its matches through the labels'
     index, unordered, and orders them itself (the planner would walk the newest-first index
     past every newer run), and shows what the walk shows, page after page; with more matches
     than PROBE_UP_TO it walks, with the same result."""
-    old = {"label": "tenant=t-old", "status": "completed"}
+    old = {"label": "team=t-old", "status": "completed"}
     walked = _pages(old, probe=False)
     assert [len(p) for p in walked] == [50] * 10
     assert walked[0][0] == "c-999" and walked[-1][-1] == "c-1"  # newest first, every page
@@ -190,7 +198,11 @@ def test_a_probed_page_is_the_walked_page_found_through_the_filters_index(
     assert "runs_run_labels_status_gin_idx" in plan
     monkeypatch.setattr(queries, "PROBE_UP_TO", 100)  # 500 matches: too many, it walks
     assert _pages(old, probe=True) == walked
-    busy = {"label": "tenant=t-3"}
+    # What the list probes: a search; a label's runs may be many (a tenant's are indexed).
+    assert queries.probed({"q": "c-9"}) and not queries.probed({"label": "team=t-old"})
+    search = {"q": "c-99"}
+    assert _pages(search, probe=True) == _pages(search, probe=False)
+    busy = {"label": "team=t-3"}
     assert _pages(busy, probe=True) == _pages(busy, probe=False)
 
 
@@ -198,14 +210,14 @@ def test_a_probed_page_is_the_walked_page_found_through_the_filters_index(
 def test_probed_status_counts_are_the_capped_counts(churned, monkeypatch):
     """The counts of a label's or a search's few matches, counted whole through the filter's
     index, are the per-status counts; past PROBE_UP_TO the capped counts are made as before."""
-    for filters in ({"label": "tenant=t-old"}, {"q": "c-99"}, {"label": "tenant=t-nobody"}):
+    for filters in ({"label": "team=t-old"}, {"q": "c-99"}, {"label": "team=t-nobody"}):
         runs = queries.runs_matching(filters)
         probed = queries.status_counts(runs, probe=True)
         assert probed == queries.status_counts(runs), filters
         assert all(exact for _, exact in probed.values())
-    assert queries.status_counts(queries.runs_matching({"label": "tenant=t-old"}), probe=True)[
+    assert queries.status_counts(queries.runs_matching({"label": "team=t-old"}), probe=True)[
         "completed"
     ] == (500, True)
     monkeypatch.setattr(queries, "PROBE_UP_TO", 100)
-    wide = queries.status_counts(queries.runs_matching({"label": "tenant=t-old"}), probe=True)
+    wide = queries.status_counts(queries.runs_matching({"label": "team=t-old"}), probe=True)
     assert wide["completed"][0] >= 500

@@ -6,6 +6,7 @@ import uuid
 from django.conf import settings
 from django.db import models
 from django.db.models import JSONField, Q, Value
+from django.db.models.fields.json import KeyTextTransform
 
 from runs.fields import ExactJSONField
 from runs.models.workers import Worker
@@ -241,6 +242,25 @@ class Run(models.Model):
             # not a walk of the workflow's whole history (282 ms at a million runs).
             models.Index(
                 fields=["workflow", "status", "-created_at"], name="runs_run_wf_status_created_idx"
+            ),
+            # The `tenant` label (labels.INDEXED) in created-at order, alone and with a status:
+            # a tenant's page, its status counts and a label+status pair are index ranges.
+            # Through the labels' GIN index a tenant's page read every run of it (25,000 at 5M
+            # runs, 159 ms), and a tenant whose newest runs are live walked the newest-first
+            # index past every newer run to reach its completed ones (133,884 rows at 1M).
+            # Whole, not partial: a tenant's budget or hold finds its runs through them too.
+            models.Index(
+                KeyTextTransform("tenant", "labels"),
+                models.F("created_at").desc(),
+                models.F("id").desc(),
+                name="runs_run_tenant_created_idx",
+            ),
+            models.Index(
+                KeyTextTransform("tenant", "labels"),
+                "status",
+                models.F("created_at").desc(),
+                models.F("id").desc(),
+                name="runs_run_tenant_status_idx",
             ),
             # Retention (runs/retention.py): finished root runs, oldest first, keyset-paged.
             models.Index(
