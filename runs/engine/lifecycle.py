@@ -61,6 +61,9 @@ from runs.models import (
     StepStatus,
 )
 
+#: The engine's own generator for a run retry's jitter (see recorded._RANDOM).
+_JITTER = random.Random()
+
 log = logging.getLogger("stepguard.executor")
 
 
@@ -417,7 +420,7 @@ def _fail(run: Run, engine: Engine, lease: Lease, exc: BaseException) -> Outcome
     try:
         if retryable and run.attempt < run.max_attempts:
             base = settings.STEPGUARD_RUN_RETRY_BASE_SECONDS * 2 ** (run.attempt - 1)
-            delay = min(base, 300) * random.uniform(0.8, 1.2)
+            delay = min(base, 300) * _JITTER.uniform(0.8, 1.2)
             wake_at = timezone.now() + timedelta(seconds=delay)
             outcome = _give_back(
                 lease,

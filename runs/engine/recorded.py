@@ -18,6 +18,10 @@ from runs.engine.steps import Steps
 from runs.errors import StepMisuse
 from runs.models import Published
 
+#: The engine's own generator, not the `random` module's: code that seeds or draws from
+#: the module (a workflow's, a test's) neither steers nor is disturbed by `ctx.random`.
+_RANDOM = random.Random()
+
 
 def check_event_name(name: Any) -> str:
     """`name` if it can name a published value: 1 to 100 characters, no '#' nor NUL."""
@@ -42,7 +46,7 @@ class Recorded:
 
     def random(self) -> float:
         """A random float in [0, 1), recorded once."""
-        return self.steps.step("random", random.random)
+        return self.steps.step("random", _RANDOM.random)
 
     def uuid(self) -> UUID:
         """A random UUID, recorded once."""

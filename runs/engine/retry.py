@@ -9,6 +9,9 @@ from datetime import timedelta
 from runs.engine.llm import retry_after
 from runs.errors import StepguardError
 
+#: The engine's own generator for jitter, not the `random` module's (see recorded._RANDOM).
+_JITTER = random.Random()
+
 #: The longest a provider's Retry-After is honoured: a day (a delay of at least
 #: STEPGUARD_DURABLE_RETRY_SECONDS is a timer that holds no worker thread).
 MAX_RETRY_AFTER = 86_400.0
@@ -46,7 +49,7 @@ class RetryPolicy:
     def delay(self, failures: int) -> float:
         base = self.initial_interval.total_seconds() * self.backoff ** (failures - 1)
         base = min(base, self.max_interval.total_seconds())
-        return max(0.0, base * (1 + random.uniform(-self.jitter, self.jitter)))
+        return max(0.0, base * (1 + _JITTER.uniform(-self.jitter, self.jitter)))
 
     def next_delay(self, exc: BaseException, tries: int) -> float | None:
         """Seconds to wait before try `tries + 1`, or None if `exc` after `tries` tries is final.
