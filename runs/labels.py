@@ -104,11 +104,10 @@ def matching(name: str, value: str) -> Q:
     (the expression its indexes hold), else a containment, which the labels' GIN index
     serves; SQLite (the embedded engine) compares the key. Values are text, so both say the
     same."""
-    # An expression, not `labels__<name>`: a label called `contains` is a key, not a lookup.
-    by_key = Q(Exact(KeyTextTransform(name, "labels"), value))
     if connection.vendor == "postgresql" and name not in INDEXED:
         return Q(labels__contains={name: value})
-    return by_key
+    # An expression, not `labels__<name>`: a label called `contains` is a key, not a lookup.
+    return Q(Exact(KeyTextTransform(name, "labels"), value))
 
 
 def carrying(text: str) -> Q:
