@@ -64,8 +64,11 @@ def test_key_and_short_id_search_and_a_workflow_status_pair_are_index_probes(few
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute("SET LOCAL enable_seqscan = off")
         assert "runs_run_key_trgm_idx" in plan({"q": "der-3"})
-        assert "runs_run_key_trgm_idx" in plan({"q": "0a1b2c3d"})  # a short id, or a key part
-        assert "runs_run_pkey" in plan({"q": "0a1b2c3d"})
+        short = plan({"q": "0a1b2c3d"})  # a short id, or a key part
+        assert "runs_run_key_trgm_idx" in short
+        # The id's range is an index condition (the primary key's, or on a near-empty table
+        # any index holding the id, as the planner likes), not a filter over every row.
+        assert re.search(r"Index Cond: \(\(id >= '0a1b2c3d-", short), short
     # Which of two indexes a near-empty table's plan takes is the planner's whim; that the pair
     # has an index of its own is what matters (bench/ui.py times it at a million runs).
     with connection.cursor() as cursor:
